@@ -1,0 +1,47 @@
+"""The command line: one module per subcommand, each with ``add_arguments`` and ``run``.
+
+``python -m autopipe --help`` lists them; ``python -m autopipe SUBCOMMAND --help`` explains one.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from ..jsonio import FormatError
+
+__all__ = ["main"]
+
+#: name → (module in this package, one-line help).  The flow reads top to bottom.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "profile": ("profile", "measure a model's layers and the copies between devices; save a profile"),
+    "plan": ("plan", "choose split points, micro-batches and checkpointing from a profile"),
+    "show": ("show", "print a plan's stages and a timeline of its schedule"),
+    "bench": ("bench", "run a plan and compare predicted with measured times"),
+    "demo": ("demo", "profile, plan and train a ResNet on the available devices"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m autopipe",
+        description="Automatic pipeline parallelism for PyTorch: profile → plan → run.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(f".{module_name}", __name__)
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; user errors print one line and exit with status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (FormatError, ValueError, TypeError, FileNotFoundError) as error:
+        print(f"autopipe {args.command}: error: {error}", file=sys.stderr)
+        return 2

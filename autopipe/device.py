@@ -1,0 +1,233 @@
+"""The device seam: everything that differs between a CPU "device" and a CUDA device.
+
+Timing, synchronisation, memory statistics, compute streams and copies go through a
+:class:`DeviceOps`.  The CPU side is what runs and is tested here; the CUDA side follows the
+CUDA semantics (events for timing, one stream per stage, copies ordered by events and guarded
+with ``record_stream``) and is exercised only by tests that skip without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from typing import ContextManager, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
+
+
+class DeviceError(ValueError):
+    """A device that does not exist or cannot be used."""
+
+
+class Timer(ABC):
+    """Measures one interval on a device, in milliseconds."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> float:
+        """End the interval and return its length in ms (waits for the device)."""
+
+
+class DeviceOps(ABC):
+    """What autopipe needs from one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abstractmethod
+    def timer(self) -> Timer: ...
+
+    @abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abstractmethod
+    def reset_peak_memory(self) -> None: ...
+
+    @abstractmethod
+    def peak_memory(self) -> int | None:
+        """Bytes allocated at the peak since :meth:`reset_peak_memory`, if the device tracks it."""
+
+    @abstractmethod
+    def capacity(self) -> int | None:
+        """Total memory in bytes, or ``None`` where there is no meaningful limit (CPU)."""
+
+    @abstractmethod
+    def new_stream(self) -> object | None:
+        """A stream for one stage's compute (``None`` where the device has no streams)."""
+
+    @abstractmethod
+    def use_stream(self, stream: object | None) -> ContextManager[None]: ...
+
+    @abstractmethod
+    def copy_to(self, tensor: Tensor, target: "DeviceOps", stream: object | None) -> Tensor:
+        """``tensor`` on ``target``'s device, safe to use on ``stream`` of ``target``."""
+
+    def name(self) -> str:
+        return str(self.device)
+
+
+class _WallTimer(Timer):
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+class CPUOps(DeviceOps):
+    """A CPU "device": synchronous, timed with ``perf_counter``, no memory statistics."""
+
+    def timer(self) -> Timer:
+        return _WallTimer()
+
+    def synchronize(self) -> None:
+        pass
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def peak_memory(self) -> int | None:
+        return None
+
+    def capacity(self) -> int | None:
+        return None
+
+    def new_stream(self) -> object | None:
+        return None
+
+    def use_stream(self, stream: object | None) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
+        if isinstance(target, CUDAOps):
+            return target.copy_to(tensor, target, stream)
+        return tensor.to(target.device)
+
+
+class _CUDATimer(Timer):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._begin = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self._begin.record(torch.cuda.current_stream(self.device))
+
+    def stop(self) -> float:
+        self._end.record(torch.cuda.current_stream(self.device))
+        self._end.synchronize()
+        return float(self._begin.elapsed_time(self._end))
+
+
+class CUDAOps(DeviceOps):
+    """A CUDA device.  Written to the CUDA semantics; not verified on this project's machines."""
+
+    def timer(self) -> Timer:
+        return _CUDATimer(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def capacity(self) -> int | None:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def new_stream(self) -> object | None:
+        return torch.cuda.Stream(self.device)
+
+    def use_stream(self, stream: object | None) -> ContextManager[None]:
+        if stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+    def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
+        """Copy on the destination's stream after the source's current work is done.
+
+        The source tensor's producer stream is waited on by an event, the copy runs on
+        ``stream`` (the consumer's), and ``record_stream`` tells each caching allocator that
+        the memory is in use on the other stream, so neither block is reused too early.
+        """
+        dst_stream = stream if stream is not None else torch.cuda.current_stream(target.device)
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+            dst_stream.wait_event(ready)  # type: ignore[attr-defined]
+        with _maybe_cuda_stream(dst_stream):
+            moved = tensor.to(target.device, non_blocking=True)
+        if tensor.is_cuda:
+            tensor.record_stream(dst_stream)  # type: ignore[arg-type]
+        if moved.is_cuda:
+            moved.record_stream(dst_stream)  # type: ignore[arg-type]
+        return moved
+
+
+@contextlib.contextmanager
+def _maybe_cuda_stream(stream: object) -> Iterator[None]:
+    with torch.cuda.stream(stream):  # type: ignore[arg-type]
+        yield
+
+
+class MetaOps(CPUOps):
+    """The ``meta`` device: shapes without data, used in tests to catch misrouted tensors."""
+
+
+def ops_for(device: torch.device | str) -> DeviceOps:
+    """The :class:`DeviceOps` of ``device``; raises :class:`DeviceError` if it does not exist."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPUOps(device)
+    if device.type == "meta":
+        return MetaOps(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device '{device}' requested but CUDA is not available; use 'cpu'")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"device '{device}' does not exist: this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
+        return CUDAOps(torch.device("cuda", index))
+    raise DeviceError(f"device type '{device.type}' is not supported; use 'cpu' or 'cuda:N'")
+
+
+def default_devices() -> list[torch.device]:
+    """All CUDA devices if there are any, else two CPU devices (one core each)."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu"), torch.device("cpu")]
+
+
+def resolve_devices(devices: Sequence[torch.device | str | int] | int | None) -> list[torch.device]:
+    """Normalise a user's device list (names, indices or a count) and check each exists."""
+    if devices is None:
+        resolved = default_devices()
+    elif isinstance(devices, int):
+        resolved = _count_of_devices(devices)
+    else:
+        resolved = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+    if not resolved:
+        raise DeviceError("no devices given; pass e.g. devices=['cpu', 'cpu'] or devices=['cuda:0', 'cuda:1']")
+    for device in resolved:
+        ops_for(device)
+    return resolved
+
+
+def _count_of_devices(count: int) -> list[torch.device]:
+    if count < 1:
+        raise DeviceError(f"device count must be at least 1, got {count}")
+    if torch.cuda.is_available():
+        if count > torch.cuda.device_count():
+            raise DeviceError(f"{count} devices requested but only {torch.cuda.device_count()} CUDA devices exist")
+        return [torch.device("cuda", i) for i in range(count)]
+    return [torch.device("cpu")] * count

@@ -1,0 +1,90 @@
+"""Fingerprints that let a later step refuse a profile or plan made for another model or machine."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from typing import Any, Sequence
+
+import torch
+
+from .layers import Layer
+
+__all__ = ["model_fingerprint", "environment_fingerprint", "digest", "first_difference"]
+
+
+def digest(document: Any) -> str:
+    """A short, stable hash of a JSON-able value."""
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(layers: Sequence[Layer]) -> dict[str, Any]:
+    """Layer names and types, each parameter's and buffer's name, shape and dtype, and a digest."""
+    entries = [
+        {
+            "name": layer.name,
+            "type": type(layer.module).__name__,
+            "tensors": [
+                [name, list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
+                for name, tensor in _state_tensors(layer)
+            ],
+        }
+        for layer in layers
+    ]
+    return {"layers": entries, "digest": digest(entries)}
+
+
+def _state_tensors(layer: Layer) -> list[tuple[str, torch.Tensor]]:
+    named = list(layer.module.named_parameters()) + list(layer.module.named_buffers())
+    return sorted(named, key=lambda item: item[0])
+
+
+def first_difference(expected: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    """Describe the first layer where two model fingerprints differ, or ``None`` if equal."""
+    if expected.get("digest") == actual.get("digest"):
+        return None
+    want, have = expected["layers"], actual["layers"]
+    for index, (a, b) in enumerate(zip(want, have)):
+        if a != b:
+            return (
+                f"layer {index} differs: expected {a['name']} ({a['type']}, {_tensors(a)}), "
+                f"found {b['name']} ({b['type']}, {_tensors(b)})"
+            )
+    return f"the model has {len(have)} layers, expected {len(want)}"
+
+
+def _tensors(entry: dict[str, Any]) -> str:
+    shown = [f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in entry["tensors"][:3]]
+    more = len(entry["tensors"]) - len(shown)
+    return ", ".join(shown) + (f", +{more} more" if more > 0 else "") if shown else "no tensors"
+
+
+def environment_fingerprint(devices: Sequence[torch.device]) -> dict[str, Any]:
+    """Torch version, device names, CPU model and thread count: what makes timings comparable."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "devices": [_device_name(d) for d in devices],
+        "cpu": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(device)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,160 @@
+"""Atomic JSON files and validated reading, shared by profiles and plans.
+
+Files are written to a temporary file beside the target and renamed over it, so a crash never
+leaves half a file.  Reading goes through :class:`Fields`, which names the file and the exact
+field (``layers[3].forward_ms``) in its one error when something is missing or of the wrong type.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+__all__ = ["FormatError", "Fields", "write_json_atomic", "read_json"]
+
+T = TypeVar("T")
+
+
+class FormatError(ValueError):
+    """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
+
+
+def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write ``document`` to ``path`` via a temporary file and a rename; returns the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> "Fields":
+    """Parse ``path`` as a ``kind`` document of at most ``schema_version``."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FormatError(f"{source}: no such {kind} file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise FormatError(f"{source}: cannot read {kind} file ({error})") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FormatError(
+            f"{source}: not valid JSON at line {error.lineno} column {error.colno} ({error.msg}); "
+            f"the {kind} file is corrupt or truncated — make it again"
+        ) from None
+    fields = Fields(document, source, "")
+    if not isinstance(document, dict):
+        raise fields.error(f"expected a JSON object at the top of a {kind} file")
+    found_kind = fields.str("kind")
+    if found_kind != kind:
+        raise fields.error(f"this is a '{found_kind}' file, not a {kind} file", "kind")
+    version = fields.int("schema_version")
+    if version > schema_version:
+        raise fields.error(
+            f"schema version {version} is newer than this autopipe understands ({schema_version}); "
+            "upgrade autopipe",
+            "schema_version",
+        )
+    if version < 1:
+        raise fields.error(f"schema version {version} is not valid", "schema_version")
+    return fields
+
+
+class Fields:
+    """A JSON value with the path that reached it, for errors that name the field."""
+
+    def __init__(self, value: Any, source: str, path: str) -> None:
+        self.value = value
+        self.source = source
+        self.path = path
+
+    def error(self, message: str, key: str | None = None) -> FormatError:
+        where = self._join(key) if key is not None else self.path
+        field = f" field '{where}':" if where else ""
+        return FormatError(f"{self.source}:{field} {message}")
+
+    def _join(self, key: str | int) -> str:
+        if isinstance(key, int):
+            return f"{self.path}[{key}]"
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str) -> "Fields":
+        if not isinstance(self.value, dict):
+            raise self.error("expected an object")
+        if key not in self.value:
+            raise self.error("missing", key)
+        return Fields(self.value[key], self.source, self._join(key))
+
+    def has(self, key: str) -> bool:
+        return isinstance(self.value, dict) and key in self.value
+
+    def items(self) -> list["Fields"]:
+        if not isinstance(self.value, list):
+            raise self.error(f"expected a list, found {type(self.value).__name__}")
+        return [Fields(v, self.source, self._join(i)) for i, v in enumerate(self.value)]
+
+    def keys(self) -> list[str]:
+        if not isinstance(self.value, dict):
+            raise self.error(f"expected an object, found {type(self.value).__name__}")
+        return list(self.value)
+
+    def typed(self, key: str, check: Callable[[Any], bool], what: str) -> Any:
+        field = self.get(key)
+        if not check(field.value):
+            raise field.error(f"expected {what}, found {json.dumps(field.value)[:60]}")
+        return field.value
+
+    def str(self, key: str) -> str:
+        return self.typed(key, lambda v: isinstance(v, str), "a string")
+
+    def int(self, key: str, minimum: int | None = None) -> int:
+        value = self.typed(key, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+        if minimum is not None and value < minimum:
+            raise self.get(key).error(f"must be at least {minimum}, found {value}")
+        return value
+
+    def float(self, key: str, minimum: float | None = None) -> float:
+        value = float(self.typed(
+            key,
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+            "a finite number",
+        ))
+        if minimum is not None and value < minimum:
+            raise self.get(key).error(f"must be at least {minimum}, found {value}")
+        return value
+
+    def bool(self, key: str) -> bool:
+        return self.typed(key, lambda v: isinstance(v, bool), "true or false")
+
+    def optional(self, key: str, read: Callable[[str], T]) -> T | None:
+        if not self.has(key) or self.value[key] is None:
+            return None
+        return read(key)
+
+    def list_of(self, key: str, read: Callable[["Fields"], T]) -> list[T]:
+        return [read(item) for item in self.get(key).items()]
+
+    def str_list(self, key: str) -> list[str]:
+        return self.typed(key, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                          "a list of strings")
+
+    def int_list(self, key: str) -> list[int]:
+        return self.typed(
+            key,
+            lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+            "a list of integers",
+        )

@@ -1,0 +1,86 @@
+"""The layer chain: the ordered, named layers that profiling, planning and running share.
+
+Every later step works on this list.  A layer's ``name`` is the prefix of its parameters in the
+original model (``layer1.0`` in a ResNet), so a stage's ``state_dict`` keys are the model's own.
+Skippable layers carry the keys they stash and pop, which are the skip edges of the chain.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .skip import SkipKey, skip_keys, verify_skippables
+
+__all__ = ["Layer", "layer_chain", "ChainError"]
+
+
+class ChainError(TypeError):
+    """The model cannot be read as a chain of layers."""
+
+
+@dataclass(frozen=True, eq=False)
+class Layer:
+    """One link of the chain: a module, where its parameters live, and its skip edges."""
+
+    name: str
+    module: nn.Module
+    stash: tuple[SkipKey, ...] = ()
+    pop: tuple[SkipKey, ...] = ()
+
+
+def layer_chain(model: nn.Module) -> list[Layer]:
+    """The layers of ``model`` in forward order.
+
+    Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
+    matching ``model.named_parameters()``) and a torchvision ResNet (its children in forward
+    order, with the ``flatten`` that its ``forward`` applies before ``fc``).
+    """
+    if isinstance(model, nn.Sequential):
+        verify_skippables(model)
+        layers = list(_flatten(model, ""))
+    elif _is_torchvision_resnet(model):
+        layers = list(_resnet_layers(model))
+    else:
+        raise ChainError(
+            f"{type(model).__name__} is neither an nn.Sequential nor a torchvision ResNet, so "
+            "autopipe cannot read its layers in order; capture it with "
+            "autopipe.chain(model, sample_input) (or wrap its layers in an nn.Sequential)"
+        )
+    if not layers:
+        raise ChainError(f"{type(model).__name__} has no layers to partition")
+    return layers
+
+
+def _flatten(sequential: nn.Sequential, prefix: str) -> list[Layer]:
+    layers: list[Layer] = []
+    for name, child in sequential.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, nn.Sequential) and not skip_keys(child)[0] + skip_keys(child)[1]:
+            layers.extend(_flatten(child, qualified + "."))
+        else:
+            stashes, pops = skip_keys(child)
+            layers.append(Layer(qualified, child, stashes, pops))
+    return layers
+
+
+def _is_torchvision_resnet(model: nn.Module) -> bool:
+    try:
+        from torchvision.models import ResNet
+    except ImportError:  # pragma: no cover - torchvision is a dependency
+        return False
+    return isinstance(model, ResNet)
+
+
+def _resnet_layers(model: nn.Module) -> list[Layer]:
+    """ResNet.forward: conv1, bn1, relu, maxpool, layer1..4, avgpool, flatten(1), fc."""
+    layers: list[Layer] = []
+    for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"):
+        child = getattr(model, name)
+        if isinstance(child, nn.Sequential):
+            layers.extend(_flatten(child, name + "."))
+        else:
+            layers.append(Layer(name, child))
+    layers.append(Layer("flatten", nn.Flatten(1)))
+    layers.append(Layer("fc", model.fc))
+    return layers

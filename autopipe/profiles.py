@@ -1,0 +1,232 @@
+"""What the profiler measured: the :class:`Profile` and its JSON file.
+
+Times are in milliseconds and kept per micro-batch size (``forward[b]``); byte counts that grow
+with the batch are kept per sample (outputs, stashed skips) or per batch size (bytes saved for
+backward, which need not be linear).  The cost model reads only this.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .fingerprint import digest
+from .jsonio import Fields, read_json, write_json_atomic
+
+__all__ = ["Stat", "LayerProfile", "CopyFit", "Profile", "PROFILE_SCHEMA_VERSION"]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A repeated measurement: its median and the range of the repeats, in ms."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    repeats: int
+
+    @property
+    def spread_ms(self) -> float:
+        return self.max_ms - self.min_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "max_ms": self.max_ms,
+                "repeats": self.repeats}
+
+    @staticmethod
+    def from_json(f: Fields) -> "Stat":
+        return Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
+                    f.int("repeats", 1))
+
+
+@dataclass
+class LayerProfile:
+    """One layer's measured costs.
+
+    ``forward`` and ``backward`` map a micro-batch size to its timing.  ``output_bytes`` and
+    ``stash_bytes`` (by skip name) are per sample; ``saved_bytes`` maps a micro-batch size to the
+    bytes autograd saves for backward (parameters excluded: they are counted once, as
+    ``param_bytes``).
+    """
+
+    name: str
+    type: str
+    forward: dict[int, Stat]
+    backward: dict[int, Stat]
+    output_bytes: int
+    saved_bytes: dict[int, int]
+    param_bytes: int
+    buffer_bytes: int
+    param_count: int
+    stash: list[str] = field(default_factory=list)
+    pop: list[str] = field(default_factory=list)
+    stash_bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "forward": {str(b): s.to_json() for b, s in sorted(self.forward.items())},
+            "backward": {str(b): s.to_json() for b, s in sorted(self.backward.items())},
+            "output_bytes": self.output_bytes,
+            "saved_bytes": {str(b): n for b, n in sorted(self.saved_bytes.items())},
+            "param_bytes": self.param_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "param_count": self.param_count,
+            "stash": self.stash,
+            "pop": self.pop,
+            "stash_bytes": self.stash_bytes,
+        }
+
+    @staticmethod
+    def from_json(f: Fields) -> "LayerProfile":
+        return LayerProfile(
+            name=f.str("name"),
+            type=f.str("type"),
+            forward=_by_batch(f.get("forward"), Stat.from_json),
+            backward=_by_batch(f.get("backward"), Stat.from_json),
+            output_bytes=f.int("output_bytes", 0),
+            saved_bytes=_by_batch(f.get("saved_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v)),
+            param_bytes=f.int("param_bytes", 0),
+            buffer_bytes=f.int("buffer_bytes", 0),
+            param_count=f.int("param_count", 0),
+            stash=f.str_list("stash"),
+            pop=f.str_list("pop"),
+            stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bad(f: Fields) -> Any:
+    raise f.error("expected a non-negative integer")
+
+
+def _by_batch(f: Fields, read: Any) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for key in f.keys():
+        if not key.isdigit() or int(key) < 1:
+            raise f.error(f"micro-batch size keys must be positive integers, found '{key}'")
+        out[int(key)] = read(f.get(key))
+    return out
+
+
+@dataclass(frozen=True)
+class CopyFit:
+    """Copy time from device ``src`` to device ``dst`` (indices into ``Profile.devices``):
+    ``latency_ms + bytes * ms_per_byte``, with the measured ``(bytes, ms)`` points it was fit to."""
+
+    src: int
+    dst: int
+    latency_ms: float
+    ms_per_byte: float
+    points: list[tuple[int, float]]
+
+    def time_ms(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_ms + nbytes * self.ms_per_byte
+
+    def to_json(self) -> dict[str, Any]:
+        return {"src": self.src, "dst": self.dst, "latency_ms": self.latency_ms,
+                "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
+
+    @staticmethod
+    def from_json(f: Fields) -> "CopyFit":
+        points = []
+        for point in f.get("points").items():
+            if not (isinstance(point.value, list) and len(point.value) == 2):
+                raise point.error("expected [bytes, ms]")
+            points.append((int(point.value[0]), float(point.value[1])))
+        return CopyFit(f.int("src", 0), f.int("dst", 0), f.float("latency_ms", 0.0),
+                       f.float("ms_per_byte", 0.0), points)
+
+
+@dataclass
+class Profile:
+    """Everything measured about one model on one machine."""
+
+    model: dict[str, Any]
+    environment: dict[str, Any]
+    devices: list[str]
+    input_shape: list[int]
+    input_dtype: str
+    input_bytes: int
+    batch_size: int
+    batch_sizes: list[int]
+    layers: list[LayerProfile]
+    copies: list[CopyFit]
+
+    def copy_fit(self, src: int, dst: int) -> CopyFit | None:
+        """The fit for devices ``src`` → ``dst``, ``None`` for the same device index."""
+        for fit in self.copies:
+            if fit.src == src and fit.dst == dst:
+                return fit
+        return None
+
+    @property
+    def digest(self) -> str:
+        return digest(self.to_json())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "profile",
+            "schema_version": PROFILE_SCHEMA_VERSION,
+            "model": self.model,
+            "environment": self.environment,
+            "devices": self.devices,
+            "input_shape": self.input_shape,
+            "input_dtype": self.input_dtype,
+            "input_bytes": self.input_bytes,
+            "batch_size": self.batch_size,
+            "batch_sizes": self.batch_sizes,
+            "layers": [layer.to_json() for layer in self.layers],
+            "copies": [fit.to_json() for fit in self.copies],
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as JSON, atomically."""
+        return write_json_atomic(path, self.to_json())
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> "Profile":
+        """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
+        f = read_json(path, "profile", PROFILE_SCHEMA_VERSION)
+        model = f.get("model")
+        model.get("digest")
+        model.get("layers").items()
+        profile = Profile(
+            model=model.value,
+            environment=f.get("environment").value,
+            devices=f.str_list("devices"),
+            input_shape=f.int_list("input_shape"),
+            input_dtype=f.str("input_dtype"),
+            input_bytes=f.int("input_bytes", 0),
+            batch_size=f.int("batch_size", 1),
+            batch_sizes=f.int_list("batch_sizes"),
+            layers=f.list_of("layers", LayerProfile.from_json),
+            copies=f.list_of("copies", CopyFit.from_json),
+        )
+        _check_consistent(profile, f)
+        return profile
+
+
+def _check_consistent(profile: Profile, f: Fields) -> None:
+    if not profile.layers:
+        raise f.error("a profile needs at least one layer", "layers")
+    if len(profile.layers) != len(profile.model["layers"]):
+        raise f.error(f"{len(profile.layers)} layers but the model fingerprint lists "
+                      f"{len(profile.model['layers'])}", "layers")
+    for index, layer in enumerate(profile.layers):
+        for table in ("forward", "backward", "saved_bytes"):
+            sizes = sorted(getattr(layer, table))
+            if sizes != sorted(profile.batch_sizes):
+                raise f.error(f"has sizes {sizes}, expected the profile's batch_sizes "
+                              f"{sorted(profile.batch_sizes)}", f"layers[{index}].{table}")
+    for index, fit in enumerate(profile.copies):
+        if not (0 <= fit.src < len(profile.devices) and 0 <= fit.dst < len(profile.devices)):
+            raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", f"copies[{index}]")
+
