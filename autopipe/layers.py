@@ -21,12 +21,22 @@ class ChainError(TypeError):
 
 @dataclass(frozen=True, eq=False)
 class Layer:
-    """One link of the chain: a module, where its parameters live, and its skip edges."""
+    """One link of the chain: a module, where its parameters live, and its skip edges.
+
+    ``module``'s ``state_dict`` keys, prefixed with :attr:`state_prefix`, are the original
+    model's keys.  That prefix is ``name`` unless ``prefix`` says otherwise (a captured layer
+    that rebuilds the original paths itself has ``prefix=""``).
+    """
 
     name: str
     module: nn.Module
     stash: tuple[SkipKey, ...] = ()
     pop: tuple[SkipKey, ...] = ()
+    prefix: str | None = None
+
+    @property
+    def state_prefix(self) -> str:
+        return self.name if self.prefix is None else self.prefix
 
 
 def layer_chain(model: nn.Module) -> list[Layer]:
