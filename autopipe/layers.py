@@ -66,10 +66,10 @@ def _flatten(sequential: nn.Sequential, prefix: str) -> list[Layer]:
     layers: list[Layer] = []
     for name, child in sequential.named_children():
         qualified = f"{prefix}{name}"
-        if isinstance(child, nn.Sequential) and not skip_keys(child)[0] + skip_keys(child)[1]:
+        stashes, pops = skip_keys(child)
+        if isinstance(child, nn.Sequential) and not stashes + pops:
             layers.extend(_flatten(child, qualified + "."))
-        else:
-            stashes, pops = skip_keys(child)
+        else:  # a Sequential with skips inside stays one layer, carrying every key declared in it
             layers.append(Layer(qualified, child, stashes, pops))
     return layers
 

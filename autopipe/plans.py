@@ -19,10 +19,12 @@ SCHEDULES = ("gpipe", "1f1b")
 class StagePlan:
     """One stage: layers ``[start, stop)`` on ``device``, with its predicted per-micro-batch costs.
 
+    ``backward_ms`` is the gradient computation alone; ``recompute_ms`` the forward that a
+    checkpointed micro-batch reruns before it (0 with ``checkpoint="never"``).
     ``copy_in_ms`` is the forward copy of everything the stage receives (main input and skips,
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
     ``memory_bytes`` is the predicted peak: parameters, gradients, optimizer state, activations
-    of the micro-batches in flight and skip tensors held.
+    of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.cost`.
     """
 
     index: int
@@ -33,6 +35,7 @@ class StagePlan:
     last_layer: str
     forward_ms: float
     backward_ms: float
+    recompute_ms: float
     copy_in_ms: float
     copy_grad_ms: float
     memory_bytes: int
@@ -46,14 +49,18 @@ class StagePlan:
             index=f.int("index", 0), device=f.str("device"), start=f.int("start", 0),
             stop=f.int("stop", 1), first_layer=f.str("first_layer"), last_layer=f.str("last_layer"),
             forward_ms=f.float("forward_ms", 0.0), backward_ms=f.float("backward_ms", 0.0),
-            copy_in_ms=f.float("copy_in_ms", 0.0), copy_grad_ms=f.float("copy_grad_ms", 0.0),
+            recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0), copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
         )
 
 
 @dataclass
 class Prediction:
-    """Predicted times of one training iteration (forward phase + backward phase), in ms."""
+    """Predicted times of one training iteration (forward phase + backward phase), in ms.
+
+    ``bubble_fraction`` is the share of stage-time (stages × iteration) in which a stage's
+    compute lane is idle.
+    """
 
     iteration_ms: float
     forward_ms: float
@@ -75,7 +82,10 @@ class Plan:
 
     Micro-batches follow ``torch.tensor_split(batch, chunks)``: the first ``batch % chunks``
     micro-batches have one sample more, so every micro-batch has ``micro_batch_size`` or
-    ``micro_batch_size - 1`` samples.
+    ``micro_batch_size - 1`` samples.  The cost model costs every micro-batch at
+    ``micro_batch_size = ceil(batch_size / chunks)``: exact when ``chunks`` divides the batch,
+    an upper bound otherwise.  ``options`` records what the planner was asked (devices offered,
+    memory limits, speeds, requested checkpoint and chunks).
     """
 
     model: dict[str, Any]
@@ -155,8 +165,18 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
         raise f.error(f"'{plan.schedule}' is not one of {list(SCHEDULES)}", "schedule")
     if not plan.stages:
         raise f.error("a plan needs at least one stage", "stages")
+    if not 1 <= plan.chunks <= plan.batch_size:
+        raise f.error(f"{plan.chunks} micro-batches for a batch of {plan.batch_size}; must be 1..batch_size",
+                      "chunks")
+    if f.has("micro_batch_size") and f.int("micro_batch_size") != plan.micro_batch_size:
+        raise f.error(f"{f.int('micro_batch_size')} disagrees with ceil(batch_size / chunks) = "
+                      f"{plan.micro_batch_size}", "micro_batch_size")
     if len(plan.devices) != len(plan.stages):
         raise f.error(f"{len(plan.devices)} devices for {len(plan.stages)} stages", "devices")
+    for index, stage in enumerate(plan.stages):
+        if stage.index != index or stage.device != plan.devices[index]:
+            raise f.error(f"says stage {stage.index} on {stage.device}, but it is stage {index} and "
+                          f"devices[{index}] is {plan.devices[index]}", f"stages[{index}]")
     expected_start = 0
     for index, stage in enumerate(plan.stages):
         if stage.start != expected_start or stage.stop <= stage.start:

@@ -6,6 +6,8 @@ backward, which need not be linear).  The cost model reads only this.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,18 +40,44 @@ class Stat:
 
     @staticmethod
     def from_json(f: Fields) -> "Stat":
-        return Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
-                    f.int("repeats", 1))
+        stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
+                    f.int("repeats", 0))
+        if not stat.min_ms <= stat.median_ms <= stat.max_ms:
+            raise f.error(f"needs min_ms <= median_ms <= max_ms, found {stat.min_ms}, "
+                          f"{stat.median_ms}, {stat.max_ms}")
+        return stat
 
 
 @dataclass
 class LayerProfile:
     """One layer's measured costs.
 
-    ``forward`` and ``backward`` map a micro-batch size to its timing.  ``output_bytes`` and
-    ``stash_bytes`` (by skip name) are per sample; ``saved_bytes`` maps a micro-batch size to the
-    bytes autograd saves for backward (parameters excluded: they are counted once, as
-    ``param_bytes``).
+    ``forward`` and ``backward`` map a micro-batch size to its timing, measured on the layer
+    alone in train mode.  ``backward`` is the layer's whole autograd work for a given output
+    gradient (and the gradients of the skip tensors it stashed): parameter gradients and the
+    gradient of its input and popped skip tensors, except for the chain's first layer, whose
+    input needs no gradient (a pipeline's first stage does not compute it either).
+
+    ``output_bytes`` is per sample: every tensor the layer returns (what crosses a stage
+    boundary after it).  ``stash_bytes`` is per sample per skip name (``str(SkipKey)``).
+
+    ``saved_bytes[b]`` is what autograd keeps alive for this layer's backward at micro-batch
+    size ``b`` (measured with ``saved_tensors_hooks``; each storage counted once), such that the
+    sum over a run of consecutive layers is what that run keeps per micro-batch, apart from its
+    input.  Precisely, it holds:
+
+    - tensors the layer creates and saves (BatchNorm's per-channel mean and inverse std,
+      MaxPool's indices, a ReLU's output);
+    - its output, if it or a later layer saves it (a Linear saves its input: that tensor is
+      counted with the layer that made it; in-place and view layers such as
+      ``ReLU(inplace=True)`` or ``Flatten`` pass their input's storage on, so it stays with
+      the layer that first made it).
+
+    It never holds parameters or buffers (``param_bytes``, ``buffer_bytes``), the input of the
+    chain's first layer, nor popped skip tensors (count them with ``stash_bytes``).  So a
+    stage's activations per micro-batch are its layers' ``saved_bytes`` plus its own input
+    (``b * output_bytes`` of the layer before it, or ``b * Profile.input_bytes``), which a
+    pipeline holds until backward anyway and which is what checkpointing keeps.
     """
 
     name: str
@@ -138,16 +166,28 @@ class CopyFit:
     def from_json(f: Fields) -> "CopyFit":
         points = []
         for point in f.get("points").items():
-            if not (isinstance(point.value, list) and len(point.value) == 2):
-                raise point.error("expected [bytes, ms]")
-            points.append((int(point.value[0]), float(point.value[1])))
+            value = point.value
+            if not (isinstance(value, list) and len(value) == 2 and _is_count(value[0])
+                    and isinstance(value[1], (int, float)) and not isinstance(value[1], bool)
+                    and math.isfinite(value[1])):
+                raise point.error(f"expected [bytes, ms] (a non-negative integer and a finite "
+                                  f"number), found {json.dumps(value)[:60]}")
+            points.append((value[0], float(value[1])))
         return CopyFit(f.int("src", 0), f.int("dst", 0), f.float("latency_ms", 0.0),
                        f.float("ms_per_byte", 0.0), points)
 
 
 @dataclass
 class Profile:
-    """Everything measured about one model on one machine."""
+    """Everything measured about one model on one machine.
+
+    ``model`` and ``environment`` are the fingerprints of :mod:`autopipe.fingerprint`, so a
+    plan can refuse a profile of another model or machine.  ``input_shape`` is one sample's
+    shape (no batch dimension) of the first input tensor; ``input_bytes`` is one sample's bytes
+    over all input tensors.  ``batch_size`` is the sample input's batch, ``batch_sizes`` the
+    micro-batch sizes every layer was measured at.  ``copies`` holds one fit per ordered pair
+    of distinct entries of ``devices``.
+    """
 
     model: dict[str, Any]
     environment: dict[str, Any]
@@ -196,8 +236,9 @@ class Profile:
         """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
         f = read_json(path, "profile", PROFILE_SCHEMA_VERSION)
         model = f.get("model")
-        model.get("digest")
+        model.str("digest")
         model.get("layers").items()
+        f.get("environment").keys()
         profile = Profile(
             model=model.value,
             environment=f.get("environment").value,
@@ -206,12 +247,19 @@ class Profile:
             input_dtype=f.str("input_dtype"),
             input_bytes=f.int("input_bytes", 0),
             batch_size=f.int("batch_size", 1),
-            batch_sizes=f.int_list("batch_sizes"),
+            batch_sizes=_batch_size_list(f),
             layers=f.list_of("layers", LayerProfile.from_json),
             copies=f.list_of("copies", CopyFit.from_json),
         )
         _check_consistent(profile, f)
         return profile
+
+
+def _batch_size_list(f: Fields) -> list[int]:
+    sizes = f.int_list("batch_sizes")
+    if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+        raise f.error(f"expected increasing positive micro-batch sizes, found {sizes}", "batch_sizes")
+    return sizes
 
 
 def _check_consistent(profile: Profile, f: Fields) -> None:
@@ -226,6 +274,9 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
             if sizes != sorted(profile.batch_sizes):
                 raise f.error(f"has sizes {sizes}, expected the profile's batch_sizes "
                               f"{sorted(profile.batch_sizes)}", f"layers[{index}].{table}")
+        if sorted(layer.stash_bytes) != sorted(layer.stash):
+            raise f.error(f"has names {sorted(layer.stash_bytes)}, expected the layer's stash "
+                          f"{sorted(layer.stash)}", f"layers[{index}].stash_bytes")
     for index, fit in enumerate(profile.copies):
         if not (0 <= fit.src < len(profile.devices) and 0 <= fit.dst < len(profile.devices)):
             raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", f"copies[{index}]")

@@ -1,0 +1,339 @@
+"""Run a plan beside the unpartitioned model and hold the planner's predictions against the clock."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .cost import StageLanes
+from .device import ops_for
+from .plans import Plan, StagePlan
+from .runtime import Pipeline
+from .simulate import Simulation, simulate
+from .timeline import Event
+
+__all__ = [
+    "synthetic_batch", "StepTime", "Trainer", "interleave",
+    "Times", "stage_times", "Row", "BenchResult", "bench_plan", "simulate_plan", "format_bench",
+]
+
+#: Figures under this share of the measured iteration get no error percentage: at that size the
+#: percentage measures the timer, not the model (a CPU "copy" takes microseconds).
+ERROR_FLOOR = 0.01
+
+
+def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
+                    seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A random input batch and a regression target of the model's output shape.
+
+    Synthetic data is enough to time a step; the target comes from one no-grad forward so any
+    model (classifier or not) gets a well-defined loss.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batch = torch.randn(batch_size, *shape, generator=generator)
+    with torch.no_grad():
+        output = model(batch)
+    return batch, torch.randn(output.shape, generator=generator)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One timed training step, in ms.
+
+    ``forward_ms`` is the model call; ``backward_ms`` the loss and its backward; ``step_ms`` adds
+    ``zero_grad`` and the optimizer step, i.e. what a training loop pays per batch.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    step_ms: float
+
+    @property
+    def iteration_ms(self) -> float:
+        """Forward plus backward: what the planner predicts."""
+        return self.forward_ms + self.backward_ms
+
+
+class Trainer:
+    """A model (plain or pipelined) training on one fixed batch, every step timed alike.
+
+    Plain and pipelined models go through this same loop so their step times compare; a
+    pipeline's trace of each step is kept for the per-stage figures.
+    """
+
+    def __init__(self, module: nn.Module, batch: Tensor, target: Tensor, *,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = nn.functional.mse_loss,
+                 devices: Sequence[torch.device | str] = ("cpu",), lr: float = 1e-3) -> None:
+        self.module = module
+        self.batch = batch
+        self.target = target
+        self.loss_fn = loss_fn
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+        self.ops = [ops_for(device) for device in dict.fromkeys(str(d) for d in devices)]
+        self.times: list[StepTime] = []
+        self.losses: list[float] = []
+        self.traces: list[list[Event]] = []
+
+    def _now(self) -> float:
+        for ops in self.ops:
+            ops.synchronize()
+        return time.perf_counter() * 1e3
+
+    def step(self) -> StepTime:
+        """Run one training step and record its time, loss and (for a pipeline) trace."""
+        start = self._now()
+        self.optimizer.zero_grad(set_to_none=True)
+        begin = self._now()
+        output = self.module(self.batch)
+        middle = self._now()
+        loss = self.loss_fn(output, self.target.to(output.device))
+        loss.backward()
+        end = self._now()
+        self.optimizer.step()
+        done = self._now()
+        measured = StepTime(middle - begin, end - middle, done - start)
+        self.times.append(measured)
+        self.losses.append(float(loss.detach()))
+        last_trace = getattr(self.module, "last_trace", None)
+        if callable(last_trace):
+            self.traces.append(list(last_trace()))
+        return measured
+
+    def forget(self) -> None:
+        """Drop what warm-up recorded, so medians are of steady-state steps only."""
+        self.times.clear()
+        self.traces.clear()
+
+
+def interleave(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
+    """Round-robin: each round runs one step of every trainer, starting one further along.
+
+    Load from elsewhere on the machine then falls on all trainers alike, which is what makes
+    ratios measured in one run trustworthy when absolute times are not.
+    """
+    names = list(trainers)
+    for round_index in range(warmup + steps):
+        if round_index == warmup:
+            for trainer in trainers.values():
+                trainer.forget()
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            trainers[name].step()
+
+
+def median_step(times: Sequence[StepTime]) -> StepTime:
+    """Each field's median over steps."""
+    return StepTime(*(statistics.median(getattr(t, f.name) for t in times) for f in fields(StepTime)))
+
+
+@dataclass(frozen=True)
+class Times:
+    """Where one stage's (or the whole iteration's) time went, in ms."""
+
+    forward_ms: float
+    backward_ms: float
+    copy_ms: float
+    idle_ms: float
+
+    def to_json(self) -> dict[str, float]:
+        return {f.name: round(getattr(self, f.name), 4) for f in fields(self)}
+
+
+def stage_times(events: Sequence[Event], stages: int, iteration_ms: float) -> list[Times]:
+    """Per stage: forward and backward compute summed over micro-batches, copy-lane time, and
+    the rest of the iteration, when the stage's compute lane was idle (its bubble).
+
+    Predicted and measured events go through this same function, so the two compare field by
+    field.  Recomputation (``R``) counts as backward, as the planner predicts it.
+    """
+    totals = [{"F": 0.0, "B": 0.0, "copy": 0.0} for _ in range(stages)]
+    for event in events:
+        key = "copy" if event.lane == "copy" else ("F" if event.kind == "F" else "B")
+        totals[event.stage][key] += event.duration_ms
+    return [Times(t["F"], t["B"], t["copy"], max(iteration_ms - t["F"] - t["B"], 0.0)) for t in totals]
+
+
+def median_times(samples: Sequence[Times]) -> Times:
+    """Each field's median over steps."""
+    return Times(*(statistics.median(getattr(s, f.name) for s in samples) for f in fields(Times)))
+
+
+@dataclass(frozen=True)
+class Row:
+    """Predicted next to measured for one stage or for the whole iteration."""
+
+    name: str
+    predicted: Times
+    measured: Times
+    predicted_total_ms: float
+    measured_total_ms: float
+
+    def errors(self, scale_ms: float) -> dict[str, float | None]:
+        """Error of each figure in percent of the measured value, ``(predicted − measured) /
+        measured``; ``None`` for figures under :data:`ERROR_FLOOR` of ``scale_ms``."""
+        pairs = {f.name: (getattr(self.predicted, f.name), getattr(self.measured, f.name))
+                 for f in fields(Times)}
+        pairs["total_ms"] = (self.predicted_total_ms, self.measured_total_ms)
+        return {name: _error(p, m, scale_ms) for name, (p, m) in pairs.items()}
+
+
+def _error(predicted: float, measured: float, scale_ms: float) -> float | None:
+    if measured < ERROR_FLOOR * scale_ms or measured <= 0:
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+@dataclass
+class BenchResult:
+    """A plan's predicted and measured figures, and its speedup over one device, from one run."""
+
+    plan: Plan
+    rows: list[Row]
+    single: StepTime
+    pipeline: StepTime
+    steps: int
+    warmup: int
+    predicted_events: list[Event]
+    measured_events: list[Event]
+    losses: list[float]
+
+    @property
+    def speedup(self) -> float:
+        """One device's median step time over the pipeline's, both measured in the same rounds."""
+        return self.single.step_ms / self.pipeline.step_ms
+
+    @property
+    def iteration(self) -> Row:
+        return self.rows[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        scale = self.iteration.measured_total_ms
+        return {
+            "kind": "bench",
+            "schema_version": 1,
+            "model": self.plan.model.get("digest"),
+            "devices": self.plan.devices,
+            "batch_size": self.plan.batch_size,
+            "chunks": self.plan.chunks,
+            "balance": self.plan.balance,
+            "checkpoint": self.plan.checkpoint,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "rows": [
+                {"name": row.name, "predicted": row.predicted.to_json(), "measured": row.measured.to_json(),
+                 "predicted_total_ms": round(row.predicted_total_ms, 4),
+                 "measured_total_ms": round(row.measured_total_ms, 4),
+                 "error_pct": {k: _rounded(v) for k, v in row.errors(scale).items()}}
+                for row in self.rows
+            ],
+            "single_device": _step_json(self.single),
+            "pipeline": _step_json(self.pipeline),
+            "speedup": round(self.speedup, 4),
+        }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _step_json(step: StepTime) -> dict[str, float]:
+    return {"forward_ms": round(step.forward_ms, 4), "backward_ms": round(step.backward_ms, 4),
+            "iteration_ms": round(step.iteration_ms, 4), "step_ms": round(step.step_ms, 4)}
+
+
+def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, steps: int,
+               warmup: int = 1) -> BenchResult:
+    """Train ``model`` as ``plan``'s pipeline and as one module on ``plan.devices[0]``, in
+    alternating steps, and compare the pipeline's medians with the plan's predictions.
+
+    The pipeline takes over ``model``'s modules; the one-device run trains a copy made first.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    device = torch.device(plan.devices[0])
+    single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device])
+    pipe = Pipeline(model, plan)
+    try:
+        piped = Trainer(pipe, batch.to(device), target, devices=plan.devices)
+        interleave({"single device": single, "pipeline": piped}, steps, warmup)
+    finally:
+        pipe.close()
+    simulation = simulate_plan(plan)
+    return BenchResult(
+        plan=plan, rows=_rows(plan, simulation, piped), single=median_step(single.times),
+        pipeline=median_step(piped.times), steps=steps, warmup=warmup,
+        predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
+    )
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """The planner's simulator run on the plan's own per-stage predictions."""
+    lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
+                        float(s.memory_bytes)) for s in plan.stages]
+    return simulate(lanes, plan.chunks, plan.checkpoint)
+
+
+def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:
+    """One row per stage and one for the whole iteration (mean idle per stage, total copy)."""
+    count = len(plan.stages)
+    predicted = stage_times(simulation.events, count, simulation.iteration_ms)
+    per_step = [stage_times(trace, count, step.iteration_ms) for trace, step in zip(piped.traces, piped.times)]
+    measured = [median_times([step[s] for step in per_step]) for s in range(count)]
+    step = median_step(piped.times)
+    rows = [Row(_stage_name(stage), p, m, simulation.iteration_ms, step.iteration_ms)
+            for stage, p, m in zip(plan.stages, predicted, measured)]
+    whole_predicted = Times(plan.predicted.forward_ms, plan.predicted.backward_ms,
+                            sum(t.copy_ms for t in predicted), statistics.fmean(t.idle_ms for t in predicted))
+    whole_measured = Times(step.forward_ms, step.backward_ms, sum(t.copy_ms for t in measured),
+                           statistics.fmean(t.idle_ms for t in measured))
+    rows.append(Row("iteration", whole_predicted, whole_measured, plan.predicted.iteration_ms,
+                    step.iteration_ms))
+    return rows
+
+
+def _stage_name(stage: StagePlan) -> str:
+    layers = stage.first_layer if stage.stop - stage.start == 1 else f"{stage.first_layer}..{stage.last_layer}"
+    return f"#{stage.index} {layers} ({stage.device})"
+
+
+def format_bench(result: BenchResult) -> str:
+    """The comparison as a table: per stage and for the iteration, predicted, measured, error."""
+    plan = result.plan
+    scale = result.iteration.measured_total_ms
+    width = max(len(row.name) for row in result.rows)
+    figures = ("forward_ms", "backward_ms", "copy_ms", "idle_ms", "total_ms")
+    head = " ".join(f"{label:^22}" for label in ("forward", "backward", "copy", "idle", "total"))
+    sub = " ".join(f"{'pred':>7}{'meas':>8}{'err':>7}" for _ in figures)
+    lines = [
+        f"{len(plan.stages)} stages, balance {plan.balance}, {plan.chunks} micro-batches of "
+        f"{plan.micro_batch_size}, checkpoint {plan.checkpoint}; medians of {result.steps} steps "
+        f"after {result.warmup} warm-up, in ms",
+        f"{'':<{width}} {head}", f"{'stage':<{width}} {sub}",
+    ]
+    for row in result.rows:
+        errors = row.errors(scale)
+        cells = []
+        for name in figures:
+            p, m = _pair(row, name)
+            cells.append(f"{p:7.1f}{m:8.1f}{_percent(errors[name]):>7}")
+        lines.append(f"{row.name:<{width}} {' '.join(cells)}")
+    lines.append("error = (predicted - measured) / measured; '-' where the figure is under "
+                 f"{ERROR_FLOOR:.0%} of the iteration; iteration idle = mean over stages")
+    lines.append(f"one device {result.single.step_ms:.1f} ms/step, pipeline {result.pipeline.step_ms:.1f} "
+                 f"ms/step: speedup {result.speedup:.2f}x (steps interleaved, medians)")
+    return "\n".join(lines)
+
+
+def _pair(row: Row, name: str) -> tuple[float, float]:
+    if name == "total_ms":
+        return row.predicted_total_ms, row.measured_total_ms
+    return getattr(row.predicted, name), getattr(row.measured, name)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0f}%"

@@ -1,0 +1,127 @@
+"""``python -m autopipe profile``: measure a model's layers and copies, print them, save a profile."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+from torch import nn
+
+from ..profiler import profile
+from ..profiles import Profile
+
+__all__ = ["add_arguments", "run", "load_model", "parse_ints"]
+
+DEFAULT_MODEL = "torchvision:resnet18"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="torchvision:NAME (random weights, never downloaded) or "
+                             f"package.module:factory returning an nn.Module (default {DEFAULT_MODEL})")
+    parser.add_argument("--input-shape", default="3,64,64", help="one sample's shape, e.g. 3,128,128")
+    parser.add_argument("--batch-size", type=int, default=32, help="the full training batch")
+    parser.add_argument("--batch-sizes", help="micro-batch sizes to measure, e.g. 1,2,4 "
+                                              "(default: powers of two below the batch, and the batch)")
+    parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu or cuda:0,cuda:1 "
+                                          "(default: all CUDA devices, else two CPU devices)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per layer and size")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median kept)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: one core per CPU pipeline device)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("-o", "--output", help="where to save the profile JSON (not saved if absent)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    torch.set_num_threads(args.threads)
+    shape = parse_ints(args.input_shape, "--input-shape")
+    sizes = parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
+    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    torch.manual_seed(0)
+    model = load_model(args.model)
+    sample = torch.randn(args.batch_size, *shape)
+    measured = profile(model, sample, devices, sizes, warmup=args.warmup, repeats=args.repeats,
+                       quiet=args.quiet)
+    print(format_table(measured))
+    if args.output:
+        print(f"saved {measured.save(args.output)}")
+    else:
+        print("not saved (pass -o profiles/NAME.json to keep it)")
+    return 0
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    """``"3,128,128"`` → ``[3, 128, 128]``; positive integers only."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{option} expects comma-separated positive integers like 3,128,128, got '{text}'")
+    return values
+
+
+def load_model(spec: str) -> nn.Module:
+    """Build the model a ``torchvision:NAME`` or ``package.module:factory`` spec names."""
+    source, sep, name = spec.partition(":")
+    if not sep or not source or not name:
+        raise ValueError(f"MODEL must be torchvision:NAME or package.module:factory, got '{spec}'")
+    if source == "torchvision":
+        return _torchvision_model(name)
+    try:
+        module = importlib.import_module(source)
+    except ImportError as error:
+        raise ValueError(f"cannot import '{source}' for MODEL '{spec}': {error}; check the module "
+                         "path (run from the directory that contains the package)") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"'{source}' has no callable '{name}' (MODEL '{spec}'); name a function or "
+                         "class that returns an nn.Module")
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{spec}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _torchvision_model(name: str) -> nn.Module:
+    import torchvision
+
+    if name not in torchvision.models.list_models():
+        raise ValueError(f"torchvision has no model '{name}'; choose one of "
+                         "torchvision.models.list_models(), e.g. resnet18, resnet50")
+    return torchvision.models.get_model(name, weights=None)
+
+
+def format_table(measured: Profile) -> str:
+    """Per layer: forward and backward ms at the largest measured size, bytes and parameters."""
+    b = max(measured.batch_sizes)
+    header = (f"{'layer':<14} {'type':<12} {'fwd ms':>9} {'bwd ms':>9} {'out/sample':>11} "
+              f"{'saved':>10} {'params':>11}")
+    rows = [f"micro-batch {b} of batch {measured.batch_size} on {measured.devices[0]}; "
+            f"saved = activations kept for backward at {b}", header, "-" * len(header)]
+    for layer in measured.layers:
+        rows.append(f"{layer.name:<14.14} {layer.type:<12.12} {layer.forward[b].median_ms:9.3f} "
+                    f"{layer.backward[b].median_ms:9.3f} {_size(layer.output_bytes):>11} "
+                    f"{_size(layer.saved_bytes[b]):>10} {layer.param_count:>11,}")
+    rows.append("-" * len(header))
+    rows.append(f"{'total':<27} {sum(l.forward[b].median_ms for l in measured.layers):9.3f} "
+                f"{sum(l.backward[b].median_ms for l in measured.layers):9.3f} {'':>11} "
+                f"{_size(sum(l.saved_bytes[b] for l in measured.layers)):>10} "
+                f"{sum(l.param_count for l in measured.layers):>11,}")
+    for fit in measured.copies:
+        rows.append(f"copy {fit.src}:{measured.devices[fit.src]} -> {fit.dst}:{measured.devices[fit.dst]}: "
+                    f"{fit.latency_ms:.4f} ms + {fit.ms_per_byte * 2**20:.4f} ms/MiB")
+    return "\n".join(rows)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"

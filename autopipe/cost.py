@@ -1,0 +1,306 @@
+"""The cost model: stage times, copy times, memory and fill-drain iteration time from a Profile.
+
+Notation: layers ``0..L-1``; stage ``s`` holds layers ``[a_s, a_{s+1})`` on plan device ``s``
+with relative speed ``v_s``; ``m`` micro-batches of ``b = ceil(B / m)`` samples each (exact when
+``m`` divides ``B``, an upper bound otherwise, since times and bytes grow with ``b``).
+
+Per layer ``l`` at size ``b`` (:func:`interpolate`): forward ``f_l(b)`` and backward ``g_l(b)``
+are the profiled medians, piecewise-linear between profiled sizes; a size outside
+``[min, max]`` of the profiled sizes is an error, never an extrapolation.  Saved bytes are
+interpolated the same way; output and stash bytes are per sample, times ``b``.
+
+Per stage ``s`` (times per micro-batch, in ms)::
+
+    F_s = Σ f_l(b) / v_s                         forward compute
+    W_s = Σ g_l(b) / v_s                         backward compute without recomputation
+    R_s = F_s if the micro-batch is checkpointed  recomputation, run before its backward
+    C_s = Σ_{tensors t received by s} α(p_t, s) + bytes_t · β(p_t, s)        forward copy lane
+    G_s = Σ_{tensors t produced by s, consumed in c_t > s} α(c_t, s) + bytes_t · β(c_t, s)
+
+where the tensors are the main input (from ``s-1``) and every skip whose stash is in an earlier
+stage ``p_t`` and pop in ``s``, routed straight from ``p_t``'s device (never relayed); ``α, β``
+are the device pair's fitted latency and ms/byte (0 on the same device index).  The input copy
+of the batch onto device 0 happens before the pipeline starts and is not counted.
+
+Iteration (:func:`iteration_ms`) = forward phase + backward phase (the loss needs the whole
+output, so no backward starts before the last forward ends).  Each phase is a permutation flow
+shop whose machines are the lanes in order — forward ``F_0, C_1, F_1, …, C_{k-1}, F_{k-1}``,
+backward ``W_{k-1}+R, G_{k-2}, W_{k-2}+R, …, G_0, W_0+R`` — and whose jobs are the micro-batches
+in order (backward in reverse order).  Its makespan is the longest path through the
+(lane × micro-batch) grid.  With identical micro-batches that is ``Σ p + (m-1)·max p``.
+With ``except_last`` the first backward job is not recomputed (``p⁰ = p − R``); reversing both
+orders (which keeps every path) and walking the lanes ``i = 1..n`` as ``B_0, G_0, B_1, …``::
+
+    makespan = Σ p + V_n,   V_i = max(V_{i-1} − R_i, p⁰_i + (m−2)·max_{j≤i} p_j),   V_0 = −∞
+
+(the path runs jobs ``1..m-1`` over lanes ``1..i`` and the unrecomputed job over ``i..n``).  For
+identical jobs ``R = 0`` and ``V_n = (m-1)·max p``, so one recurrence serves every mode.
+
+Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
+
+    params · (1 + 1 + opt) + buffers + activations + skips · m
+    activations:  never        saved(b) · m
+                  always       input(b) · m       + saved(b)
+                  except_last  input(b) · (m − 1) + saved(b)
+
+``saved(b)`` is the stage's bytes saved for backward at size ``b``, ``input(b)`` its main input
+and ``skips`` the skip tensors it sends or receives (all ``m`` micro-batches are in flight in
+fill-drain).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .graph import Chain
+from .profiles import Profile
+
+__all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
+           "phase_makespan", "backward_makespan", "iteration_ms", "MODES"]
+
+#: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
+MODES = ("never", "except_last", "always")
+
+
+def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
+    """Piecewise-linear value of ``table`` (micro-batch size → value) at ``b``."""
+    sizes = sorted(table)
+    if not sizes[0] <= b <= sizes[-1]:
+        raise ValueError(f"micro-batch size {b} is outside the profiled sizes {sizes[0]}..{sizes[-1]} "
+                         f"({what}); profile more batch sizes or choose another batch size / chunks")
+    index = bisect.bisect_left(sizes, b)
+    if sizes[index] == b:
+        return float(table[b])
+    lo, hi = sizes[index - 1], sizes[index]
+    weight = (b - lo) / (hi - lo)
+    return float(table[lo]) * (1 - weight) + float(table[hi]) * weight
+
+
+def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Latency and ms/byte for every ordered pair of plan devices.
+
+    A pair uses the profile's fit for the same device indices when the profile's devices there
+    have the same names, else any fit between devices of those names; two CPU devices without a
+    fit cost 0 (a CPU-to-CPU move is a reference).  Anything else is an error.
+    """
+    count = len(devices)
+    latency = np.zeros((count, count))
+    per_byte = np.zeros((count, count))
+    for i in range(count):
+        for j in range(count):
+            if i != j:
+                latency[i, j], per_byte[i, j] = _fit_for(profile, devices, i, j)
+    return latency, per_byte
+
+
+def _fit_for(profile: Profile, devices: Sequence[str], i: int, j: int) -> tuple[float, float]:
+    known = profile.devices
+    if max(i, j) < len(known) and known[i] == devices[i] and known[j] == devices[j]:
+        fit = profile.copy_fit(i, j)
+        if fit is not None:
+            return fit.latency_ms, fit.ms_per_byte
+    for fit in profile.copies:
+        if known[fit.src] == devices[i] and known[fit.dst] == devices[j]:
+            return fit.latency_ms, fit.ms_per_byte
+    if devices[i].startswith("cpu") and devices[j].startswith("cpu"):
+        return 0.0, 0.0
+    raise ValueError(f"the profile has no copy measurement from {devices[i]} to {devices[j]}; "
+                     "profile on these devices (python -m autopipe profile --devices ...)")
+
+
+@dataclass(frozen=True)
+class SizeCosts:
+    """Prefix sums of the per-layer costs at one micro-batch size ``b`` (index ``c`` = layers ``< c``)."""
+
+    b: int
+    forward: np.ndarray
+    backward: np.ndarray
+    saved: np.ndarray
+    state: np.ndarray
+    input_bytes: np.ndarray
+    skip_bytes: np.ndarray
+
+    def sum(self, table: np.ndarray, start: Any, stop: Any) -> Any:
+        """``Σ`` of a per-layer table over ``[start, stop)``; either bound may be an index array."""
+        return table[stop] - table[start]
+
+
+@dataclass(frozen=True)
+class StageLanes:
+    """One stage's per-micro-batch lane times (ms) and memory (bytes); see the module formulas."""
+
+    forward: float
+    backward: float
+    recompute: float
+    copy_in: float
+    copy_grad: float
+    memory: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A fully costed split: its stages and predicted phase and iteration times."""
+
+    stages: list[StageLanes]
+    forward_ms: float
+    backward_ms: float
+
+    @property
+    def iteration_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    @property
+    def peak_memory(self) -> float:
+        return max(stage.memory for stage in self.stages)
+
+
+class CostModel:
+    """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
+
+    def __init__(self, profile: Profile, chain: Chain, devices: Sequence[str], speeds: Sequence[float],
+                 batch_size: int, optimizer_state_factor: float) -> None:
+        self.profile = profile
+        self.chain = chain
+        self.devices = list(devices)
+        self.speeds = np.asarray(speeds, dtype=float)
+        self.batch_size = batch_size
+        self.optimizer_state_factor = optimizer_state_factor
+        self.latency, self.per_byte = copy_matrix(profile, devices)
+        self._sizes: dict[int, SizeCosts] = {}
+
+    @property
+    def layers(self) -> int:
+        return self.chain.layers
+
+    def micro_batch_size(self, chunks: int) -> int:
+        return -(-self.batch_size // chunks)
+
+    def at(self, b: int) -> SizeCosts:
+        """The prefix sums at micro-batch size ``b`` (cached)."""
+        if b not in self._sizes:
+            self._sizes[b] = self._build(b)
+        return self._sizes[b]
+
+    def _build(self, b: int) -> SizeCosts:
+        layers = self.profile.layers
+        median = lambda stats: {size: s.median_ms for size, s in stats.items()}  # noqa: E731
+        forward = [interpolate(median(l.forward), b, f"forward of {l.name}") for l in layers]
+        backward = [interpolate(median(l.backward), b, f"backward of {l.name}") for l in layers]
+        saved = [interpolate(dict(l.saved_bytes), b, f"saved bytes of {l.name}") for l in layers]
+        state = [l.param_bytes * (2 + self.optimizer_state_factor) + l.buffer_bytes for l in layers]
+        inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
+                         np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
+                                                                     dtype=float))
+
+    def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
+        """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
+        if src == dst or nbytes <= 0:
+            return 0.0
+        return float(self.latency[src, dst] + nbytes * self.per_byte[src, dst])
+
+    def compute(self, costs: SizeCosts, start: int, stop: int, device: int) -> tuple[float, float]:
+        """Forward and backward (no recompute) time of layers ``[start, stop)`` on ``device``."""
+        speed = self.speeds[device]
+        return (float(costs.sum(costs.forward, start, stop) / speed),
+                float(costs.sum(costs.backward, start, stop) / speed))
+
+    def held_bytes(self, costs: SizeCosts, start: Any, stop: int) -> Any:
+        """Bytes per micro-batch of the skips stage ``[start, stop)`` sends on or receives
+        (``start`` may be an index array)."""
+        held = np.zeros(np.shape(start))
+        for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
+            sends = (start <= skip.stash) & (skip.stash < stop) & (stop <= skip.pop)
+            receives = (skip.stash < start) & (start <= skip.pop) & (skip.pop < stop)
+            held = held + nbytes * (sends | receives)
+        return held
+
+    def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: str,
+               skip_bytes: Any) -> Any:
+        """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
+        (``start`` and ``skip_bytes`` may be arrays)."""
+        saved = costs.sum(costs.saved, start, stop)
+        inputs = costs.input_bytes[start]
+        if mode == "never":
+            activations = saved * chunks
+        elif mode == "always":
+            activations = inputs * chunks + saved
+        else:
+            activations = inputs * (chunks - 1) + saved
+        return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks
+
+    def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
+        """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
+        costs = self.at(self.micro_batch_size(chunks))
+        count = len(bounds) - 1
+        owner = _owners(bounds, self.layers)
+        copy_in = [0.0] * count
+        copy_grad = [0.0] * count
+        for s in range(1, count):
+            copy_in[s] += self.copy_ms(s - 1, s, costs.input_bytes[bounds[s]])
+            copy_grad[s - 1] += self.copy_ms(s, s - 1, costs.input_bytes[bounds[s]])
+        for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
+            src, dst = owner[skip.stash], owner[skip.pop]
+            if src != dst:
+                copy_in[dst] += self.copy_ms(src, dst, nbytes)
+                copy_grad[src] += self.copy_ms(dst, src, nbytes)
+        stages = []
+        for s in range(count):
+            forward, backward = self.compute(costs, bounds[s], bounds[s + 1], s)
+            recompute = forward if mode != "never" and not (mode == "except_last" and chunks == 1) else 0.0
+            held = self.held_bytes(costs, bounds[s], bounds[s + 1])
+            memory = self.memory(costs, bounds[s], bounds[s + 1], chunks, mode, held)
+            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
+        forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
+        return Evaluation(stages, forward_ms, backward_ms)
+
+
+def _prefix(values: Sequence[float]) -> np.ndarray:
+    return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=float))))
+
+
+def _owners(bounds: Sequence[int], layers: int) -> list[int]:
+    owner = [0] * layers
+    for s in range(len(bounds) - 1):
+        for layer in range(bounds[s], bounds[s + 1]):
+            owner[layer] = s
+    return owner
+
+
+def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: str) -> tuple[float, float]:
+    """Forward and backward phase makespans of fill-drain (the closed forms above)."""
+    forward_lanes = [stages[0].forward]
+    for stage in stages[1:]:
+        forward_lanes += [stage.copy_in, stage.forward]
+    forward = sum(forward_lanes) + (chunks - 1) * max(forward_lanes)
+    backward_lanes: list[tuple[float, float]] = []
+    for index, stage in enumerate(stages):
+        backward_lanes.append((stage.backward + stage.recompute, _unrecomputed(stage, chunks, mode)))
+        if index < len(stages) - 1:
+            backward_lanes.append((stage.copy_grad, 0.0))
+    return forward, backward_makespan(backward_lanes, chunks)
+
+
+def _unrecomputed(stage: StageLanes, chunks: int, mode: str) -> float:
+    """The part ``R`` of a backward lane that the first backward micro-batch skips."""
+    return stage.recompute if mode == "except_last" else 0.0
+
+
+def backward_makespan(lanes: Sequence[tuple[float, float]], chunks: int) -> float:
+    """``Σ p + V_n`` over lanes ``(p, R)`` given in the order ``B_0, G_0, B_1, …`` (see above)."""
+    total, peak, v = 0.0, 0.0, -math.inf
+    for p, skipped in lanes:
+        total += p
+        peak = max(peak, p)
+        v = max(v - skipped, p - skipped + (chunks - 2) * peak)
+    return total + v
+
+
+def iteration_ms(stages: Sequence[StageLanes], chunks: int, mode: str) -> float:
+    """Predicted iteration time of fill-drain: forward phase + backward phase."""
+    forward, backward = phase_makespan(stages, chunks, mode)
+    return forward + backward

@@ -1,0 +1,77 @@
+"""Micro-batches: split a call's arguments along dim 0, and join the outputs back.
+
+A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
+argument is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
+(the first ``batch % m`` are one sample larger, the planner's rule); non-tensor arguments are
+passed to every micro-batch unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches
+of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["scatter", "gather", "split_sizes", "map_tensors", "tensors_of"]
+
+#: What flows between stages: one tensor, or a tuple or list of tensors and plain values.
+Value = Any
+
+
+def split_sizes(batch: int, chunks: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(range(batch), min(chunks, batch))``."""
+    count = max(1, min(chunks, batch))
+    small, extra = divmod(batch, count)
+    return [small + 1 if j < extra else small for j in range(count)]
+
+
+def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
+    """``args`` as micro-batches: tensors split along dim 0, other values repeated."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors:
+        raise TypeError("a pipeline needs at least one tensor argument to split into micro-batches")
+    batch = tensors[0].shape[0] if tensors[0].dim() else 0
+    for tensor in tensors:
+        if tensor.dim() == 0 or tensor.shape[0] != batch:
+            raise ValueError(
+                "every tensor argument is split along dim 0, so all need the same batch size; got "
+                f"shapes {[tuple(t.shape) for t in tensors]}"
+            )
+    sizes = split_sizes(batch, chunks)
+    pieces = [torch.split(a, sizes) if isinstance(a, Tensor) else None for a in args]
+    return [
+        tuple(a if piece is None else piece[j] for a, piece in zip(args, pieces))
+        for j in range(len(sizes))
+    ]
+
+
+def gather(outputs: Sequence[Value]) -> Value:
+    """Concatenate micro-batch outputs (a tensor or a tuple of tensors each) along dim 0."""
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(outputs))
+    if isinstance(first, (tuple, list)) and all(isinstance(v, Tensor) for v in first):
+        return tuple(torch.cat([out[i] for out in outputs]) for i in range(len(first)))
+    raise TypeError(
+        f"the last stage returned {type(first).__name__}; a pipeline's output must be a tensor or "
+        "a tuple of tensors so that micro-batches can be concatenated"
+    )
+
+
+def map_tensors(value: Value, fn: Callable[[Tensor], Any]) -> Value:
+    """``value`` with ``fn`` applied to each tensor in it (through nested tuples and lists)."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
+def tensors_of(value: Value) -> list[Tensor]:
+    """The tensors in ``value``, in the order :func:`map_tensors` visits them."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    return []

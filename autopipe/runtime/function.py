@@ -1,0 +1,79 @@
+"""The two autograd functions of the runtime: a stage's input boundary and the caller's tie.
+
+``Boundary`` makes a received tensor a non-leaf, so a stage may start with an in-place layer
+(``ReLU(inplace=True)`` right after a split point works, as in the plain model)::
+
+    leaf (requires_grad, .grad collects the input gradient)
+      └─ Boundary ─▶ x (non-leaf alias of the leaf) ─▶ stage layers
+
+``PipelineTie`` connects the caller's autograd graph to the pipeline.  Its forward runs the
+pipeline's forward phase on the stage workers and returns the gathered output; its backward,
+called from the caller's ``loss.backward()``, hands the output gradient to the last stage, runs
+the backward phase on the workers (each stage calls ``torch.autograd.backward`` on its own
+thread) and returns the gradient of each input tensor::
+
+    caller:  x ──▶ PipelineTie ──▶ out ──▶ loss          (dummy: always requires grad, so
+                        ▲  backward                         the tie's backward always runs)
+    workers:  stage 0 ◀─dx─ stage 1 ◀─dx─ ... ◀─dy─ last stage
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..microbatch import gather
+
+if TYPE_CHECKING:
+    from .pipeline import Engine
+    from .run import Run
+
+__all__ = ["Boundary", "PipelineTie"]
+
+
+class Boundary(torch.autograd.Function):
+    """Identity whose output is a fresh non-leaf alias of its input."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: Tensor) -> Tensor:  # type: ignore[override]
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+class PipelineTie(torch.autograd.Function):
+    """``out = PipelineTie.apply(engine, run, dummy, *input_tensors)``."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: "Engine", run: "Run", dummy: Tensor, *inputs: Tensor) -> Any:  # type: ignore[override]
+        ctx.engine, ctx.run = engine, run
+        ctx.input_devices = [t.device for t in inputs]
+        engine.run_phase(run, "forward")
+        return gather([run.outputs.pop(j) for j in range(run.chunks)])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        run: Run = ctx.run
+        if run.output_grads:
+            raise RuntimeError("backward through a pipeline output twice is not supported "
+                               "(the pipeline frees its saved state after the first backward)")
+        run.output_grads = [list(parts) for parts in zip(*(torch.split(g, run.sizes) for g in grads))]
+        ctx.engine.run_phase(run, "backward")
+        per_input = zip(*(run.input_grads.pop(j) for j in range(run.chunks)))
+        joined = (_join(parts, run.sizes, device) for parts, device in zip(per_input, ctx.input_devices))
+        return (None, None, None, *joined)
+
+
+def _join(parts: tuple[Tensor | None, ...], sizes: list[int], device: torch.device) -> Tensor | None:
+    """One input's gradient from its micro-batches' (zeros where none flowed)."""
+    present = [part for part in parts if part is not None]
+    if not present:
+        return None
+    shape = present[0].shape[1:]
+    return torch.cat([
+        part if part is not None else present[0].new_zeros(size, *shape)
+        for part, size in zip(parts, sizes)
+    ]).to(device)

@@ -1,0 +1,217 @@
+"""``autopipe.Pipeline``: a model split into stages that run micro-batches concurrently.
+
+Use it like the model::
+
+    pipe = autopipe.Pipeline(model, plan)            # or balance=[7, 8], devices=["cpu", "cpu"]
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loss_fn(pipe(x), y).backward()
+    optimizer.step()
+
+The pipeline takes over the model's modules: it moves each stage's layers to the stage's
+device and, with ``deferred_batch_norm=True``, swaps their batch norms for
+:class:`~autopipe.DeferredBatchNorm` (sharing parameters and buffers).  ``state_dict`` keys and
+values are the model's own, so checkpoints load both ways.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..batchnorm import DeferredBatchNorm
+from ..device import resolve_devices
+from ..fingerprint import first_difference, model_fingerprint
+from ..layers import Layer, layer_chain
+from ..microbatch import gather, scatter
+from ..plans import CHECKPOINT_MODES, Plan
+from ..timeline import Event
+from .function import PipelineTie
+from .run import Run
+from .schedule import FillDrain
+from .skips import skip_routes
+from .stage import Stage
+from .worker import Worker
+
+__all__ = ["Pipeline", "Engine"]
+
+
+class Engine:
+    """The stages, their workers and the schedule: runs one phase of one call at a time.
+
+    Kept apart from the ``nn.Module`` so that autograd graphs (which hold the engine until
+    their backward) do not hold the module tree.
+    """
+
+    def __init__(self, stages: list[Stage]) -> None:
+        self.stages = stages
+        self.schedule = FillDrain()
+        self.workers = [Worker(stage) for stage in stages]
+        self.last: list[Event] = []
+
+    def run_phase(self, run: Run, phase: str) -> None:
+        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
+        first stage failure once every stage has stopped."""
+        run.begin_phase()
+        for stage, worker in zip(self.stages, self.workers):
+            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
+        run.wait_phase()
+        if phase == "backward" or not run.grad_enabled:
+            self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
+class Pipeline(nn.Module):
+    """A model run as a pipeline of stages, one worker thread per stage.
+
+    Give a :class:`~autopipe.Plan` (its fingerprint must match the model) or the manual form:
+    ``balance`` (layers per stage), ``devices`` (one per stage), ``chunks`` (micro-batches per
+    mini-batch) and ``checkpoint`` (``"never"``, ``"except_last"`` or ``"always"``).  ``model``
+    is anything :func:`~autopipe.layer_chain` reads, or its layer chain itself.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[Layer],
+        plan: Plan | None = None,
+        *,
+        balance: Sequence[int] | None = None,
+        devices: Sequence[torch.device | str | int] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        layers = layer_chain(model) if isinstance(model, nn.Module) else list(model)
+        if plan is not None:
+            balance, devices, chunks, checkpoint = _from_plan(plan, layers, balance, devices)
+        if balance is None:
+            raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
+        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * len(balance))
+        _check(layers, list(balance), resolved, chunks, checkpoint)
+        if deferred_batch_norm:
+            layers = [_deferred(layer) for layer in layers]
+        self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
+        self.balance, self.devices = list(balance), resolved
+        self._register_state(layers)
+        self._engine = Engine(_build_stages(layers, self.balance, resolved))
+        self._dummy = torch.ones((), requires_grad=True)
+        weakref.finalize(self, self._engine.close)
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self._engine.stages
+
+    def forward(self, *args: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        run = self._new_run(scatter(args, self.chunks), grad)
+        if not grad:
+            self._engine.run_phase(run, "forward")
+            return gather([run.outputs.pop(j) for j in range(run.chunks)])
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        return PipelineTie.apply(self._engine, run, self._dummy, *tensors)
+
+    def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
+        chunks = len(micro_batches)
+        checkpointing = grad and self.training
+        checkpointed = [
+            checkpointing and (self.checkpoint == "always" or (self.checkpoint == "except_last" and j < chunks - 1))
+            for j in range(chunks)
+        ]
+        return Run(micro_batches, checkpointed, grad, torch.get_num_threads(), len(self.stages))
+
+    def last_trace(self) -> list[Event]:
+        """Events of the last completed iteration (forward and backward), sorted by start."""
+        return list(self._engine.last)
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        super().train(mode)
+        for stage in self.stages:
+            for module in stage.modules:
+                module.train(mode)
+        return self
+
+    def close(self) -> None:
+        """Stop the worker threads (also done when the pipeline is garbage collected)."""
+        self._engine.close()
+
+    def _register_state(self, layers: list[Layer]) -> None:
+        """Register every module that directly holds parameters or buffers at its path in the
+        original model, so ``state_dict`` keys (and ``parameters()``) are the model's own."""
+        for layer in layers:
+            for name, module in layer.module.named_modules():
+                if module._parameters or module._buffers:
+                    path = ".".join(p for p in (layer.state_prefix, name) if p)
+                    _place(self, path, module)
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    *parents, leaf = path.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    existing = node._modules.get(leaf)
+    if existing is None:
+        node.add_module(leaf, module)
+    elif existing is not module and not _contains(existing, module):
+        raise ValueError(f"two different modules claim the state path '{path}'")
+
+
+def _contains(parent: nn.Module, module: nn.Module) -> bool:
+    return any(sub is module for sub in parent.modules())
+
+
+def _from_plan(plan: Plan, layers: list[Layer], balance: object, devices: object) -> tuple[list[int], list[str], int, str]:
+    if balance is not None or devices is not None:
+        raise TypeError("give either a plan or balance/devices, not both")
+    difference = first_difference(plan.model, model_fingerprint(layers))
+    if difference is not None:
+        raise ValueError(f"the plan was made for another model: {difference}; plan this model again")
+    if plan.schedule != "gpipe":
+        raise ValueError(
+            f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
+            "because its caller computes the loss after the forward; plan with schedule='gpipe'"
+        )
+    return plan.balance, plan.devices, plan.chunks, plan.checkpoint
+
+
+def _check(layers: list[Layer], balance: list[int], devices: list[torch.device], chunks: int, checkpoint: str) -> None:
+    if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
+        raise ValueError(
+            f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
+        )
+    if len(devices) != len(balance):
+        raise ValueError(f"{len(devices)} devices for {len(balance)} stages; give one device per stage")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+
+
+def _deferred(layer: Layer) -> Layer:
+    module = DeferredBatchNorm.convert(layer.module)
+    if module is layer.module:
+        return layer
+    return Layer(layer.name, module, layer.stash, layer.pop, layer.prefix)
+
+
+def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
+    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
+    routes = skip_routes(layers, stage_of_layer, len(balance))
+    stages: list[Stage] = []
+    start = 0
+    for index, (count, device) in enumerate(zip(balance, devices)):
+        chunk = layers[start:start + count]
+        for layer in chunk:
+            layer.module.to(device)
+        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages))
+        start += count
+    return stages

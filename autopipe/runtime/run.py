@@ -1,0 +1,138 @@
+"""One pipeline call: the messages between its stages, its saved state, failure and trace.
+
+Everything a call needs lives here, not on the pipeline, so two forwards before one backward
+(or a forward whose output is dropped) never see each other's micro-batches.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from torch import Tensor
+
+from ..checkpoint import RngStates
+from ..microbatch import Value
+from ..skip import SkipKey
+from ..timeline import Event
+
+__all__ = ["Run", "Saved", "StageError", "Aborted"]
+
+
+class StageError(RuntimeError):
+    """A stage failed; the message names the stage, the phase and the micro-batch, and the
+    original exception is the ``__cause__``."""
+
+
+class Aborted(Exception):
+    """Raised in a stage's wait when another stage of the same call failed."""
+
+
+class Inbox:
+    """Messages addressed to one stage, keyed by what they are and their micro-batch."""
+
+    def __init__(self, run: "Run") -> None:
+        self._run = run
+        self._ready = threading.Condition()
+        self._items: dict[Hashable, Any] = {}
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._ready:
+            self._items[key] = value
+            self._ready.notify()
+
+    def take(self, key: Hashable) -> Any:
+        """Wait for ``key``; raises :class:`Aborted` as soon as any stage has failed."""
+        with self._ready:
+            while key not in self._items:
+                if self._run.error is not None:
+                    raise Aborted
+                self._ready.wait()
+            return self._items.pop(key)
+
+    def wake(self) -> None:
+        with self._ready:
+            self._ready.notify_all()
+
+
+@dataclass
+class Saved:
+    """What a stage keeps of one micro-batch's forward for its backward.
+
+    ``args`` and ``skips`` hold the received leaves (the stage's inputs); ``output`` and
+    ``leaving`` the results with their autograd graph, or ``None`` for a checkpointed
+    micro-batch, whose backward recomputes them replaying ``rng``.
+    """
+
+    args: tuple[Any, ...]
+    skips: dict[SkipKey, Tensor]
+    output: Value | None = None
+    leaving: dict[SkipKey, Tensor] | None = None
+    rng: RngStates | None = None
+
+
+@dataclass
+class Run:
+    """The state of one ``pipe(*args)`` call, from its forward to the end of its backward."""
+
+    micro_batches: list[tuple[Any, ...]]
+    checkpointed: list[bool]
+    grad_enabled: bool
+    threads: int
+    stages: int
+    inboxes: list[Inbox] = field(init=False)
+    saved: list[dict[int, Saved]] = field(init=False)
+    outputs: dict[int, Value] = field(default_factory=dict)
+    output_grads: list[list[Tensor | None]] = field(default_factory=list)
+    input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.inboxes = [Inbox(self) for _ in range(self.stages)]
+        self.saved = [{} for _ in range(self.stages)]
+        self.t0 = time.perf_counter()
+        self._done = threading.Condition()
+        self._pending = 0
+
+    @property
+    def chunks(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Samples per micro-batch."""
+        return [next(a for a in mb if isinstance(a, Tensor)).shape[0] for mb in self.micro_batches]
+
+    def ms(self) -> float:
+        """Now, in ms since the call started (the trace's clock)."""
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure and wake every waiting stage so that it aborts."""
+        with self._done:
+            if self.error is None:
+                self.error = error
+        for inbox in self.inboxes:
+            inbox.wake()
+
+    def begin_phase(self) -> None:
+        self._pending = self.stages
+
+    def stage_done(self) -> None:
+        with self._done:
+            self._pending -= 1
+            self._done.notify_all()
+
+    def wait_phase(self) -> None:
+        """Block until every stage finished the phase; re-raise the first failure."""
+        try:
+            with self._done:
+                while self._pending:
+                    self._done.wait()
+        except BaseException as interrupt:  # e.g. KeyboardInterrupt: stop the stages too
+            self.fail(interrupt)
+            raise
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,255 @@
+"""A stage: a slice of the layer chain on one device, with its neighbours and skip routes.
+
+The stage knows what to compute and where to send results; the schedule only tells it the
+order.  For micro-batch ``j`` it
+
+* forward: takes its input (and arriving skips) from its inbox, makes them leaves
+  (``requires_grad`` as the producer's outputs), runs its layers, sends the detached output
+  to the next stage and each leaving skip straight to its consumer, and keeps what its
+  backward needs (everything, or only the inputs for a checkpointed micro-batch);
+* backward: takes the gradient of its output and of each leaving skip, recomputes if
+  checkpointed, runs ``torch.autograd.backward`` on this thread, and sends each leaf's
+  gradient back to where the leaf came from (the previous stage, a skip's producer, or the
+  caller for stage 0).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..batchnorm import DeferredBatchNorm
+from ..checkpoint import RandomGuard, RngStates
+from ..device import DeviceOps, ops_for
+from ..layers import Layer
+from ..microbatch import Value, map_tensors, tensors_of
+from ..skip import SkipKey, use_skip_tracker
+from ..timeline import Event
+from .function import Boundary
+from .run import Aborted, Run, Saved, StageError
+from .schedule import Action
+from .skips import SkipRoutes, StageTracker
+
+__all__ = ["Stage"]
+
+#: A tensor on its way to another stage: detached, and whether the receiver's leaf needs grad.
+Message = tuple[Value, list[bool]]
+
+
+class Stage:
+    """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``."""
+
+    def __init__(self, index: int, count: int, layers: Sequence[Layer], device: torch.device,
+                 routes: SkipRoutes, neighbours: Sequence["Stage"]) -> None:
+        self.index, self.count = index, count
+        self.layers = list(layers)
+        self.modules = [layer.module for layer in self.layers]
+        self.device = device
+        self.ops: DeviceOps = ops_for(device)
+        self.stream = self.ops.new_stream()
+        self.routes = routes
+        self.neighbours = neighbours  # every stage, by index, for sending
+        self.random = RandomGuard(device)
+        everything = [sub for module in self.modules for sub in module.modules()]
+        self.deferred = [m for m in everything if isinstance(m, DeferredBatchNorm)]
+        self.batch_norms = [m for m in everything if isinstance(m, _BatchNorm) and m not in self.deferred]
+        self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    # -- running a phase ---------------------------------------------------------------
+
+    def execute(self, run: Run, actions: list[Action]) -> None:
+        """Run ``actions`` in order; a failure becomes a :class:`StageError` naming the stage."""
+        forward = bool(actions) and actions[0].kind == "F"
+        if forward:
+            for bn in self.deferred:
+                bn.begin_step()
+        for action in actions:
+            try:
+                if action.kind == "F":
+                    self._forward(run, action.micro_batch)
+                else:
+                    self._backward(run, action.micro_batch)
+            except Aborted:
+                raise
+            except BaseException as error:
+                phase = "forward" if action.kind == "F" else "backward"
+                raise StageError(
+                    f"{self.name} failed in {phase} of micro-batch {action.micro_batch}: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+        if forward:
+            for bn in self.deferred:
+                bn.end_step()
+
+    # -- forward -----------------------------------------------------------------------
+
+    def _forward(self, run: Run, j: int) -> None:
+        args, skips = self._receive_inputs(run, j)
+        checkpointed = run.checkpointed[j]
+        begin = run.ms()
+        with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
+            with self._random(run) as rng:
+                output, leaving = self._compute(args, skips, wrap=run.grad_enabled and not checkpointed)
+        run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
+        self._send_forward(run, j, output, leaving, checkpointed, args, skips)
+        if run.grad_enabled:
+            saved = Saved(args, skips, rng=rng)
+            if not checkpointed:
+                saved.output, saved.leaving = output, leaving
+            run.saved[self.index][j] = saved
+
+    def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
+        if any(run.checkpointed):
+            return self.random.forward()
+        return contextlib.nullcontext()
+
+    def _receive_inputs(self, run: Run, j: int) -> tuple[tuple[Any, ...], dict[SkipKey, Tensor]]:
+        inbox = run.inboxes[self.index]
+        if self.index == 0:
+            given = map_tensors(run.micro_batches[j], lambda t: self._pull(run, j, t, "C"))
+            flags = [run.grad_enabled and t.requires_grad for t in tensors_of(run.micro_batches[j])]
+            args = _leaves(given, flags)
+        else:
+            args = (_leaves(*inbox.take(("x", j))),)
+        skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
+        return args, skips
+
+    def _compute(self, args: tuple[Any, ...], skips: dict[SkipKey, Tensor], wrap: bool) -> tuple[Value, dict[SkipKey, Tensor]]:
+        """Run the layers on ``args``; ``wrap`` puts grad-requiring leaves behind a Boundary."""
+        if wrap:
+            args = map_tensors(args, _boundary)
+            skips = {key: _boundary(t) for key, t in skips.items()}
+        tracker = StageTracker(skips, self.routes.leaving)
+        with use_skip_tracker(tracker):
+            value = self.modules[0](*args)
+            for module in self.modules[1:]:
+                value = module(value)
+        return value, tracker.leaving
+
+    def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Tensor],
+                      checkpointed: bool, args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> None:
+        if self.is_last:
+            run.outputs[j] = output
+        else:
+            message = self._message(run, j, output, self.index + 1, checkpointed, args, skips)
+            run.inboxes[self.index + 1].put(("x", j), message)
+        for key, tensor in leaving.items():
+            consumer = self.routes.leaving[key]
+            message = self._message(run, j, tensor, consumer, checkpointed, args, skips)
+            run.inboxes[consumer].put(("skip", key, j), message)
+
+    def _message(self, run: Run, j: int, value: Value, to: int, checkpointed: bool,
+                 args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> Message:
+        """``value`` detached and on stage ``to``'s device, with whether each tensor needs a
+        gradient from its receiver.
+
+        A checkpointed forward ran without grad, so it cannot tell; it assumes a floating
+        point result needs one if any input or parameter of the stage does (the recomputed
+        backward then simply drops gradients of results that turn out not to need one)."""
+        if checkpointed:
+            needs = run.grad_enabled and self._any_grad(args, skips)
+            flags = [needs and t.is_floating_point() for t in tensors_of(value)]
+        else:
+            flags = [t.requires_grad for t in tensors_of(value)]
+        return map_tensors(value, lambda t: self._push(run, j, t.detach(), to, "C")), flags
+
+    def _any_grad(self, args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> bool:
+        inputs = tensors_of(args) + list(skips.values())
+        return any(t.requires_grad for t in inputs) or any(
+            p.requires_grad for m in self.modules for p in m.parameters()
+        )
+
+    # -- backward ----------------------------------------------------------------------
+
+    def _backward(self, run: Run, j: int) -> None:
+        saved = run.saved[self.index].pop(j)
+        inbox = run.inboxes[self.index]
+        if self.is_last:
+            output_grads = [None if g is None else self._pull(run, j, g, "G") for g in run.output_grads[j]]
+        else:
+            output_grads = inbox.take(("dy", j))
+        skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
+        if saved.output is None:
+            begin = run.ms()
+            saved.output, saved.leaving = self._recompute(saved)
+            run.events.append(Event(self.index, "compute", "R", j, begin, run.ms()))
+        assert saved.leaving is not None
+        begin = run.ms()
+        pairs = list(zip(tensors_of(saved.output), output_grads))
+        pairs += [(saved.leaving[key], skip_grads[key]) for key in self.routes.leaving]
+        pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
+        if pairs:
+            with self._on_stream():
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
+        self._send_backward(run, j, saved)
+
+    def _recompute(self, saved: Saved) -> tuple[Value, dict[SkipKey, Tensor]]:
+        with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
+            return self._compute(saved.args, saved.skips, wrap=True)
+
+    @contextlib.contextmanager
+    def _stats_kept(self) -> Iterator[None]:
+        """Undo what a recomputation does to plain batch norms' running statistics."""
+        kept = [(bn, [b.clone() for b in bn.buffers(recurse=False)]) for bn in self.batch_norms if bn.training]
+        yield
+        with torch.no_grad():
+            for bn, buffers in kept:
+                for buffer, value in zip(bn.buffers(recurse=False), buffers):
+                    buffer.copy_(value)
+
+    def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
+        grads = [leaf.grad for leaf in tensors_of(saved.args)]
+        if self.index == 0:
+            run.input_grads[j] = grads
+        else:
+            back = [None if g is None else self._push(run, j, g, self.index - 1, "G") for g in grads]
+            run.inboxes[self.index - 1].put(("dy", j), back)
+        for key, leaf in saved.skips.items():
+            producer = self.routes.arriving[key]
+            grad = None if leaf.grad is None else self._push(run, j, leaf.grad, producer, "G")
+            run.inboxes[producer].put(("dskip", key, j), grad)
+
+    # -- devices -----------------------------------------------------------------------
+
+    def _push(self, run: Run, j: int, tensor: Tensor, to: int, kind: str) -> Tensor:
+        """``tensor``, made on this stage's stream, on stage ``to``'s device and stream.
+
+        Sent from the producing thread, so the copy is ordered after the work that made the
+        tensor.  Cross-device copies are traced on the receiver's copy lane (``C`` forward,
+        ``G`` gradient)."""
+        target = self.neighbours[to]
+        begin = run.ms() if tensor.device != target.device else None
+        with self._on_stream():
+            moved = self.ops.copy_to(tensor, target.ops, target.stream)
+        if begin is not None:
+            run.events.append(Event(to, "copy", kind, j, begin, run.ms()))
+        return moved
+
+    def _pull(self, run: Run, j: int, tensor: Tensor, kind: str) -> Tensor:
+        """A caller's tensor (input or output gradient) on this stage's device and stream."""
+        begin = run.ms() if tensor.device != self.device else None
+        moved = ops_for(tensor.device).copy_to(tensor, self.ops, self.stream)
+        if begin is not None:
+            run.events.append(Event(self.index, "copy", kind, j, begin, run.ms()))
+        return moved
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[None]:
+        return self.ops.use_stream(self.stream)
+
+
+def _leaves(value: Value, flags: list[bool]) -> Value:
+    """``value``'s tensors as fresh leaves, requiring grad per ``flags``."""
+    needs = iter(flags)
+    return map_tensors(value, lambda t: t.detach().requires_grad_(next(needs)))
+
+
+def _boundary(tensor: Tensor) -> Tensor:
+    return Boundary.apply(tensor) if tensor.requires_grad else tensor

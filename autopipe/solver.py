@@ -1,0 +1,446 @@
+"""The planner: the exact minimum of the cost model over stage count, split points, micro-batch
+count and checkpoint mode, subject to per-device memory limits.
+
+Why a label-setting DP and not a min-max DP: the iteration time ``S + (m-1)·X + V`` (see
+:mod:`autopipe.cost`) mixes a sum ``S`` that depends on the split (speeds differ, copies come
+and go) with two bottlenecks (forward lane maximum ``X``, backward lanes through ``M`` and ``V``).
+So the DP over (layers covered, stages used) keeps, per state, every label ``(X, M, V, S)`` not
+dominated by another; every component only ever raises the final time, so a dominated label can
+never finish better.  Labels and whole stages are also cut by a lower bound against the best plan
+found so far (branch and bound), candidates ``(m, mode)`` are tried in order of a lower bound.
+
+Skips whose copy cost depends on the device pair need state: a label's key records, for each skip
+still open, its producer stage and the consumer stage it is committed to (the producer's gradient
+lane is known only with the consumer); a stage that does not pop a skip committed to it is
+invalid.  With one copy fit for every pair the cost depends only on the cut positions and the key
+stays empty.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .cost import MODES, CostModel, SizeCosts
+from .graph import build_graph, chain_of
+from .plans import SCHEDULES, Plan, Prediction, StagePlan
+from .profiles import Profile
+
+__all__ = ["plan", "Search", "PlanningError", "candidate_chunks", "parse_bytes"]
+
+
+class PlanningError(ValueError):
+    """No plan satisfies the options (memory limits, chunks, batch size)."""
+
+
+# A label: (X, M, V, S, stop, parent label).  Key: ((skip index, producer, consumer), ...).
+_Label = tuple
+_Key = tuple
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The best plan the search found: stage bounds, chunks, checkpoint mode and its time."""
+
+    bounds: tuple[int, ...]
+    chunks: int
+    mode: str
+    iteration_ms: float
+
+
+class Search:
+    """One DP over splits for fixed ``chunks`` and ``mode``, cut by an upper bound ``best``."""
+
+    def __init__(self, model: CostModel, chunks: int, mode: str, limits: np.ndarray, best: float) -> None:
+        self.model = model
+        self.m = chunks
+        self.mode = "never" if mode == "except_last" and chunks == 1 else mode
+        self.costs: SizeCosts = model.at(model.micro_batch_size(chunks))
+        self.limits = limits
+        self.best = best
+        self.bounds: tuple[int, ...] | None = None
+        self.devices = len(limits)
+        self.uniform = _uniform(model.latency, model.per_byte)
+        self.top_speed = float(np.max(model.speeds[: self.devices]))
+        recompute = 0.0 if self.mode == "never" else 1.0
+        self.rest = (self.costs.forward[-1] - self.costs.forward) * (1 + recompute) \
+            + (self.costs.backward[-1] - self.costs.backward)
+        self.rest = self.rest / self.top_speed
+
+    def run(self) -> Choice | None:
+        """The best split strictly better than ``best``, or ``None``."""
+        layers = self.model.layers
+        frontier: dict[int, dict[_Key, list[_Label]]] = {0: {(): [(0.0, 0.0, -math.inf, 0.0, 0, None)]}}
+        for stage in range(self.devices):
+            grown: dict[int, dict[_Key, list[_Label]]] = {}
+            for start, keyed in frontier.items():
+                for key, labels in keyed.items():
+                    self._extend(stage, start, key, labels, grown)
+            grown.pop(layers, None)
+            frontier = {stop: {k: _pareto(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
+            if not frontier:
+                break
+        if self.bounds is None:
+            return None
+        return Choice(self.bounds, self.m, self.mode, self.best)
+
+    def _caps(self) -> tuple[float, float]:
+        """Largest forward and backward lane a plan better than ``best`` can have:
+        ``best > S + (m-1)·X + V`` with ``V ≥ (m-1)·M`` (identical jobs) or ``(m-2)·M``."""
+        spare = self.best - self.rest[0]
+        backward_weight = self.m - 1 if self.mode != "except_last" else self.m - 2
+        forward_cap = spare / (self.m - 1) if self.m > 1 else math.inf
+        return forward_cap, spare / backward_weight if backward_weight > 0 else math.inf
+
+    def _extend(self, stage: int, start: int, key: _Key, labels: list[_Label],
+                grown: dict[int, dict[_Key, list[_Label]]]) -> None:
+        layers = self.model.layers
+        stops = range(start + 1, layers + 1) if stage + 1 < self.devices else [layers]
+        for stop in stops:
+            forward_cap, backward_cap = self._caps()
+            forward, backward = self.model.compute(self.costs, start, stop, stage)
+            recompute = forward if self.mode != "never" else 0.0
+            if forward > forward_cap or backward + recompute > backward_cap:
+                break
+            for lanes, new_key in self._stage_lanes(stage, start, stop, key, forward, backward, recompute):
+                for label in labels:
+                    self._push(label, lanes, stop, new_key, grown)
+
+    def _stage_lanes(self, stage: int, start: int, stop: int, key: _Key, forward: float, backward: float,
+                     recompute: float) -> Iterator[tuple[tuple[float, ...], _Key]]:
+        """Lane times ``(C, F, W+R, R skipped by the first backward, G)`` of the stage and the key
+        after it, for every commitment of the skips it sends on."""
+        model, costs = self.model, self.costs
+        skips = model.chain.skips
+        copy_in = model.copy_ms(stage - 1, stage, costs.input_bytes[start]) if stage else 0.0
+        kept = []
+        for entry in key:
+            index, producer, consumer = entry
+            if skips[index].pop < stop:
+                if consumer not in (stage, -1):
+                    return
+                copy_in += self._pair(producer, stage, costs.skip_bytes[index])
+            elif consumer == stage:
+                return
+            else:
+                kept.append(entry)
+        if self.uniform:
+            received = [i for i, s in enumerate(skips) if s.stash < start <= s.pop < stop]
+            copy_in += sum(self._pair(-1, -1, costs.skip_bytes[i]) for i in received)
+        sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
+        memory = model.memory(costs, start, stop, self.m, self.mode, model.held_bytes(costs, start, stop))
+        if memory > self.limits[stage]:
+            return
+        grad = model.copy_ms(stage + 1, stage, costs.input_bytes[stop]) if stop < model.layers else 0.0
+        skipped = recompute if self.mode == "except_last" else 0.0
+        choices = [[-1]] * len(sent) if self.uniform else [range(stage + 1, self.devices)] * len(sent)
+        for consumers in itertools.product(*choices):
+            copy_grad = grad + sum(self._pair(u, stage, costs.skip_bytes[i]) for i, u in zip(sent, consumers))
+            new_key = tuple(kept) if self.uniform else tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
+            yield (copy_in, forward, backward + recompute, skipped, copy_grad, stop < model.layers), new_key
+
+    def _pair(self, src: int, dst: int, nbytes: float) -> float:
+        if self.uniform:
+            return self.model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
+        return self.model.copy_ms(src, dst, nbytes)
+
+    def _push(self, label: _Label, lanes: tuple[Any, ...], stop: int, key: _Key,
+              grown: dict[int, dict[_Key, list[_Label]]]) -> None:
+        """Append the stage's lanes to ``label`` (forward: ``C, F``; backward: ``W+R, G``)."""
+        x, peak, v, total = label[:4]
+        copy_in, forward, back, skipped, copy_grad, has_grad = lanes
+        m2 = self.m - 2
+        x = max(x, copy_in, forward)
+        peak = max(peak, back)
+        v = max(v - skipped, back - skipped + m2 * peak)
+        total += copy_in + forward + back
+        if has_grad:
+            peak = max(peak, copy_grad)
+            v = max(v, copy_grad + m2 * peak)
+            total += copy_grad
+        new = (x, peak, v, total, stop, label)
+        if stop == self.model.layers:
+            if total + (self.m - 1) * x + v < self.best:
+                self.best = total + (self.m - 1) * x + v
+                self.bounds = _bounds(new)
+            return
+        least_v = (self.m - 1) * peak if self.mode != "except_last" else m2 * peak
+        if total + self.rest[stop] + (self.m - 1) * x + least_v < self.best:
+            grown.setdefault(stop, {}).setdefault(key, []).append(new)
+
+
+def _bounds(label: _Label) -> tuple[int, ...]:
+    stops = []
+    while label is not None:
+        stops.append(label[4])
+        label = label[5]
+    return tuple(reversed(stops))
+
+
+def _pareto(labels: list[_Label]) -> list[_Label]:
+    """The labels no other label dominates (componentwise ≤ on X, M, V, S)."""
+    labels.sort(key=lambda l: (l[3], l[0], l[1], l[2]))
+    kept: list[_Label] = []
+    for label in labels:
+        if not any(k[0] <= label[0] and k[1] <= label[1] and k[2] <= label[2] for k in kept):
+            kept.append(label)
+    return kept
+
+
+def _uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
+    off = ~np.eye(len(latency), dtype=bool)
+    return len(latency) < 2 or (np.ptp(latency[off]) == 0 and np.ptp(per_byte[off]) == 0)
+
+
+def plan(
+    profile: Profile,
+    devices: Sequence[Any] | int | None = None,
+    *,
+    batch_size: int | None = None,
+    memory_limit: float | str | Sequence[float | str | None] | None = None,
+    checkpoint: str = "auto",
+    optimizer_state_factor: float = 2.0,
+    schedule: str = "gpipe",
+    speeds: Sequence[float] | None = None,
+    chunks: int | None = None,
+) -> Plan:
+    """The plan of least predicted iteration time for ``profile`` on ``devices``.
+
+    Stages use ``devices`` in order (``k`` of them, ``k`` chosen); ``speeds`` are relative
+    (times are divided by them); ``memory_limit`` is bytes (or ``"16GiB"``) for every device or
+    one per device, defaulting to the capacity of CUDA devices and no limit on CPU;
+    ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count.
+    """
+    names = device_names(profile, devices)
+    options = _Options.check(profile, names, batch_size, memory_limit, checkpoint,
+                             optimizer_state_factor, schedule, speeds, chunks)
+    model = CostModel(profile, chain_of(build_graph(profile)), names, options.speeds,
+                      options.batch_size, optimizer_state_factor)
+    choice = solve(model, options.candidates, options.modes, options.limits)
+    if choice is None:
+        raise PlanningError(_infeasible(model, options))
+    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record())
+
+
+def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+          best: float = math.inf) -> Choice | None:
+    """Branch and bound over ``(chunks, mode)`` in order of a lower bound, one :class:`Search` each."""
+    pairs = sorted(((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes))
+    choice = None
+    for bound, m, mode in pairs:
+        if bound >= best:
+            break
+        found = Search(model, m, mode, limits, best).run()
+        if found is not None:
+            choice, best = found, found.iteration_ms
+    return choice
+
+
+def _lower_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:
+    """``S + (m-1)·X + V`` with every lane's work spread perfectly over all devices at once."""
+    costs = model.at(model.micro_batch_size(chunks))
+    forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
+    recompute = forward if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
+    top, total_speed = float(np.max(model.speeds[:devices])), float(np.sum(model.speeds[:devices]))
+    backward_weight = chunks - 1 if mode != "except_last" else max(chunks - 2, 0)
+    return ((forward + backward + recompute) / top + (chunks - 1) * forward / total_speed
+            + backward_weight * (backward + recompute) / total_speed)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Checked planning options."""
+
+    batch_size: int
+    speeds: list[float]
+    limits: np.ndarray
+    candidates: list[int]
+    modes: list[str]
+    given: dict[str, Any]
+
+    @staticmethod
+    def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
+              checkpoint: str, optimizer_state_factor: float, schedule: str,
+              speeds: Sequence[float] | None, chunks: int | None) -> "_Options":
+        if schedule != "gpipe":
+            known = f"; '{schedule}' is not a schedule" if schedule not in SCHEDULES else ""
+            raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe'")
+        if checkpoint != "auto" and checkpoint not in MODES:
+            raise ValueError(f"checkpoint '{checkpoint}' is not one of {['auto', *MODES]}")
+        if optimizer_state_factor < 0:
+            raise ValueError(f"optimizer_state_factor must be ≥ 0 (2 for SGD with momentum, 3 for Adam), "
+                             f"got {optimizer_state_factor}")
+        batch = profile.batch_size if batch_size is None else int(batch_size)
+        rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
+        if len(rates) != len(names) or min(rates) <= 0:
+            raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+        # 'always' is never chosen automatically: 'except_last' recomputes less and holds one
+        # stage input less, so it is at least as fast and as small.
+        modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
+        given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
+                 "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
+                 "speeds": rates, "chunks": chunks}
+        return _Options(batch, rates, memory_limits(memory_limit, names),
+                        candidate_chunks(batch, profile.batch_sizes, chunks), modes, given)
+
+    def record(self) -> dict[str, Any]:
+        """The options as JSON for the plan file."""
+        limit = self.given["memory_limit"]
+        shown = list(limit) if isinstance(limit, (list, tuple)) else limit
+        return {**self.given, "memory_limit": shown,
+                "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
+
+
+def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None = None) -> list[int]:
+    """Micro-batch counts worth trying: the least ``m`` for each distinct ``ceil(B/m)`` within
+    the profiled sizes (for equal micro-batch size, fewer micro-batches is never slower)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    low, high = min(sizes), max(sizes)
+    if chunks is not None:
+        size = -(-batch_size // chunks) if 1 <= chunks <= batch_size else 0
+        if not low <= size <= high:
+            raise ValueError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} "
+                             f"samples, outside 1..{batch_size} or the profiled sizes {low}..{high}; "
+                             "choose another chunks or profile more batch sizes")
+        return [chunks]
+    found = {}
+    for m in range(1, batch_size + 1):
+        found.setdefault(-(-batch_size // m), m)
+    usable = [m for size, m in found.items() if low <= size <= high]
+    if not usable:
+        raise ValueError(f"batch size {batch_size} cannot be split into micro-batches of the profiled "
+                         f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
+                         f"size of at least {low}")
+    return sorted(usable)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """``16GiB``, ``500MB``, ``1e9`` or a number → bytes."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number):]
+    try:
+        return float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
+
+
+def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:
+    """Bytes per device: one value for all, one per device, or the CUDA capacity / no limit."""
+    if isinstance(limit, (list, tuple)):
+        if len(limit) != len(names):
+            raise ValueError(f"{len(limit)} memory limits for {len(names)} devices; give one, or one per device")
+        values = [_default_limit(n) if v is None else parse_bytes(v) for v, n in zip(limit, names)]
+    elif limit is None:
+        values = [_default_limit(n) for n in names]
+    else:
+        values = [parse_bytes(limit)] * len(names)
+    if min(values) <= 0:
+        raise ValueError(f"memory limits must be positive, got {values}")
+    return np.asarray(values, dtype=float)
+
+
+def _default_limit(name: str) -> float:
+    if not name.startswith("cuda"):
+        return math.inf
+    from .device import DeviceError, ops_for
+
+    try:
+        capacity = ops_for(name).capacity()
+    except DeviceError as error:
+        raise ValueError(f"cannot read the memory of {name} here ({error}); pass memory_limit "
+                         "(e.g. '16GiB') to plan for it") from None
+    return math.inf if capacity is None else float(capacity)
+
+
+def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[str]:
+    """Plan devices as names: the profile's, its first ``n``, or those given."""
+    if devices is None:
+        return list(profile.devices)
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"device count must be at least 1, got {devices}")
+        if devices <= len(profile.devices):
+            return list(profile.devices[:devices])
+        if all(d.startswith("cpu") for d in profile.devices):
+            return ["cpu"] * devices
+        raise ValueError(f"{devices} devices requested but the profile measured {len(profile.devices)} "
+                         f"({', '.join(profile.devices)}); name the devices or profile on all of them")
+    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    if not names:
+        raise ValueError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
+    return names
+
+
+def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
+               options: dict[str, Any]) -> Plan:
+    """The :class:`Plan` of one split, costed by ``model``."""
+    evaluation = model.evaluate(bounds, chunks, mode)
+    layers = profile.layers
+    stages = [
+        StagePlan(index=s, device=model.devices[s], start=bounds[s], stop=bounds[s + 1],
+                  first_layer=layers[bounds[s]].name, last_layer=layers[bounds[s + 1] - 1].name,
+                  forward_ms=lanes.forward, backward_ms=lanes.backward, recompute_ms=lanes.recompute,
+                  copy_in_ms=lanes.copy_in, copy_grad_ms=lanes.copy_grad,
+                  memory_bytes=int(math.ceil(lanes.memory)))
+        for s, lanes in enumerate(evaluation.stages)
+    ]
+    recomputed = {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
+    busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
+    bubble = 1 - busy / (len(stages) * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
+    predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)
+    return Plan(model=profile.model, profile_digest=profile.digest, devices=model.devices[: len(stages)],
+                batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule="gpipe",
+                stages=stages, predicted=predicted, options=options)
+
+
+def _infeasible(model: CostModel, options: _Options) -> str:
+    need, chunks, mode = smallest_memory(model, options.candidates, options.modes, len(options.limits))
+    limits = ", ".join("none" if math.isinf(v) else f"{int(v)}" for v in options.limits)
+    return (f"no plan fits the memory limits ({limits} bytes per device); the smallest per-device "
+            f"memory limit that would fit is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
+            f"with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices or allow "
+            "checkpointing")
+
+
+def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[str],
+                    devices: int) -> tuple[float, int, str]:
+    """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``)."""
+    best = (math.inf, 0, "")
+    for chunks in candidates:
+        costs = model.at(model.micro_batch_size(chunks))
+        for mode in modes:
+            effective = "never" if mode == "except_last" and chunks == 1 else mode
+            answer = _min_max_memory(model, costs, chunks, effective, devices)
+            if answer < best[0]:
+                best = (answer, chunks, mode)
+    return best
+
+
+def _min_max_memory(model: CostModel, costs: SizeCosts, chunks: int, mode: str, devices: int) -> float:
+    """``min over k ≤ devices and splits of max stage memory``: ``reach[c]`` is the best over
+    the first ``c`` layers with one more stage each round."""
+    layers = model.layers
+    starts = np.arange(layers)
+    reach = np.full(layers + 1, math.inf)
+    reach[0] = 0.0
+    answer = math.inf
+    for _ in range(devices):
+        grown = np.full(layers + 1, math.inf)
+        for stop in range(1, layers + 1):
+            head = starts[:stop]
+            row = model.memory(costs, head, stop, chunks, mode, model.held_bytes(costs, head, stop))
+            grown[stop] = np.min(np.maximum(reach[:stop], row))
+        reach = grown
+        answer = min(answer, float(reach[layers]))
+    return answer

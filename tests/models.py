@@ -1,0 +1,89 @@
+"""Small non-Sequential models whose forwards have long-lived values, shared by capture and runtime tests."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def _block(inputs: int, outputs: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(inputs, outputs, 3, padding=1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(inplace=True)
+    )
+
+
+class UNet(nn.Module):
+    """Two-level U-Net: each encoder output is concatenated into the decoder much later (skips)."""
+
+    def __init__(self, channels: int = 3, width: int = 8, classes: int = 2) -> None:
+        super().__init__()
+        self.enc1 = _block(channels, width)
+        self.enc2 = _block(width, 2 * width)
+        self.pool = nn.MaxPool2d(2)
+        self.middle = _block(2 * width, 4 * width)
+        self.up2 = nn.ConvTranspose2d(4 * width, 2 * width, 2, stride=2)
+        self.dec2 = _block(4 * width, 2 * width)
+        self.up1 = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.dec1 = _block(2 * width, width)
+        self.head = nn.Conv2d(width, classes, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(self.pool(e1))
+        m = self.middle(self.pool(e2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], dim=1))
+        d1 = self.dec1(torch.cat([self.up1(d2), e1], dim=1))
+        return self.head(d1)
+
+
+class TwoBranch(nn.Module):
+    """A trunk feeding two branches; their two outputs are merged at the end (or returned as a pair)."""
+
+    def __init__(self, features: int = 16, classes: int = 5, merge: bool = True) -> None:
+        super().__init__()
+        self.merge = merge
+        self.trunk = nn.Sequential(nn.Linear(features, 32), nn.Tanh())
+        self.left = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, classes))
+        self.right = nn.Sequential(nn.Linear(32, 24), nn.GELU(), nn.Linear(24, classes))
+        self.mix = nn.Linear(2 * classes, classes)
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        h = self.trunk(x)
+        a, b = self.left(h), self.right(h)
+        if not self.merge:
+            return a, b
+        return self.mix(torch.cat([a, b], dim=1)) + a * b
+
+
+class Encoder(nn.Module):
+    """Transformer encoder layers that all read one causal attention mask built in the forward."""
+
+    def __init__(self, width: int, heads: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask)
+        return self.norm(x)
+
+
+class TinyTransformer(nn.Module):
+    """Sequence classifier: embedding plus position, causal encoder, mean over time, linear head."""
+
+    def __init__(self, features: int = 8, width: int = 16, heads: int = 2, depth: int = 3, classes: int = 4,
+                 length: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.position = nn.Parameter(torch.randn(1, length, width) * 0.02)
+        self.encoder = Encoder(width, heads, depth)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length = x.shape[:2]
+        h = self.encoder(self.embed(x) + self.position[:, :length])
+        return self.head(h.reshape(batch, length, -1).mean(dim=1))

@@ -1,0 +1,206 @@
+"""Captured chains of non-Sequential models equal the models: run layer by layer and as pipelines."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torchvision
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.capture import CaptureError, CapturedLayer, chain
+from autopipe.layers import Layer, layer_chain
+from autopipe.skip import current_skip_tracker, verify_skippables
+from models import TinyTransformer, TwoBranch, UNet
+
+VISION = (3, 32, 32)
+
+
+def _vit() -> nn.Module:
+    return torchvision.models.VisionTransformer(32, 8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                                                num_classes=10)
+
+
+#: name → (model factory, input shape without batch, a layer name the chain must have)
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], str]] = {
+    "resnet50": (lambda: torchvision.models.resnet50(num_classes=10), VISION, "layer1.0"),
+    "densenet121": (lambda: torchvision.models.densenet121(num_classes=10), VISION,
+                    "features.denseblock1.denselayer2"),
+    "mobilenet_v3_small": (lambda: torchvision.models.mobilenet_v3_small(num_classes=10), VISION, "features.3"),
+    "vit": (_vit, VISION, "encoder.layers.encoder_layer_1"),
+    "transformer": (TinyTransformer, (6, 8), "encoder.layers.2"),
+    "unet": (UNet, VISION, "up2"),
+    "two_branch": (TwoBranch, (16,), "right.0"),
+    "two_outputs": (lambda: TwoBranch(merge=False), (16,), "left.2"),
+}
+
+
+def _as_tuple(value: Any) -> tuple[Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _output_and_grads(run: Callable[[Tensor], Any], model: nn.Module, x: Tensor) -> tuple[tuple[Tensor, ...], dict]:
+    """Output of ``run(x)`` and the gradient it leaves on each of ``model``'s parameters
+    (dropout draws the same masks each time)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    outputs = _as_tuple(run(x))
+    sum(o.square().mean() for o in outputs).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return tuple(o.detach() for o in outputs), grads
+
+
+def _assert_same(expected: tuple[tuple[Tensor, ...], dict], actual: tuple[tuple[Tensor, ...], dict]) -> None:
+    (want, want_grads), (have, have_grads) = expected, actual
+    assert len(want) == len(have)
+    for a, b in zip(want, have):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert want_grads.keys() == have_grads.keys() and want_grads
+    for name in want_grads:
+        torch.testing.assert_close(have_grads[name], want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _sequential(layers: list[Layer]) -> nn.Sequential:
+    return nn.Sequential(*(layer.module for layer in layers))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chain_run_in_sequence_equals_model(name: str) -> None:
+    factory, shape, expected_layer = MODELS[name]
+    model = factory()
+    layers = chain(model)
+    sequential = _sequential(layers)
+    x = torch.randn(3, *shape)
+    _assert_same(_output_and_grads(model, model, x), _output_and_grads(sequential, model, x))
+    assert not current_skip_tracker().tensors, "every stash is popped"
+    verify_skippables(sequential)
+    assert expected_layer in [layer.name for layer in layers]
+    assert all(isinstance(layer.module, CapturedLayer) and layer.state_prefix == "" for layer in layers)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "unet", "vit"])
+def test_layers_hold_the_original_tensors_under_the_original_keys(name: str) -> None:
+    model = MODELS[name][0]()
+    original = model.state_dict(keep_vars=True)
+    captured = {key: value for layer in chain(model) for key, value in layer.module.state_dict(keep_vars=True).items()}
+    assert captured.keys() == original.keys()
+    assert all(captured[key] is original[key] for key in original), "no copies of parameters or buffers"
+
+
+def test_batch_dependent_sizes_follow_the_micro_batch() -> None:
+    """The transformer sends its batch and length (taken from x.shape) as a skip to the layer
+    that reshapes with them, and builds its causal mask from the length: any size works."""
+    model = TinyTransformer()
+    layers = chain(model)
+    assert [str(key) for key in layers[0].stash] == [
+        "getitem_1->encoder.norm@TinyTransformer", "getitem_2->encoder.norm@TinyTransformer"
+    ]
+    sequential = _sequential(layers)
+    for batch, length in [(1, 6), (5, 4)]:
+        x = torch.randn(batch, length, 8)
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(sequential, model, x))
+
+
+def test_encoder_outputs_skip_to_the_decoder() -> None:
+    """Each encoder output goes to the pool as its main value; the pool passes it on to the
+    decoder level that concatenates it."""
+    layers = chain(UNet())
+    routes = {(layer.name, str(key)) for layer in layers for key in layer.stash}
+    pops = {(layer.name, str(key)) for layer in layers for key in layer.pop}
+    assert routes == {("pool", "enc1_2->up1@UNet"), ("pool:2", "enc2_2->up2@UNet")}
+    assert pops == {("up1", "enc1_2->up1@UNet"), ("up2", "enc2_2->up2@UNet")}
+
+
+class Fan(nn.Module):
+    """``h`` is read by three later layers, ``x`` by the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(6, 6) for _ in range(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        u = self.b(torch.relu(h))
+        v = self.c(u) * h
+        w = self.d(v) + h
+        return self.e(w) * h + x
+
+
+def test_value_read_by_many_layers_crosses_each_cut_once() -> None:
+    """``h`` is stashed once, for its first non-adjacent reader ``c``, which passes it on to
+    ``d`` and ``e`` with its main value; ``x`` skips from the first layer to the last."""
+    model = Fan()
+    layers = chain(model)
+    assert [layer.name for layer in layers] == ["a", "b", "c", "d", "e"]
+    assert [str(key) for layer in layers for key in layer.stash] == ["a->c@Fan", "x->e@Fan"]
+    assert [layer.module.main_inputs for layer in layers] == [1, 1, 1, 2, 2]
+    x = torch.randn(4, 6)
+    _assert_same(_output_and_grads(model, model, x), _output_and_grads(_sequential(layers), model, x))
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:
+            return self.linear(x)
+        return -x
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([Gate(), Gate()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x) + x
+        return x
+
+
+def test_untraceable_module_names_the_operation_and_the_way_out() -> None:
+    with pytest.raises(CaptureError) as caught:
+        chain(Gated(), granularity="finer")
+    message = str(caught.value)
+    for part in ("'blocks.0' (Gate)", "`if x.sum() > 0:`", "leaf_modules=['blocks.0']", "nn.Sequential"):
+        assert part in message
+    model = Gated()
+    layers = chain(model, granularity="finer", leaf_modules=[Gate])
+    assert [layer.name for layer in layers] == ["stem", "blocks.0", "blocks.1"]
+    x = torch.randn(3, 4)
+    _assert_same(_output_and_grads(model, model, x), _output_and_grads(_sequential(layers), model, x))
+
+
+def test_untraceable_root_forward_points_to_sequential() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.linear(x) if x.mean() > 0 else x
+
+    with pytest.raises(CaptureError, match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
+        chain(Root())
+
+
+def test_finer_granularity_splits_blocks_and_keeps_results() -> None:
+    model = torchvision.models.resnet18(num_classes=10)
+    layers = chain(model, granularity="finer")
+    names = [layer.name for layer in layers]
+    assert {"layer1.0.conv1", "layer1.0.relu:2", "layer2.0.downsample.0"} <= set(names)
+    x = torch.randn(2, *VISION)
+    _assert_same(_output_and_grads(model, model, x), _output_and_grads(_sequential(layers), model, x))
+    with pytest.raises(ValueError, match="granularity"):
+        chain(model, granularity="coarse")  # type: ignore[arg-type]
+
+
+def test_layer_chain_captures_other_models_and_keeps_sequentials() -> None:
+    assert all(isinstance(layer.module, CapturedLayer) for layer in layer_chain(UNet()))
+    sequential = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert [layer.module for layer in layer_chain(sequential)] == list(sequential)

@@ -1,0 +1,341 @@
+"""autopipe.distributed on torch.distributed.pipelining: 2- and 3-process gloo jobs on localhost.
+
+Each job starts its processes once (starting costs seconds) and runs several checks; every rank
+saves what it saw (stage gradients under the original names, error messages) and the test
+compares that with the unpartitioned model run here, micro-batch by micro-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.distributed.local import launch_local
+from autopipe.fingerprint import model_fingerprint
+from autopipe.layers import layer_chain
+from autopipe.plans import Plan, Prediction, StagePlan
+from autopipe.skip import pop, skippable, stash
+
+JOB_TIMEOUT_S = 100.0
+BATCH, CHUNKS = 8, 4
+
+
+# ---- models shared by the test and the worker processes (same seed, same weights) ----------
+
+class Split(nn.Module):
+    """Ends a stage with a tuple, which the engine unpacks into the next stage's arguments."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x[:, :8], x[:, 8:] * 2
+
+
+class Join(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
+        return a * b
+
+
+class Labelled(nn.Module):
+    """Returns a tensor with a string: not something one rank can send to another."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, str]:
+        return x, "label"
+
+
+@skippable(stash=["x"])
+class StashX(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("x", x)
+        return x
+
+
+@skippable(stash=["y"])
+class StashY(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("y", x * 3)
+        return x
+
+
+@skippable(pop=["x"])
+class AddX(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("x")
+        return x + skip
+
+
+@skippable(pop=["y"])
+class MulY(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        skip = yield pop("y")
+        return x * skip
+
+
+def inplace_model() -> nn.Sequential:
+    """Balance [3, 2]: the second stage starts with ReLU(inplace=True)."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(inplace=True),
+                         nn.Linear(16, 4))
+
+
+def tuple_model() -> nn.Sequential:
+    """Balance [2, 2]: the first stage ends with a tuple that the second stage's Join unpacks."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 16), Split(), Join(), nn.Linear(8, 4))
+
+
+def batchnorm_model() -> nn.Sequential:
+    """Balance [2, 2], trained with checkpointing: buffers must update once per micro-batch."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+
+def labelled_model() -> nn.Sequential:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(8, 8), Labelled(), nn.Linear(8, 4))
+
+
+def skip_model() -> nn.Sequential:
+    """Balance [3, 3, 3]: 'x' goes from stage 0 to stage 2 (passed along by 1), 'y' from 1 to 2."""
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(8, 8), StashX(), nn.Linear(8, 8),
+                         nn.Tanh(), nn.Linear(8, 8), StashY(),
+                         MulY(), AddX(), nn.Linear(8, 4))
+
+
+def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator)
+
+
+def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str) -> Plan:
+    """A plan as the planner would write it; the predicted costs do not matter to the engine."""
+    layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
+    zeros = {f.name: 0 for f in dataclasses.fields(StagePlan)}
+    stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
+                                   "last_layer": layers[b - 1].name}) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, "never", schedule, stages,
+                Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
+
+
+def reference(model: nn.Module, chunks: int, steps: int = 1, lr: float = 0.0) -> dict[str, Tensor]:
+    """Gradients (and state after SGD steps) of the plain model, accumulated micro-batch by micro-batch."""
+    x, y = batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
+            (nn.functional.mse_loss(model(xi), yi) / chunks).backward()
+        optimizer.step()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+# ---- worker side ----------------------------------------------------------------------------
+
+def _run(model: nn.Module, balance: list[int] | None, chunks: int | None, schedule: str | None,
+         **options: Any) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(model, balance=balance, chunks=chunks, schedule=schedule,
+                                 loss_fn=nn.functional.mse_loss, **options)
+    x, y = batch()
+    loss = runner.step(x, target=y)
+    return {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
+            "loss": runner.broadcast_loss(loss), "runner": runner}
+
+
+def _error(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test checks type and message
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _job_two(rank: int, out: Path) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    result: dict[str, Any] = {}
+    gpipe = _run(inplace_model(), [3, 2], CHUNKS, "gpipe")
+    result["inplace_gpipe"] = gpipe["grads"]
+    result["inplace_loss"] = gpipe["loss"]
+    plan = plan_for(inplace_model(), [3, 2], CHUNKS, "1f1b")
+    result["inplace_1f1b"] = _run(inplace_model(), None, None, None, plan=plan)["grads"]
+    result["other_model"] = _error(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
+    result["tuple"] = _run(tuple_model(), [2, 2], 2, "gpipe")["grads"]
+    bn = _run(batchnorm_model(), [2, 2], CHUNKS, "1f1b", checkpoint="always")
+    torch.optim.SGD(bn["runner"].parameters(), lr=0.1).step()
+    result["checkpoint_grads"] = bn["grads"]
+    path = bn["runner"].save_checkpoint(out / "model.pt")
+    result["checkpoint_path"] = str(path) if path else None
+    runner = gpipe["runner"]
+    x, y = batch(6)
+    result["changed_batch"] = _error(lambda: runner.step(x, target=y))
+    result["1f1b_few_chunks"] = _error(lambda: DistributedPipeline(
+        inplace_model(), balance=[3, 2], chunks=1, schedule="1f1b", loss_fn=nn.functional.mse_loss))
+    result["uneven_batch"] = _error(lambda: DistributedPipeline(
+        inplace_model(), balance=[3, 2], chunks=3, batch_size=8, loss_fn=nn.functional.mse_loss))
+    # Last: rank 0 refuses to send a string and leaves; rank 1, waiting for it, then fails too.
+    if rank == 0:
+        result["non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+        torch.save(result, out / f"rank{rank}.pt")
+        os._exit(0)
+    result["peer_of_non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+    return result
+
+
+def _job_three(rank: int, out: Path) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    return {
+        "skip_gpipe": _run(skip_model(), [3, 3, 3], CHUNKS, "gpipe")["grads"],
+        "skip_1f1b": _run(skip_model(), [3, 3, 3], CHUNKS, "1f1b")["grads"],
+        "1f1b_few_chunks": _error(lambda: DistributedPipeline(
+            skip_model(), balance=[3, 3, 3], chunks=2, schedule="1f1b", loss_fn=nn.functional.mse_loss)),
+        "world_mismatch": _error(lambda: DistributedPipeline(
+            skip_model(), balance=[4, 5], chunks=2, loss_fn=nn.functional.mse_loss)),
+    }
+
+
+def _worker(job: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    result = {"two": _job_two, "three": _job_three}[job](rank, out)
+    torch.save(result, out / f"rank{rank}.pt")
+    if job != "two":
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)  # in job "two" the peer is gone: skip the process group's shutdown
+
+
+# ---- test side ------------------------------------------------------------------------------
+
+def _launch(job: str, nprocs: int, out: Path) -> list[dict[str, Any]]:
+    launch_local([sys.executable, __file__, job, str(out)], nprocs, out, JOB_TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(nprocs)]
+
+
+def _merged(results: list[dict[str, Any]], key: str) -> dict[str, Tensor]:
+    merged: dict[str, Tensor] = {}
+    for result in results:
+        assert not merged.keys() & result[key].keys(), "a parameter appears on two ranks"
+        merged.update(result[key])
+    return merged
+
+
+def _assert_grads_equal(got: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch("two", 2, tmp_path_factory.mktemp("two"))
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch("three", 3, tmp_path_factory.mktemp("three"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gradients_equal_plain_model_with_inplace_first_op(two: list[dict[str, Any]], schedule: str) -> None:
+    _assert_grads_equal(_merged(two, f"inplace_{schedule}"), reference(inplace_model(), CHUNKS))
+
+
+@pytest.mark.slow
+def test_last_rank_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
+    model, (x, y) = inplace_model(), batch()
+    expected = torch.stack([nn.functional.mse_loss(model(a), b) for a, b in zip(x.chunk(CHUNKS), y.chunk(CHUNKS))])
+    assert two[0]["inplace_loss"] == two[1]["inplace_loss"] == pytest.approx(expected.mean().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_plan_for_another_model_refused(two: list[dict[str, Any]]) -> None:
+    for result in two:
+        assert result["other_model"].startswith("DistributedError: the plan was made for another model (layer 1 differs")
+
+
+@pytest.mark.slow
+def test_tuple_output_crosses_stages(two: list[dict[str, Any]]) -> None:
+    _assert_grads_equal(_merged(two, "tuple"), reference(tuple_model(), 2))
+
+
+@pytest.mark.slow
+def test_checkpointed_batchnorm_and_merged_checkpoint_load_into_plain_model(two: list[dict[str, Any]]) -> None:
+    model = batchnorm_model()
+    _assert_grads_equal(_merged(two, "checkpoint_grads"), reference(model, CHUNKS, lr=0.1))
+    assert two[1]["checkpoint_path"] is None
+    saved = torch.load(two[0]["checkpoint_path"])
+    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    plain.load_state_dict(saved, strict=True)
+    for name, value in model.state_dict().items():  # weights after SGD, running stats per micro-batch
+        torch.testing.assert_close(saved[name], value, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_changed_batch_size_raises_on_first_and_last_rank(two: list[dict[str, Any]]) -> None:
+    assert two[0]["changed_batch"].startswith("DistributedError: the input batch has 6 samples")
+    assert two[1]["changed_batch"].startswith("DistributedError: the target batch has 6 samples")
+    assert "drop_last=True" in two[0]["changed_batch"]
+
+
+@pytest.mark.slow
+def test_uneven_micro_batches_refused(two: list[dict[str, Any]]) -> None:
+    for result in two:
+        assert result["uneven_batch"].startswith("DistributedError: batch size 8 does not split into 3")
+
+
+@pytest.mark.slow
+def test_non_tensor_stage_output_refused_with_our_error(two: list[dict[str, Any]]) -> None:
+    message = two[0]["non_tensor"]
+    assert message.startswith("StageOutputError: stage 0 ends with layer '1', which returns a tuple of (Tensor, str)")
+    assert "change the plan's balance" in message
+    assert two[1]["peer_of_non_tensor"] != "no error"
+
+
+@pytest.mark.slow
+def test_skip_crossing_two_stages(three: list[dict[str, Any]]) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        _assert_grads_equal(_merged(three, f"skip_{schedule}"), reference(skip_model(), CHUNKS))
+
+
+@pytest.mark.slow
+def test_1f1b_with_fewer_micro_batches_than_stages_names_the_fix(
+        two: list[dict[str, Any]], three: list[dict[str, Any]]) -> None:
+    for result in two:
+        assert "chunks=1 for 2 stages. Fix: use chunks >= 2 or schedule='gpipe'" in result["1f1b_few_chunks"]
+    for result in three:
+        assert "chunks=2 for 3 stages. Fix: use chunks >= 3 or schedule='gpipe'" in result["1f1b_few_chunks"]
+
+
+@pytest.mark.slow
+def test_world_size_must_match_stages(three: list[dict[str, Any]]) -> None:
+    for result in three:
+        assert "the plan has 2 stages but the job has 3 ranks" in result["world_mismatch"]
+        assert "torchrun --nproc-per-node 2" in result["world_mismatch"]
+
+
+def test_skip_routes_pass_along_every_stage_between() -> None:
+    from autopipe.distributed import StageModule, skip_routes
+    from autopipe.layers import layer_chain
+
+    layers = layer_chain(skip_model())
+    routes = skip_routes(layers, [3, 3, 3])
+    assert [(str(r.key), r.src, r.dst) for r in routes] == [("x", 0, 2), ("y", 1, 2)]
+    middle = StageModule(layers[3:6], 1, 3, routes)
+    assert [str(k) for k in middle.skips_in] == ["x"]
+    assert [str(k) for k in middle.skips_out] == ["x", "y"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,280 @@
+"""The profiler: exact byte counts against hand computation, in-place layers, state kept, copy fit."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torchvision
+from torch import Tensor, nn
+
+from autopipe.cli import profile as profile_cli
+from autopipe.profiler import ProfileError, fit_copy, profile
+from autopipe.profiles import Profile
+from autopipe.skip import pop, skippable, stash
+
+FAST = {"warmup": 0, "repeats": 1, "copy_sizes": (4096, 65536), "quiet": True}
+F32 = 4
+
+
+def run(model: nn.Module, sample: Tensor | tuple[Tensor, ...], sizes: list[int] | None = None, **options):
+    return profile(model, sample, ["cpu", "cpu"], sizes, **{**FAST, **options})
+
+
+def saved(result: Profile) -> list[dict[int, int]]:
+    return [layer.saved_bytes for layer in result.layers]
+
+
+# --- bytes --------------------------------------------------------------------------------------
+
+def test_linear_bytes_by_hand() -> None:
+    # Linear(5, 7) makes a (b, 7) output that the next Linear saves (for its weight gradient):
+    # counted with the layer that made it.  The second Linear's input is excluded there, and its
+    # own output is saved by nobody.  Parameters: (5*7 + 7) and (7*3 + 3) floats.
+    result = run(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)), torch.randn(4, 5), [1, 4])
+    first, second = result.layers
+    assert (first.output_bytes, second.output_bytes) == (7 * F32, 3 * F32)
+    assert saved(result) == [{1: 7 * F32, 4: 4 * 7 * F32}, {1: 0, 4: 0}]
+    assert (first.param_bytes, first.param_count, first.buffer_bytes) == (42 * F32, 42, 0)
+    assert (second.param_bytes, second.param_count) == (24 * F32, 24)
+    assert result.input_bytes == 5 * F32 and result.input_shape == [5]
+
+
+def test_conv_batchnorm_relu_bytes_by_hand() -> None:
+    # Conv2d(3, 4, 3) on 8x8 → 4x6x6 = 144 floats per sample, saved by BatchNorm (its input).
+    # BatchNorm saves its input (the conv's output, counted there), and creates a mean and an
+    # inverse std per channel: 2 * 4 floats, whatever the batch.  ReLU saves its own output.
+    result = run(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), torch.randn(4, 3, 8, 8), [1, 2, 4])
+    per_sample = 4 * 6 * 6 * F32
+    assert [layer.output_bytes for layer in result.layers] == [per_sample] * 3
+    assert saved(result) == [
+        {b: b * per_sample for b in (1, 2, 4)},
+        {b: 2 * 4 * F32 for b in (1, 2, 4)},
+        {b: b * per_sample for b in (1, 2, 4)},
+    ]
+    conv, norm, _ = result.layers
+    assert conv.param_bytes == (4 * 3 * 3 * 3 + 4) * F32
+    assert norm.param_bytes == 2 * 4 * F32
+    assert norm.buffer_bytes == 2 * 4 * F32 + 8  # running mean and var, num_batches_tracked (int64)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    """Stashes a new tensor: twice its input."""
+
+    def forward(self, x: Tensor):  # type: ignore[override]
+        yield stash("skip", x * 2)
+        return x
+
+
+@skippable(pop=["skip"])
+class Add(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        skip = yield pop("skip")
+        return x + skip
+
+
+def test_skip_stash_bytes_by_hand() -> None:
+    result = run(nn.Sequential(nn.Linear(6, 6), Stash(), nn.Linear(6, 6), Add()), torch.randn(3, 6), [3])
+    _, stasher, _, popper = result.layers
+    assert (stasher.stash, stasher.stash_bytes, stasher.pop) == (["skip"], {"skip": 6 * F32}, [])
+    assert (popper.pop, popper.stash_bytes) == (["skip"], {})
+    # x * 2 saves nothing (a constant factor); the add saves nothing; the first Linear's output
+    # passes through Stash unchanged (same storage) and is saved by the second Linear: counted
+    # once, with the first Linear.
+    assert saved(result) == [{3: 3 * 6 * F32}, {3: 0}, {3: 0}, {3: 0}]
+    assert popper.backward[3].median_ms > 0  # the popped skip tensor's gradient is computed
+
+
+def whole_chain_saved_bytes(model: nn.Sequential, x: Tensor) -> int:
+    """Reference: run the whole model once and count distinct saved storages, minus parameters,
+    buffers and the input."""
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x]}
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(n for ptr, n in storages.items() if ptr not in excluded)
+
+
+def test_saved_bytes_add_up_to_the_whole_chain() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Flatten(), nn.Linear(36, 5), nn.ReLU(inplace=True),
+        nn.Linear(5, 2),
+    )
+    x = torch.randn(4, 3, 8, 8)
+    result = run(model, x, [4])
+    assert sum(layer.saved_bytes[4] for layer in result.layers) == whole_chain_saved_bytes(model, x.clone())
+
+
+# --- in-place layers ----------------------------------------------------------------------------
+
+def test_inplace_relu_first_middle_and_last() -> None:
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 3),
+                          nn.ReLU(inplace=True))
+    x = torch.randn(2, 4)
+    before = x.clone()
+    result = run(model, x, [1, 2], repeats=2)
+    assert torch.equal(x, before)  # the in-place first layer did not touch the caller's input
+    # Each in-place ReLU saves its result, which is its input's storage: the Linear before it.
+    assert saved(result) == [{1: 0, 2: 0}, {1: 6 * F32, 2: 12 * F32}, {1: 0, 2: 0}, {1: 3 * F32, 2: 6 * F32},
+                             {1: 0, 2: 0}]
+    relu_first, _, relu_middle, _, relu_last = result.layers
+    assert relu_first.backward[2].median_ms == 0.0  # nothing upstream needs a gradient
+    assert relu_middle.backward[2].median_ms > 0 and relu_last.backward[2].median_ms > 0
+    assert all(layer.forward[2].repeats == 2 for layer in result.layers)
+
+
+# --- timings, sizes, inputs -----------------------------------------------------------------------
+
+def test_default_batch_sizes_and_stats() -> None:
+    result = run(nn.Sequential(nn.Linear(3, 3)), torch.randn(6, 3), repeats=3)
+    assert result.batch_size == 6 and result.batch_sizes == [1, 2, 4, 6]
+    for stat in result.layers[0].forward.values():
+        assert 0 < stat.min_ms <= stat.median_ms <= stat.max_ms and stat.repeats == 3
+    assert run(nn.Sequential(nn.Linear(3, 3)), torch.randn(8, 3)).batch_sizes == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("sizes", [[0, 2], [9], [2.0]])
+def test_bad_batch_sizes_are_named(sizes: list) -> None:
+    with pytest.raises(ValueError, match="batch_sizes must be integers from 1 to the sample's batch size 8"):
+        run(nn.Sequential(nn.Linear(3, 3)), torch.randn(8, 3), sizes)
+
+
+class Pair(nn.Module):
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return a * b
+
+
+def test_tuple_input_goes_to_the_first_layer() -> None:
+    result = run(nn.Sequential(Pair(), nn.Linear(3, 2)), (torch.randn(4, 3), torch.randn(4, 3)), [4])
+    assert result.input_bytes == 2 * 3 * F32 and result.layers[0].output_bytes == 3 * F32
+
+
+def test_failing_layer_is_named() -> None:
+    with pytest.raises(ProfileError, match=r"layer '1' \(Linear\) at micro-batch size 1 failed"):
+        run(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2)), torch.randn(2, 3))
+    with pytest.raises(TypeError, match="sample_input must be a tensor or a tuple of tensors"):
+        run(nn.Sequential(nn.Linear(3, 4)), [[1.0, 2.0]])
+
+
+def test_torchvision_resnet_profiles() -> None:
+    model = torchvision.models.resnet18(num_classes=10)
+    result = run(model, torch.randn(2, 3, 32, 32), [2])
+    assert [layer.name for layer in result.layers][-3:] == ["avgpool", "flatten", "fc"]
+    assert result.layers[-1].output_bytes == 10 * F32
+    assert sum(layer.param_count for layer in result.layers) == sum(p.numel() for p in model.parameters())
+
+
+# --- the model is left as it was ------------------------------------------------------------------
+
+def test_profiling_leaves_model_state_unchanged() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    model.eval()
+    model[1].train()  # a mixed mode must come back as it was
+    model(torch.randn(8, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    grad_values = [g.clone() for g in grads]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sample = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+    run(model, sample, [4, 8], repeats=2)
+    assert [m.training for m in model.modules()] == [False, False, True, False, False]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, grad_values))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+# --- copies -----------------------------------------------------------------------------------------
+
+def test_copy_fit_recovers_known_latency_and_bandwidth() -> None:
+    latency_ms, gib_per_s = 0.02, 12.0
+    ms_per_byte = 1e3 / (gib_per_s * 2**30)
+    sizes = [2**12, 2**16, 2**20, 2**24]
+    exact = fit_copy(0, 1, [(n, latency_ms + n * ms_per_byte) for n in sizes])
+    assert exact.latency_ms == pytest.approx(latency_ms, rel=1e-9)
+    assert exact.ms_per_byte == pytest.approx(ms_per_byte, rel=1e-9)
+    noisy = [(n, (latency_ms + n * ms_per_byte) * (1 + e)) for n in sizes for e in (-0.02, 0.02)]
+    fit = fit_copy(0, 1, noisy)
+    assert fit.latency_ms == pytest.approx(latency_ms, rel=0.05)
+    assert fit.ms_per_byte == pytest.approx(ms_per_byte, rel=0.05)
+    assert fit.points == noisy
+
+
+def test_copy_fit_is_never_negative() -> None:
+    # A line with a negative intercept: the constrained fit clamps latency to 0.
+    fit = fit_copy(1, 0, [(1000, 0.5), (2000, 1.5), (3000, 2.5)])
+    assert fit.latency_ms == 0.0 and fit.ms_per_byte > 0
+    with pytest.raises(ValueError, match="two or more sizes"):
+        fit_copy(0, 1, [(1000, 0.5), (1000, 0.6)])
+
+
+def test_profile_measures_every_ordered_device_pair() -> None:
+    result = run(nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), repeats=3)
+    assert result.devices == ["cpu", "cpu"]
+    assert [(fit.src, fit.dst) for fit in result.copies] == [(0, 1), (1, 0)]
+    assert all(sorted({n for n, _ in fit.points}) == [4096, 65536] and len(fit.points) == 6
+               for fit in result.copies)
+    assert result.model["layers"][0]["name"] == "0" and result.environment["threads"] == 1
+
+
+def test_progress_bar_only_when_not_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    run(nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2))
+    assert capsys.readouterr().err == ""
+    run(nn.Sequential(nn.Linear(2, 2)), torch.randn(2, 2), quiet=False)
+    assert "profiling [" in capsys.readouterr().err
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+def tiny_model() -> nn.Module:
+    """A factory for the ``package.module:factory`` form of MODEL."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.ReLU(inplace=True), nn.Linear(5, 2))
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    profile_cli.add_arguments(parser)
+    return profile_cli.run(parser.parse_args(list(argv)))
+
+
+def test_cli_profiles_a_factory_and_saves(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiny.json"
+    assert cli("test_profiler:tiny_model", "--input-shape", "3,2,2", "--batch-size", "6", "--batch-sizes",
+               "2,6", "--warmup", "0", "--repeats", "1", "--quiet", "-o", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "micro-batch 6 of batch 6" in printed and f"saved {out}" in printed
+    assert [line.split()[0] for line in printed.splitlines()[3:7]] == ["0", "1", "2", "3"]
+    loaded = Profile.load(out)
+    assert loaded.batch_sizes == [2, 6] and loaded.input_shape == [3, 2, 2]
+    assert json.loads(out.read_text())["kind"] == "profile"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["resnet18"], "MODEL must be torchvision:NAME or package.module:factory"),
+    (["torchvision:nonet"], "torchvision has no model 'nonet'"),
+    (["no_such_pkg_xyz.mod:f"], "cannot import 'no_such_pkg_xyz.mod'"),
+    (["test_profiler:missing"], "has no callable 'missing'"),
+    (["test_profiler:F32"], "has no callable 'F32'"),
+    (["torchvision:resnet18", "--input-shape", "3,x"], "--input-shape expects comma-separated positive"),
+    (["torchvision:resnet18", "--batch-sizes", "0,2"], "--batch-sizes expects comma-separated positive"),
+])
+def test_cli_bad_input_is_one_clear_error(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cli(*argv, "--quiet")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_profile_times_on_the_gpu_and_returns_the_model() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    result = profile(model, torch.randn(4, 8), ["cuda:0", "cpu"], **FAST)
+    assert result.devices == ["cuda:0", "cpu"] and len(result.copies) == 2
+    assert all(layer.forward[4].median_ms > 0 for layer in result.layers)
+    assert all(p.device.type == "cpu" for p in model.parameters())

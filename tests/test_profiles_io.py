@@ -1,0 +1,129 @@
+"""Profile files: lossless round trip, atomic writes, and one named error per kind of bad file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.jsonio import FormatError
+from autopipe.profiler import profile
+from autopipe.profiles import PROFILE_SCHEMA_VERSION, Profile, Stat
+from autopipe.skip import pop, skippable, stash
+
+
+@skippable(stash=["half"])
+class Keep(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        yield stash("half", x[:, :2] * 0.5)
+        return x
+
+
+@skippable(pop=["half"])
+class Join(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        half = yield pop("half")
+        return torch.cat([x, half], dim=1)
+
+
+@pytest.fixture(scope="module")
+def measured() -> Profile:
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(4, 4), Keep(), nn.ReLU(inplace=True), nn.BatchNorm1d(4), Join())
+    return profile(model, torch.randn(4, 4), ["cpu", "cpu"], [2, 4], warmup=0, repeats=2, copy_sizes=(1024, 8192),
+                   quiet=True)
+
+
+@pytest.fixture
+def saved_file(measured: Profile, tmp_path: Path) -> Path:
+    return measured.save(tmp_path / "p.json")
+
+
+def test_round_trip_is_lossless(measured: Profile, saved_file: Path) -> None:
+    loaded = Profile.load(saved_file)
+    assert loaded == measured
+    assert loaded.digest == measured.digest
+    assert loaded.layers[1].stash_bytes == {"half": 2 * 4} and loaded.layers[4].pop == ["half"]
+    assert isinstance(loaded.copies[0].points[0], tuple)
+
+
+def test_save_is_atomic_and_leaves_no_temporary_files(measured: Profile, saved_file: Path) -> None:
+    before = saved_file.read_text()
+    broken = Profile(**{**measured.__dict__, "batch_size": float("nan")})
+    with pytest.raises(ValueError):
+        broken.save(saved_file)  # NaN is not JSON: nothing is written
+    assert saved_file.read_text() == before
+    measured.save(saved_file)  # overwriting goes through a temporary file and a rename
+    assert [p.name for p in saved_file.parent.iterdir()] == ["p.json"]
+
+
+def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    return path
+
+
+def expect_error(path: Path, *fragments: str) -> None:
+    with pytest.raises(FormatError) as caught:
+        Profile.load(path)
+    message = str(caught.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_corrupt_file(saved_file: Path) -> None:
+    saved_file.write_bytes(b"\x00\x01 not json at all")
+    expect_error(saved_file, "not valid JSON", "corrupt or truncated")
+
+
+def test_truncated_file(saved_file: Path) -> None:
+    text = saved_file.read_text()
+    saved_file.write_text(text[: len(text) // 2])
+    expect_error(saved_file, "not valid JSON", "corrupt or truncated")
+
+
+def test_newer_schema(saved_file: Path) -> None:
+    edit(saved_file, lambda d: d.update(schema_version=PROFILE_SCHEMA_VERSION + 1))
+    expect_error(saved_file, "field 'schema_version'", "newer than this autopipe understands", "upgrade")
+
+
+def test_wrong_kind(saved_file: Path) -> None:
+    edit(saved_file, lambda d: d.update(kind="plan"))
+    expect_error(saved_file, "field 'kind'", "'plan' file, not a profile file")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    expect_error(tmp_path / "absent.json", "no such profile file")
+
+
+@pytest.mark.parametrize(("change", "field", "problem"), [
+    (lambda d: d["layers"][2].pop("forward"), "layers[2].forward", "missing"),
+    (lambda d: d.pop("copies"), "copies", "missing"),
+    (lambda d: d["layers"][0].update(output_bytes="8"), "layers[0].output_bytes", "expected an integer"),
+    (lambda d: d["layers"][0].update(param_bytes=-4), "layers[0].param_bytes", "must be at least 0"),
+    (lambda d: d["layers"][1]["saved_bytes"].update({"4": 1.5}), "layers[1].saved_bytes.4", "non-negative integer"),
+    (lambda d: d["layers"][1]["forward"]["4"].update(median_ms=None), "layers[1].forward.4.median_ms",
+     "finite number"),
+    (lambda d: d["layers"][1]["forward"]["4"].update(min_ms=99.0), "layers[1].forward.4", "min_ms <= median_ms"),
+    (lambda d: d["layers"][1]["backward"].pop("2"), "layers[1].backward", "expected the profile's batch_sizes"),
+    (lambda d: d["layers"][3]["forward"].update({"x": {}}), "layers[3].forward", "positive integers, found 'x'"),
+    (lambda d: d["layers"][1].update(stash_bytes={}), "layers[1].stash_bytes", "expected the layer's stash"),
+    (lambda d: d["copies"][0]["points"].__setitem__(1, ["big", 1.0]), "copies[0].points[1]", "[bytes, ms]"),
+    (lambda d: d["copies"][1].update(dst=7), "copies[1]", "device index out of range"),
+    (lambda d: d.update(batch_sizes=[4, 2]), "batch_sizes", "increasing positive"),
+    (lambda d: d.update(environment=[]), "environment", "expected an object"),
+    (lambda d: d["model"].pop("digest"), "model.digest", "missing"),
+    (lambda d: d["layers"].pop(), "layers", "4 layers but the model fingerprint lists 5"),
+])
+def test_bad_field_is_named(saved_file: Path, change: Callable[[dict[str, Any]], None], field: str,
+                            problem: str) -> None:
+    expect_error(edit(saved_file, change), f"field '{field}'", problem)
+
+
+def test_stat_spread() -> None:
+    assert Stat(2.0, 1.5, 3.0, 5).spread_ms == 1.5
