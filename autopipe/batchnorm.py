@@ -84,11 +84,13 @@ class DeferredBatchNorm(_BatchNorm):
             self.running_var.mul_(1.0 - factor).add_(variance, alpha=factor)
 
     def forward(self, input: Tensor) -> Tensor:
-        if not (self.training and self._stepping):
+        if not self.training:
             return super().forward(input)
         self._check_input_dim(input)
-        if is_recomputing():
+        if is_recomputing():  # the step's statistics already have this micro-batch
             return self._normalise(input, None, None)
+        if not self._stepping:
+            return super().forward(input)
         assert self.running_mean is not None
         mean = torch.zeros_like(self.running_mean)
         variance = torch.ones_like(mean)

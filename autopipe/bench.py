@@ -10,16 +10,19 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from .cost import StageLanes
+from .cost import CostModel, StageLanes
 from .device import ops_for
+from .graph import build_graph, chain_of
 from .plans import Plan, StagePlan
+from .profiles import Profile
 from .runtime import Pipeline
 from .simulate import Simulation, simulate
+from .solver import build_plan
 from .timeline import Event
 
 __all__ = [
     "synthetic_batch", "StepTime", "Trainer", "interleave",
-    "Times", "stage_times", "Row", "BenchResult", "bench_plan", "simulate_plan", "format_bench",
+    "Times", "stage_times", "Row", "BenchResult", "bench_plan", "simulate_plan", "format_bench", "plan_of",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -271,6 +274,23 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
     )
 
 
+def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], chunks: int,
+            checkpoint: str = "never", batch_size: int | None = None) -> Plan:
+    """The plan of a configuration chosen by hand, costed by the planner's own cost model.
+
+    Hand-picked rows (a tutorial's split, a sweep) then run and are predicted exactly like the
+    planner's choice, so their predicted and measured times compare on equal terms.
+    """
+    batch = profile.batch_size if batch_size is None else batch_size
+    model = CostModel(profile, chain_of(build_graph(profile)), list(devices[:len(balance)]),
+                      [1.0] * len(balance), batch, 2.0)
+    bounds = [0]
+    for count in balance:
+        bounds.append(bounds[-1] + count)
+    options = {"balance": list(balance), "chunks": chunks, "checkpoint": checkpoint}
+    return build_plan(profile, model, bounds, chunks, checkpoint, options)
+
+
 def simulate_plan(plan: Plan) -> Simulation:
     """The planner's simulator run on the plan's own per-stage predictions."""
     lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
@@ -310,8 +330,8 @@ def format_bench(result: BenchResult) -> str:
     head = " ".join(f"{label:^22}" for label in ("forward", "backward", "copy", "idle", "total"))
     sub = " ".join(f"{'pred':>7}{'meas':>8}{'err':>7}" for _ in figures)
     lines = [
-        f"{len(plan.stages)} stages, balance {plan.balance}, {plan.chunks} micro-batches of "
-        f"{plan.micro_batch_size}, checkpoint {plan.checkpoint}; medians of {result.steps} steps "
+        f"{_count(len(plan.stages), 'stage')}, balance {plan.balance}, {_count(plan.chunks, 'micro-batch')} "
+        f"of {plan.micro_batch_size}, checkpoint {plan.checkpoint}; medians of {_count(result.steps, 'step')} "
         f"after {result.warmup} warm-up, in ms",
         f"{'':<{width}} {head}", f"{'stage':<{width}} {sub}",
     ]
@@ -327,6 +347,10 @@ def format_bench(result: BenchResult) -> str:
     lines.append(f"one device {result.single.step_ms:.1f} ms/step, pipeline {result.pipeline.step_ms:.1f} "
                  f"ms/step: speedup {result.speedup:.2f}x (steps interleaved, medians)")
     return "\n".join(lines)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}{'es' if noun.endswith('h') else 's'}"
 
 
 def _pair(row: Row, name: str) -> tuple[float, float]:

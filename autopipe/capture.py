@@ -1,12 +1,4 @@
-"""Capture any torch.fx-traceable model as a layer chain whose long-lived values become stash/pop skips.
-
-``chain(model)`` traces the model with the chosen modules as leaves, puts every graph node into
-one layer (a leaf module call starts a layer; functional glue joins the layer of its latest
-input, so ``x + identity`` or ``torch.cat`` runs where its last operand is made), and turns every
-value that a later, non-adjacent layer reads into a skip stashed once per consumer.  Each layer
-is a :class:`CapturedLayer` holding the original modules at their original dotted paths, so
-state-dict keys and parameters are the model's own (``Layer.prefix == ""``).
-"""
+"""Capture a non-Sequential model as a layer chain, its long-lived values routed as stash/pop skips."""
 from __future__ import annotations
 
 import inspect
@@ -41,6 +33,14 @@ def chain(
     leaf_modules: Iterable[LeafSpec] = (),
 ) -> list[Layer]:
     """The layers of ``model`` in forward order, with every long-lived value routed as a skip.
+
+    The model is traced with torch.fx (symbolically: no batch size is baked in).  A call of a
+    leaf module starts a layer; functional glue joins the layer of its latest input (so
+    ``x + identity`` or ``torch.cat`` runs where its last operand is made); a value that the next
+    layer reads is part of the main value (a tensor or a tuple) and one that a later layer reads
+    is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original modules at
+    their original paths, so parameters and state-dict keys are the model's own
+    (``Layer.prefix == ""``).
 
     ``granularity="module"`` makes each top-level child a layer, except that containers
     (``Sequential``, ``ModuleList``, ``ModuleDict``) and top-level children holding one are opened
@@ -238,7 +238,7 @@ def _merge_shared_state(
                 spans.append((first[key], where[node]))
             first.setdefault(key, where[node])
     renumber = list(range(count))
-    for start, end in spans:
+    for start, end in sorted(spans):
         for index in range(start, end + 1):
             renumber[index] = renumber[start]
     dense = {old: new for new, old in enumerate(sorted(set(renumber)))}
@@ -317,10 +317,10 @@ class _Route:
             if any(self.source[consumer][node] == consumer - 1 for node in self.reads[consumer]):
                 continue
             node = self.reads[consumer][0]
-            self.source[consumer][node] = consumer - 1
             if node not in self.source[consumer - 1]:
                 self.reads[consumer - 1].append(node)
-                self.source[consumer - 1][node] = self.producer[node]
+                self.source[consumer - 1][node] = self.source[consumer][node]
+            self.source[consumer][node] = consumer - 1
 
     def main_inputs(self, index: int) -> list[fx.Node]:
         if index == 0:

@@ -178,7 +178,16 @@ def _maybe_cuda_stream(stream: object) -> Iterator[None]:
 
 
 class MetaOps(CPUOps):
-    """The ``meta`` device: shapes without data, used in tests to catch misrouted tensors."""
+    """The ``meta`` device: shapes without data, used in tests to catch misrouted tensors.
+
+    A meta tensor has no values to copy out, so a copy to another device is zeros of its
+    shape there: devices and shapes stay checkable end to end, values do not.
+    """
+
+    def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
+        if tensor.is_meta and target.device.type != "meta":
+            return torch.zeros(tensor.shape, dtype=tensor.dtype, device=target.device)
+        return super().copy_to(tensor, target, stream)
 
 
 def ops_for(device: torch.device | str) -> DeviceOps:

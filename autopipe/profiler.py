@@ -188,7 +188,6 @@ def _profile_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOp
     skips: dict[SkipKey, Tensor] = {}
     measures: list[_Measure] = []
     for index, layer in enumerate(layers):
-        progress.step(f"{layer.name} b={size}")
         popped = {key: skips.pop(key) for key in layer.pop}
         try:
             measure = _LayerRun(layer, args, popped, index > 0, ops).measure(warmup, repeats)
@@ -197,6 +196,7 @@ def _profile_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOp
                 f"profiling layer '{layer.name}' ({type(layer.module).__name__}) at micro-batch size "
                 f"{size} failed: {error}"
             ) from error
+        progress.step(f"{layer.name} b={size}")
         skips.update(measure.stashed)
         args = (measure.output,)
         measure.output, measure.stashed = None, {}
@@ -415,9 +415,9 @@ def measure_copies(devices: Sequence[torch.device], sizes: Sequence[int] = DEFAU
                 continue
             points = []
             for nbytes in sizes:
-                if progress is not None:
-                    progress.step(f"copy {i}->{j} {nbytes}B")
                 points.extend((nbytes, ms) for ms in _time_copy(src, dst, nbytes, repeats, warmup))
+                if progress is not None:
+                    progress.step(f"copy {i}->{j} {nbytes} B")
             fits.append(fit_copy(i, j, points))
     return fits
 

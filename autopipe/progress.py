@@ -26,7 +26,7 @@ class Progress:
         self._start = time.perf_counter()
 
     def step(self, detail: str = "") -> None:
-        """One step done; ``detail`` names what comes next (e.g. the layer and batch size)."""
+        """One step done; ``detail`` names it (e.g. the layer and micro-batch size)."""
         self.done = min(self.done + 1, self.total)
         now = time.perf_counter()
         if self.enabled and (now - self._drawn >= 0.1 or self.done == self.total):

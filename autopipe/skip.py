@@ -36,6 +36,7 @@ __all__ = [
     "Namespace",
     "SkipKey",
     "SkipTracker",
+    "internal_keys",
     "pop",
     "skippable",
     "stash",
@@ -239,6 +240,12 @@ def skip_keys(module: nn.Module) -> tuple[tuple[SkipKey, ...], tuple[SkipKey, ..
     return tuple(stashes), tuple(pops)
 
 
+def internal_keys(stashes: Iterable[SkipKey], pops: Iterable[SkipKey], open_keys: Iterable[SkipKey]) -> set[SkipKey]:
+    """Keys one layer both stashes and pops without an earlier layer's stash being open: the
+    layer pairs them inside itself (a nested block with its own skip), so they never leave it."""
+    return set(stashes) & set(pops) - set(open_keys)
+
+
 def verify_skippables(module: nn.Sequential) -> None:
     """Raise one ``TypeError`` listing every stash without a pop, pop without an earlier
     stash, and name stashed or popped twice in ``module``'s layers."""
@@ -248,6 +255,9 @@ def verify_skippables(module: nn.Sequential) -> None:
     seen_pop: set[SkipKey] = set()
     for layer_name, layer in module.named_children():
         stashes, pops = skip_keys(layer)
+        inside = internal_keys(stashes, pops, open_keys)
+        stashes = tuple(k for k in stashes if k not in inside)
+        pops = tuple(k for k in pops if k not in inside)
         for key in pops:
             if key in seen_pop:
                 problems.append(f"'{key}' is popped more than once (again by layer '{layer_name}')")

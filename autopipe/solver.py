@@ -63,12 +63,13 @@ class Search:
         self.best = best
         self.bounds: tuple[int, ...] | None = None
         self.devices = len(limits)
-        self.uniform = _uniform(model.latency, model.per_byte)
+        self.keyed = bool(model.chain.skips) and not _uniform(model.latency, model.per_byte)
         self.top_speed = float(np.max(model.speeds[: self.devices]))
         recompute = 0.0 if self.mode == "never" else 1.0
-        self.rest = (self.costs.forward[-1] - self.costs.forward) * (1 + recompute) \
-            + (self.costs.backward[-1] - self.costs.backward)
-        self.rest = self.rest / self.top_speed
+        self.rest_forward = self.costs.forward[-1] - self.costs.forward
+        self.rest_back = self.rest_forward * recompute + (self.costs.backward[-1] - self.costs.backward)
+        self.rest = (self.rest_forward + self.rest_back) / self.top_speed
+        self.speed_after = np.concatenate((np.cumsum(model.speeds[: self.devices][::-1])[::-1], [0.0]))
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``."""
@@ -97,79 +98,111 @@ class Search:
 
     def _extend(self, stage: int, start: int, key: _Key, labels: list[_Label],
                 grown: dict[int, dict[_Key, list[_Label]]]) -> None:
-        layers = self.model.layers
-        stops = range(start + 1, layers + 1) if stage + 1 < self.devices else [layers]
-        for stop in stops:
-            forward_cap, backward_cap = self._caps()
-            forward, backward = self.model.compute(self.costs, start, stop, stage)
-            recompute = forward if self.mode != "never" else 0.0
-            if forward > forward_cap or backward + recompute > backward_cap:
-                break
-            for lanes, new_key in self._stage_lanes(stage, start, stop, key, forward, backward, recompute):
-                for label in labels:
-                    self._push(label, lanes, stop, new_key, grown)
+        """Grow ``labels`` by one stage ``[start, stop)`` on device ``stage``, for every ``stop``
+        at once (numpy arrays over ``stop``)."""
+        model, costs, layers = self.model, self.costs, self.model.layers
+        stops = np.arange(start + 1, layers + 1) if stage + 1 < self.devices else np.array([layers])
+        speed = model.speeds[stage]
+        forward = costs.sum(costs.forward, start, stops) / speed
+        back = costs.sum(costs.backward, start, stops) / speed
+        if self.mode != "never":
+            back = back + forward
+        forward_cap, backward_cap = self._caps()
+        within = (forward <= forward_cap) & (back <= backward_cap)
+        count = len(stops) if within.all() else int(np.argmin(within))
+        memory = model.memory(costs, start, stops[:count], self.m, self.mode,
+                              model.held_bytes(costs, start, stops[:count]))
+        fits = np.nonzero(memory <= self.limits[stage])[0]
+        if not len(fits):
+            return
+        stops, forward, back = stops[fits], forward[fits], back[fits]
+        skipped = forward if self.mode == "except_last" else np.zeros(len(stops))
+        copy_in = np.full(len(stops), model.copy_ms(stage - 1, stage, costs.input_bytes[start]) if stage else 0.0)
+        copy_grad = self._main_grad(stage, stops)
+        if not self.keyed:
+            self._add_skips(start, stops, copy_in, copy_grad)
+            self._push(stage, labels, stops, (copy_in, forward, back, skipped, copy_grad), key, grown)
+            return
+        for j, stop in enumerate(stops.tolist()):
+            for extra_in, extra_grad, new_key in self._commitments(stage, start, stop, key):
+                lanes = (copy_in[j:j + 1] + extra_in, forward[j:j + 1], back[j:j + 1], skipped[j:j + 1],
+                         copy_grad[j:j + 1] + extra_grad)
+                self._push(stage, labels, stops[j:j + 1], lanes, new_key, grown)
 
-    def _stage_lanes(self, stage: int, start: int, stop: int, key: _Key, forward: float, backward: float,
-                     recompute: float) -> Iterator[tuple[tuple[float, ...], _Key]]:
-        """Lane times ``(C, F, W+R, R skipped by the first backward, G)`` of the stage and the key
-        after it, for every commitment of the skips it sends on."""
-        model, costs = self.model, self.costs
-        skips = model.chain.skips
-        copy_in = model.copy_ms(stage - 1, stage, costs.input_bytes[start]) if stage else 0.0
+    def _main_grad(self, stage: int, stops: np.ndarray) -> np.ndarray:
+        """The gradient of each stop's stage output, copied back from device ``stage + 1``."""
+        layers = self.model.layers
+        if stage + 1 >= self.devices:
+            return np.zeros(len(stops))
+        nbytes = self.costs.input_bytes[np.minimum(stops, layers - 1)] * (stops < layers)
+        latency, per_byte = self.model.latency[stage + 1, stage], self.model.per_byte[stage + 1, stage]
+        return np.where(nbytes > 0, latency + nbytes * per_byte, 0.0)
+
+    def _add_skips(self, start: int, stops: np.ndarray, copy_in: np.ndarray, copy_grad: np.ndarray) -> None:
+        """With one copy fit for all pairs: skips received (stash before ``start``, pop before
+        ``stop``) and sent on (stash in the stage, pop at or after ``stop``), in place."""
+        for skip, nbytes in zip(self.model.chain.skips, self.costs.skip_bytes):
+            cost = self.model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
+            if skip.stash < start <= skip.pop:
+                copy_in += cost * (skip.pop < stops)
+            elif start <= skip.stash:
+                copy_grad += cost * ((skip.stash < stops) & (stops <= skip.pop))
+
+    def _commitments(self, stage: int, start: int, stop: int, key: _Key) -> Iterator[tuple[float, float, _Key]]:
+        """Skip copies in and out of stage ``[start, stop)`` when they depend on the device pair:
+        one ``(copy in, copy of gradients, key after)`` per choice of consumer stage for each
+        skip the stage sends on; nothing if the stage breaks a commitment in ``key``."""
+        model, skips, nbytes = self.model, self.model.chain.skips, self.costs.skip_bytes
+        copy_in = 0.0
         kept = []
         for entry in key:
             index, producer, consumer = entry
             if skips[index].pop < stop:
-                if consumer not in (stage, -1):
+                if consumer != stage:
                     return
-                copy_in += self._pair(producer, stage, costs.skip_bytes[index])
+                copy_in += model.copy_ms(producer, stage, nbytes[index])
             elif consumer == stage:
                 return
             else:
                 kept.append(entry)
-        if self.uniform:
-            received = [i for i, s in enumerate(skips) if s.stash < start <= s.pop < stop]
-            copy_in += sum(self._pair(-1, -1, costs.skip_bytes[i]) for i in received)
         sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
-        memory = model.memory(costs, start, stop, self.m, self.mode, model.held_bytes(costs, start, stop))
-        if memory > self.limits[stage]:
-            return
-        grad = model.copy_ms(stage + 1, stage, costs.input_bytes[stop]) if stop < model.layers else 0.0
-        skipped = recompute if self.mode == "except_last" else 0.0
-        choices = [[-1]] * len(sent) if self.uniform else [range(stage + 1, self.devices)] * len(sent)
-        for consumers in itertools.product(*choices):
-            copy_grad = grad + sum(self._pair(u, stage, costs.skip_bytes[i]) for i, u in zip(sent, consumers))
-            new_key = tuple(kept) if self.uniform else tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
-            yield (copy_in, forward, backward + recompute, skipped, copy_grad, stop < model.layers), new_key
+        for consumers in itertools.product(range(stage + 1, self.devices), repeat=len(sent)):
+            copy_grad = sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, consumers))
+            yield copy_in, copy_grad, tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
 
-    def _pair(self, src: int, dst: int, nbytes: float) -> float:
-        if self.uniform:
-            return self.model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
-        return self.model.copy_ms(src, dst, nbytes)
-
-    def _push(self, label: _Label, lanes: tuple[Any, ...], stop: int, key: _Key,
-              grown: dict[int, dict[_Key, list[_Label]]]) -> None:
-        """Append the stage's lanes to ``label`` (forward: ``C, F``; backward: ``W+R, G``)."""
-        x, peak, v, total = label[:4]
-        copy_in, forward, back, skipped, copy_grad, has_grad = lanes
-        m2 = self.m - 2
-        x = max(x, copy_in, forward)
-        peak = max(peak, back)
-        v = max(v - skipped, back - skipped + m2 * peak)
-        total += copy_in + forward + back
-        if has_grad:
-            peak = max(peak, copy_grad)
-            v = max(v, copy_grad + m2 * peak)
-            total += copy_grad
-        new = (x, peak, v, total, stop, label)
-        if stop == self.model.layers:
-            if total + (self.m - 1) * x + v < self.best:
-                self.best = total + (self.m - 1) * x + v
-                self.bounds = _bounds(new)
-            return
-        least_v = (self.m - 1) * peak if self.mode != "except_last" else m2 * peak
-        if total + self.rest[stop] + (self.m - 1) * x + least_v < self.best:
-            grown.setdefault(stop, {}).setdefault(key, []).append(new)
+    def _push(self, stage: int, labels: list[_Label], stops: np.ndarray, lanes: tuple[np.ndarray, ...],
+              key: _Key, grown: dict[int, dict[_Key, list[_Label]]]) -> None:
+        """Append the stage's lanes to each label — forward ``C, F``; backward (reversed, see
+        :mod:`autopipe.cost`) ``W+R, G`` — and keep what can still beat ``best``: the layers
+        left need at least their work at top speed in the sum and their work spread over the
+        devices left in the lane maxima."""
+        copy_in, forward, back, skipped, copy_grad = lanes
+        m1, m2, layers = self.m - 1, self.m - 2, self.model.layers
+        lanes_forward = np.maximum(copy_in, forward)
+        total_add = copy_in + forward + back + copy_grad
+        rest = self.rest[stops]
+        done = stops == layers
+        spread = self.speed_after[stage + 1] if stage + 1 < self.devices else math.inf
+        forward_floor, back_floor = self.rest_forward[stops] / spread, self.rest_back[stops] / spread
+        for label in labels:
+            x0, peak0, v0, total0 = label[:4]
+            x = np.maximum(x0, lanes_forward)
+            peak = np.maximum(peak0, back)
+            v = np.maximum(v0 - skipped, back - skipped + m2 * peak)
+            peak = np.maximum(peak, copy_grad)
+            v = np.maximum(v, copy_grad + m2 * peak)
+            total = total0 + total_add
+            final = total + m1 * x + v
+            if done[-1] and final[-1] < self.best:
+                self.best = float(final[-1])
+                self.bounds = _bounds((0, 0, 0, 0, layers, label))
+            least_v = (m1 if self.mode != "except_last" else m2) * np.maximum(peak, back_floor)
+            least = total + rest + m1 * np.maximum(x, forward_floor) + least_v
+            alive = np.nonzero((least < self.best) & ~done)[0]
+            for j in alive.tolist():
+                stop = int(stops[j])
+                grown.setdefault(stop, {}).setdefault(key, []).append(
+                    (float(x[j]), float(peak[j]), float(v[j]), float(total[j]), stop, label))
 
 
 def _bounds(label: _Label) -> tuple[int, ...]:
@@ -225,18 +258,27 @@ def plan(
     return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record())
 
 
-def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
-          best: float = math.inf) -> Choice | None:
-    """Branch and bound over ``(chunks, mode)`` in order of a lower bound, one :class:`Search` each."""
-    pairs = sorted(((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes))
-    choice = None
-    for bound, m, mode in pairs:
-        if bound >= best:
-            break
-        found = Search(model, m, mode, limits, best).run()
-        if found is not None:
-            choice, best = found, found.iteration_ms
-    return choice
+def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
+    """Branch and bound over ``(chunks, mode)``, each a :class:`Search`.
+
+    Searches are cut at a target that starts just above the least lower bound and grows
+    geometrically until some plan beats it (tight targets prune most of the DP); every
+    candidate whose lower bound is below the target is searched up to it, so the first round
+    that finds a plan has found the optimum.  The last round has no target.
+    """
+    pairs = sorted((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes)
+    target = pairs[0][0] * 1.05
+    while True:
+        choice, best = None, target
+        for bound, m, mode in pairs:
+            if bound >= best:
+                break
+            found = Search(model, m, mode, limits, best).run()
+            if found is not None:
+                choice, best = found, found.iteration_ms
+        if choice is not None or math.isinf(target):
+            return choice
+        target = target * 1.25 if target < 8 * pairs[0][0] else math.inf
 
 
 def _lower_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:

@@ -2,7 +2,8 @@
 
 Each job starts its processes once (starting costs seconds) and runs several checks; every rank
 saves what it saw (stage gradients under the original names, error messages) and the test
-compares that with the unpartitioned model run here, micro-batch by micro-batch.
+compares that with the unpartitioned model run here, micro-batch by micro-batch, and with the
+in-process runtime (``autopipe.Pipeline``).
 """
 from __future__ import annotations
 
@@ -76,11 +77,16 @@ class MulY(nn.Module):
         return x * skip
 
 
+class Double(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
 def inplace_model() -> nn.Sequential:
-    """Balance [3, 2]: the second stage starts with ReLU(inplace=True)."""
+    """Balance [3, 3]: the second stage starts with in-place ops on what it receives."""
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(inplace=True),
-                         nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16),
+                         Double(), nn.ReLU(inplace=True), nn.Linear(16, 4))
 
 
 def tuple_model() -> nn.Sequential:
@@ -123,16 +129,26 @@ def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str) -
                 Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
 
 
-def reference(model: nn.Module, chunks: int, steps: int = 1, lr: float = 0.0) -> dict[str, Tensor]:
-    """Gradients (and state after SGD steps) of the plain model, accumulated micro-batch by micro-batch."""
+def reference(model: nn.Module, chunks: int, lr: float = 0.0) -> dict[str, Tensor]:
+    """Gradients of the plain model accumulated micro-batch by micro-batch (then an SGD step)."""
     x, y = batch()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
-            (nn.functional.mse_loss(model(xi), yi) / chunks).backward()
-        optimizer.step()
+    for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
+        (nn.functional.mse_loss(model(xi), yi) / chunks).backward()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
     return {name: p.grad for name, p in model.named_parameters()}
+
+
+def in_process(model: nn.Module, balance: list[int], chunks: int) -> dict[str, Tensor]:
+    """Gradients from the in-process runtime, the engine a user switches from."""
+    from autopipe import Pipeline
+
+    pipe = Pipeline(model, balance=balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint="never")
+    try:
+        x, y = batch()
+        nn.functional.mse_loss(pipe(x), y).backward()
+        return {name: p.grad for name, p in pipe.named_parameters()}
+    finally:
+        pipe.close()
 
 
 # ---- worker side ----------------------------------------------------------------------------
@@ -161,10 +177,11 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
     result: dict[str, Any] = {}
-    gpipe = _run(inplace_model(), [3, 2], CHUNKS, "gpipe")
+    gpipe = _run(inplace_model(), [3, 3], CHUNKS, "gpipe")
     result["inplace_gpipe"] = gpipe["grads"]
+    result["inplace_checkpoint"] = _run(inplace_model(), [3, 3], CHUNKS, "gpipe", checkpoint="except_last")["grads"]
     result["inplace_loss"] = gpipe["loss"]
-    plan = plan_for(inplace_model(), [3, 2], CHUNKS, "1f1b")
+    plan = plan_for(inplace_model(), [3, 3], CHUNKS, "1f1b")
     result["inplace_1f1b"] = _run(inplace_model(), None, None, None, plan=plan)["grads"]
     result["other_model"] = _error(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
     result["tuple"] = _run(tuple_model(), [2, 2], 2, "gpipe")["grads"]
@@ -177,9 +194,9 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     x, y = batch(6)
     result["changed_batch"] = _error(lambda: runner.step(x, target=y))
     result["1f1b_few_chunks"] = _error(lambda: DistributedPipeline(
-        inplace_model(), balance=[3, 2], chunks=1, schedule="1f1b", loss_fn=nn.functional.mse_loss))
+        inplace_model(), balance=[3, 3], chunks=1, schedule="1f1b", loss_fn=nn.functional.mse_loss))
     result["uneven_batch"] = _error(lambda: DistributedPipeline(
-        inplace_model(), balance=[3, 2], chunks=3, batch_size=8, loss_fn=nn.functional.mse_loss))
+        inplace_model(), balance=[3, 3], chunks=3, batch_size=8, loss_fn=nn.functional.mse_loss))
     # Last: rank 0 refuses to send a string and leaves; rank 1, waiting for it, then fails too.
     if rank == 0:
         result["non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
@@ -247,9 +264,11 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gradients_equal_plain_model_with_inplace_first_op(two: list[dict[str, Any]], schedule: str) -> None:
-    _assert_grads_equal(_merged(two, f"inplace_{schedule}"), reference(inplace_model(), CHUNKS))
+@pytest.mark.parametrize("run", ["gpipe", "1f1b", "checkpoint"])  # 1f1b: from a plan
+def test_gradients_equal_plain_model_with_inplace_first_op(two: list[dict[str, Any]], run: str) -> None:
+    got = _merged(two, f"inplace_{run}")
+    _assert_grads_equal(got, reference(inplace_model(), CHUNKS))
+    _assert_grads_equal(got, in_process(inplace_model(), [3, 3], CHUNKS))
 
 
 @pytest.mark.slow
@@ -268,6 +287,7 @@ def test_plan_for_another_model_refused(two: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_tuple_output_crosses_stages(two: list[dict[str, Any]]) -> None:
     _assert_grads_equal(_merged(two, "tuple"), reference(tuple_model(), 2))
+    _assert_grads_equal(_merged(two, "tuple"), in_process(tuple_model(), [2, 2], 2))
 
 
 @pytest.mark.slow
@@ -276,8 +296,7 @@ def test_checkpointed_batchnorm_and_merged_checkpoint_load_into_plain_model(two:
     _assert_grads_equal(_merged(two, "checkpoint_grads"), reference(model, CHUNKS, lr=0.1))
     assert two[1]["checkpoint_path"] is None
     saved = torch.load(two[0]["checkpoint_path"])
-    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.BatchNorm1d(16), nn.Linear(16, 4))
-    plain.load_state_dict(saved, strict=True)
+    batchnorm_model().load_state_dict(saved, strict=True)
     for name, value in model.state_dict().items():  # weights after SGD, running stats per micro-batch
         torch.testing.assert_close(saved[name], value, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -307,6 +326,7 @@ def test_non_tensor_stage_output_refused_with_our_error(two: list[dict[str, Any]
 def test_skip_crossing_two_stages(three: list[dict[str, Any]]) -> None:
     for schedule in ("gpipe", "1f1b"):
         _assert_grads_equal(_merged(three, f"skip_{schedule}"), reference(skip_model(), CHUNKS))
+        _assert_grads_equal(_merged(three, f"skip_{schedule}"), in_process(skip_model(), [3, 3, 3], CHUNKS))
 
 
 @pytest.mark.slow
@@ -323,6 +343,17 @@ def test_world_size_must_match_stages(three: list[dict[str, Any]]) -> None:
     for result in three:
         assert "the plan has 2 stages but the job has 3 ranks" in result["world_mismatch"]
         assert "torchrun --nproc-per-node 2" in result["world_mismatch"]
+
+
+@pytest.mark.slow
+def test_example_trains_and_writes_a_checkpoint_the_plain_model_loads(tmp_path: Path) -> None:
+    example = Path(__file__).parents[1] / "examples" / "distributed_train.py"
+    launch_local([sys.executable, str(example), "--balance", "7,8", "--chunks", "2", "--batch-size", "4",
+                  "--image-size", "32", "--steps", "2", "--save", str(tmp_path / "model.pt")], 2, tmp_path, JOB_TIMEOUT_S)
+    printed = (tmp_path / "rank0.log").read_text()
+    losses = [float(line.split()[-1]) for line in printed.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0]  # the same batch twice: training lowers its loss
+    assert f"saved {tmp_path / 'model.pt'}: loads into the plain model (strict=True)" in printed
 
 
 def test_skip_routes_pass_along_every_stage_between() -> None:

@@ -1,24 +1,7 @@
 """Run a plan on ``torch.distributed.pipelining``: one stage per rank of a torchrun job."""
 from __future__ import annotations
 
-from .pipeline import (
-    DistributedError,
-    DistributedPipeline,
-    SkipRoute,
-    StageModule,
-    StageOutputError,
-    init_distributed,
-    merge_state_dicts,
-    skip_routes,
-)
+from . import pipeline
+from .pipeline import *  # noqa: F403 - the package's names are the engine module's
 
-__all__ = [
-    "DistributedError",
-    "DistributedPipeline",
-    "SkipRoute",
-    "StageModule",
-    "StageOutputError",
-    "init_distributed",
-    "merge_state_dicts",
-    "skip_routes",
-]
+__all__ = pipeline.__all__

@@ -59,39 +59,23 @@ def _data(batch_size: int, image_size: int) -> tuple[Tensor, Tensor]:
             torch.randint(0, 1000, (batch_size,), generator=generator))
 
 
-def _median_ms(step: Callable[[], None], steps: int, warmup: int) -> float:
-    times = []
-    for index in range(warmup + steps):
-        start = time.perf_counter()
-        step()
-        if index >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _plain_step(batch_size: int, image_size: int) -> Callable[[], None]:
+    """One training step of the unpartitioned model: the speedup's denominator."""
+    model, (x, y) = _resnet18(), _data(batch_size, image_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
 
-def single_device_ms(batch_size: int, image_size: int, steps: int, warmup: int) -> float:
-    """The plain model's median step on one thread of this process: the speedup's denominator."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, (x, y) = _resnet18(), _data(batch_size, image_size)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-
-        return _median_ms(step, steps, warmup)
-    finally:
-        torch.set_num_threads(threads)
+    return step
 
 
 def bench_distributed(balance: Sequence[int], chunks: int, schedule: str = "gpipe", *, batch_size: int = 64,
                       image_size: int = 128, steps: int = 5, warmup: int = 2,
                       timeout_s: float = 900.0) -> DistributedBench:
-    """Run ``balance`` as one localhost process per stage (1 thread each) and the plain model here."""
-    single = single_device_ms(batch_size, image_size, steps, warmup)
+    """Run ``balance`` as one localhost process per stage (1 thread each) against the plain model."""
     with tempfile.TemporaryDirectory(prefix="autopipe-bench-") as directory:
         out = Path(directory)
         command = [sys.executable, "-m", "autopipe.distributed.bench", "--worker", str(out / "times.json"),
@@ -99,12 +83,14 @@ def bench_distributed(balance: Sequence[int], chunks: int, schedule: str = "gpip
                    "--batch-size", str(batch_size), "--image-size", str(image_size),
                    "--steps", str(steps), "--warmup", str(warmup)]
         launch_local(command, len(balance), out, timeout_s)
-        pipeline = json.loads((out / "times.json").read_text())["median_ms"]
-    return DistributedBench(list(balance), chunks, schedule, batch_size, image_size, single, pipeline)
+        times = json.loads((out / "times.json").read_text())
+    return DistributedBench(list(balance), chunks, schedule, batch_size, image_size,
+                            times["single_ms"], times["pipeline_ms"])
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One rank: time whole pipeline steps between barriers; rank 0 writes the median."""
+    """One rank.  Rounds interleave a pipeline step (all ranks) with a plain step on rank 0 alone
+    (the others wait at a barrier), so both see the same load on a shared machine."""
     import torch.distributed as dist
 
     from .pipeline import DistributedPipeline
@@ -114,17 +100,25 @@ def _worker(args: argparse.Namespace) -> None:
                                  batch_size=args.batch_size, loss_fn=nn.functional.cross_entropy)
     optimizer = torch.optim.SGD(runner.parameters(), lr=0.01)
     x, y = _data(args.batch_size, args.image_size)
-
-    def step() -> None:
+    plain_step = _plain_step(args.batch_size, args.image_size) if runner.rank == 0 else None
+    pipeline_ms, single_ms = [], []
+    for _ in range(args.warmup + args.steps):
         dist.barrier()
+        start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         runner.step(x, target=y)
         optimizer.step()
         dist.barrier()
-
-    median = _median_ms(step, args.steps, args.warmup)
+        pipeline_ms.append((time.perf_counter() - start) * 1e3)
+        if plain_step is not None:
+            start = time.perf_counter()
+            plain_step()
+            single_ms.append((time.perf_counter() - start) * 1e3)
     if runner.rank == 0:
-        Path(args.worker).write_text(json.dumps({"median_ms": median}))
+        times = {"pipeline_ms": statistics.median(pipeline_ms[args.warmup:]),
+                 "single_ms": statistics.median(single_ms[args.warmup:])}
+        Path(args.worker).write_text(json.dumps(times))
+    dist.barrier()
     dist.destroy_process_group()
 
 

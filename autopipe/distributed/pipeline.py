@@ -94,14 +94,15 @@ class StageModule(nn.Module):
         self.checkpoint = checkpoint
 
     def forward(self, *received: Tensor) -> Any:
-        # Received activations are autograd leaves; an in-place first op (ReLU(inplace=True))
-        # on a leaf that requires grad fails, so give the layers a non-leaf copy to work on.
-        received = tuple(_non_leaf(t) for t in received)
         if self.checkpoint and torch.is_grad_enabled():
             return self._checkpointed(*received)
         return self._run(*received)
 
     def _run(self, *received: Tensor) -> Any:
+        # Received activations are autograd leaves; an in-place first op (ReLU(inplace=True))
+        # on a leaf that requires grad fails, so the layers work on a copy (which also leaves
+        # a checkpoint's saved inputs intact for the recomputation).
+        received = tuple(_non_leaf(t) for t in received)
         n_main = len(received) - len(self.skips_in)
         main: Any = received[0] if n_main == 1 else tuple(received[:n_main])
         tracker = SkipTracker()
@@ -260,7 +261,9 @@ class DistributedPipeline:
         self.group = group
         self.num_stages = len(self.balance)
         self.rank = _check_world(self.num_stages, group)
-        self.device = _stage_device(device if device is not None else settings.devices[self.rank])
+        self.device = torch.device(device) if device is not None else _plan_device(settings.devices[self.rank])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         start = sum(self.balance[: self.rank])
         self.stage_layers = self.layers[start : start + self.balance[self.rank]]
         self.module = StageModule(self.stage_layers, self.rank, self.num_stages, skip_routes(self.layers, self.balance),
@@ -283,9 +286,8 @@ class DistributedPipeline:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names."""
         for layer in self.stage_layers:
-            prefix = f"{layer.state_prefix}." if layer.state_prefix else ""
             for name, parameter in layer.module.named_parameters():
-                yield prefix + name, parameter
+                yield _prefix(layer) + name, parameter
 
     def step(self, *inputs: Tensor, target: Tensor | None = None) -> Tensor | None:
         """One training iteration: forward and backward of every micro-batch, gradients accumulated.
@@ -303,19 +305,14 @@ class DistributedPipeline:
         if self.is_last:
             self._check_batch(target, "target")
             kwargs = {"target": target.to(self.device), "losses": losses}  # type: ignore[union-attr]
-        try:
-            self.schedule.step(*args, **kwargs)
-        except RuntimeError as error:
-            ours = _our_cause(error)
-            if ours is error:
-                raise
-            raise ours from None
+        self.schedule.step(*args, **kwargs)
         return torch.stack(losses).detach().mean() if self.is_last else None
 
     def broadcast_loss(self, loss: Tensor | None) -> float:
         """Collective: the last rank's loss as a float on every rank (so rank 0 can print it)."""
-        value = loss.detach().reshape(1).to(self.device) if self.is_last and loss is not None else (
-            torch.zeros(1, device=self.device))
+        value = torch.zeros(1, device=self.device)
+        if self.is_last and loss is not None:
+            value = loss.detach().reshape(1).to(self.device)
         dist.broadcast(value, src=self._global_rank(self.num_stages - 1), group=self.group)
         return float(value.item())
 
@@ -323,8 +320,7 @@ class DistributedPipeline:
         """This rank's tensors under the original model's keys (``layer1.0.conv1.weight``)."""
         state: dict[str, Tensor] = {}
         for layer in self.stage_layers:
-            prefix = f"{layer.state_prefix}." if layer.state_prefix else ""
-            state.update((prefix + key, value) for key, value in layer.module.state_dict().items())
+            state.update((_prefix(layer) + key, value) for key, value in layer.module.state_dict().items())
         return state
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path | None:
@@ -364,6 +360,10 @@ class DistributedPipeline:
             )
 
 
+def _prefix(layer: Layer) -> str:
+    return f"{layer.state_prefix}." if layer.state_prefix else ""
+
+
 def merge_state_dicts(parts: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """One state dict from the ranks' parts; a key on two ranks means the stages share a tensor."""
     merged: dict[str, Tensor] = {}
@@ -391,22 +391,12 @@ def _save_atomic(state: dict[str, Tensor], path: Path) -> Path:
     return path
 
 
-def _our_cause(error: RuntimeError) -> BaseException:
-    """The engine wraps a stage's exception in its own; surface ours, with our message, instead."""
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, (StageOutputError, DistributedError)):
-            return cause
-        cause = cause.__cause__
-    return error
-
-
-def _stage_device(name: torch.device | str) -> torch.device:
+def _plan_device(name: str) -> torch.device:
+    """The plan's device, except that under torchrun a CUDA stage uses ``cuda:LOCAL_RANK``:
+    a plan's ``cuda:5`` is the second GPU of the second node when nodes have four."""
     device = torch.device(name)
-    if device.type == "cuda":
-        if "LOCAL_RANK" in os.environ:  # a plan's cuda:5 is the second GPU of the second 4-GPU node
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     return device
 
 

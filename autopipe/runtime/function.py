@@ -15,6 +15,14 @@ thread) and returns the gradient of each input tensor::
     caller:  x ──▶ PipelineTie ──▶ out ──▶ loss          (dummy: always requires grad, so
                         ▲  backward                         the tie's backward always runs)
     workers:  stage 0 ◀─dx─ stage 1 ◀─dx─ ... ◀─dy─ last stage
+
+When no input needs a gradient (the usual case: ``x`` is data) the tie's backward only starts
+the backward phase and returns; a callback queued on the autograd engine waits for the
+stages at the end of the caller's ``backward()``, so parameter gradients are complete when it
+returns.  This matters on CUDA: autograd runs the tie's backward on the device thread of the
+output's GPU, and a stage backward on that GPU needs that same thread, so blocking there would
+deadlock.  When the input does need its gradient the tie must wait inside its backward; with
+CUDA outputs that case is unverified and may deadlock if a stage shares the output's GPU.
 """
 from __future__ import annotations
 
@@ -22,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.autograd.variable import Variable
 
 from ..microbatch import gather
+
+_execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 
 if TYPE_CHECKING:
     from .pipeline import Engine
@@ -61,6 +72,11 @@ class PipelineTie(torch.autograd.Function):
             raise RuntimeError("backward through a pipeline output twice is not supported "
                                "(the pipeline frees its saved state after the first backward)")
         run.output_grads = [list(parts) for parts in zip(*(torch.split(g, run.sizes) for g in grads))]
+        if not any(ctx.needs_input_grad[3:]):
+            # Nothing to return: let the caller's backward go on and wait at its very end.
+            ctx.engine.start_phase(run, "backward")
+            _execution_engine.queue_callback(lambda: ctx.engine.finish_phase(run, "backward"))
+            return (None,) * (3 + len(ctx.input_devices))
         ctx.engine.run_phase(run, "backward")
         per_input = zip(*(run.input_grads.pop(j) for j in range(run.chunks)))
         joined = (_join(parts, run.sizes, device) for parts, device in zip(per_input, ctx.input_devices))

@@ -53,9 +53,15 @@ class Engine:
     def run_phase(self, run: Run, phase: str) -> None:
         """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
         first stage failure once every stage has stopped."""
+        self.start_phase(run, phase)
+        self.finish_phase(run, phase)
+
+    def start_phase(self, run: Run, phase: str) -> None:
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
             worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
+
+    def finish_phase(self, run: Run, phase: str) -> None:
         run.wait_phase()
         if phase == "backward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
@@ -144,9 +150,17 @@ class Pipeline(nn.Module):
         original model, so ``state_dict`` keys (and ``parameters()``) are the model's own."""
         for layer in layers:
             for name, module in layer.module.named_modules():
-                if module._parameters or module._buffers:
-                    path = ".".join(p for p in (layer.state_prefix, name) if p)
+                path = ".".join(p for p in (layer.state_prefix, name) if p)
+                if not path:  # a captured layer holding the model's top-level tensors itself
+                    self._adopt_tensors(module)
+                elif module._parameters or module._buffers:
                     _place(self, path, module)
+
+    def _adopt_tensors(self, module: nn.Module) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in module.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:

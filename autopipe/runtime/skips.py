@@ -16,7 +16,7 @@ from typing import Sequence
 from torch import Tensor
 
 from ..layers import Layer
-from ..skip import SkipKey, SkipTracker
+from ..skip import SkipKey, SkipTracker, internal_keys
 
 __all__ = ["SkipRoutes", "skip_routes", "StageTracker"]
 
@@ -34,7 +34,7 @@ def skip_routes(layers: Sequence[Layer], stage_of_layer: Sequence[int], stages: 
     producer: dict[SkipKey, int] = {}
     routes = [SkipRoutes({}, {}) for _ in range(stages)]
     for layer, stage in zip(layers, stage_of_layer):
-        inside = set(layer.stash) & set(layer.pop) - set(producer)  # paired within the layer
+        inside = internal_keys(layer.stash, layer.pop, producer)
         for key in layer.pop:
             if key in inside:
                 continue

@@ -197,13 +197,15 @@ class Stage:
 
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:
-        """Undo what a recomputation does to plain batch norms' running statistics."""
+        """Undo what a recomputation does to plain batch norms' running statistics.
+
+        Restored through ``.data``: the recomputed graph saved the buffers, and a visible
+        in-place write would fail its version check in the backward that follows."""
         kept = [(bn, [b.clone() for b in bn.buffers(recurse=False)]) for bn in self.batch_norms if bn.training]
         yield
-        with torch.no_grad():
-            for bn, buffers in kept:
-                for buffer, value in zip(bn.buffers(recurse=False), buffers):
-                    buffer.copy_(value)
+        for bn, buffers in kept:
+            for buffer, value in zip(bn.buffers(recurse=False), buffers):
+                buffer.data.copy_(value)
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]

@@ -1,0 +1,77 @@
+"""Deferred batch norm: one running-statistics update per mini-batch, as the plain model's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.batchnorm import DeferredBatchNorm
+from autopipe.microbatch import split_sizes
+from test_runtime import assert_close, reference_step
+
+
+def conv_bn(momentum: float | None = 0.1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+        nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, momentum=momentum),
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "batch,chunks,checkpoint,momentum",
+    [
+        (8, 4, "never", 0.1),
+        (7, 4, "always", 0.1),       # uneven micro-batches 2, 2, 2, 1; recomputation not counted
+        (3, 4, "except_last", 0.1),  # fewer micro-batches (3) than chunks (4)
+        (8, 2, "never", None),       # cumulative moving average
+    ],
+)
+def test_running_stats_equal_full_batch_batch_norm(batch: int, chunks: int, checkpoint: str,
+                                                   momentum: float | None) -> None:
+    """The first batch norm sees the mini-batch itself; the second sees what the per-micro-
+    batch normalised layers before it produce, so its reference is a full-batch batch norm on
+    those features."""
+    model = conv_bn(momentum)
+    per_micro_batch = copy.deepcopy(model)
+    first, second = copy.deepcopy(model[1]), copy.deepcopy(model[4])
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=chunks,
+                             checkpoint=checkpoint, deferred_batch_norm=True)
+    for _ in range(2):
+        x = torch.randn(batch, 3, 8, 8) * 3 + 1
+        out = pipe(x)
+        g = torch.randn_like(out)
+        (out * g).sum().backward()
+        first(per_micro_batch[0](x))
+        features = [per_micro_batch[:4](xs) for xs in torch.split(x, split_sizes(batch, chunks))]
+        second(torch.cat(features))
+        # normalisation (and so outputs and gradients) stays per micro-batch
+        assert_close(out, reference_step(per_micro_batch, x, g, chunks), "output")
+    state = pipe.state_dict()
+    for prefix, expected in (("1.", first), ("4.", second)):
+        for name in ("running_mean", "running_var"):
+            assert_close(state[prefix + name], getattr(expected, name), prefix + name)
+        assert state[prefix + "num_batches_tracked"].item() == 2
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, dict(per_micro_batch.named_parameters())[name].grad, name)
+
+
+def test_alone_it_is_batch_norm() -> None:
+    bn = nn.BatchNorm1d(5)
+    deferred = DeferredBatchNorm.convert(copy.deepcopy(bn))
+    assert isinstance(deferred, DeferredBatchNorm)
+    x = torch.randn(6, 5)
+    assert torch.allclose(deferred(x), bn(x))
+    assert torch.allclose(deferred.running_var, bn.running_var)
+    assert list(deferred.state_dict()) == list(bn.state_dict())
+
+
+def test_convert_shares_parameters_and_buffers() -> None:
+    model = conv_bn()
+    bn = model[1]
+    converted = DeferredBatchNorm.convert(model)
+    assert converted is model and isinstance(model[1], DeferredBatchNorm)
+    assert model[1].weight is bn.weight and model[1].running_mean is bn.running_mean

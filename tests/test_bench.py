@@ -1,0 +1,128 @@
+"""``bench``: the structure of its table and JSON, and the figures it derives from traces."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.bench import (Row, Times, Trainer, interleave, plan_of, simulate_plan, stage_times,
+                            synthetic_batch)
+from autopipe.cli import main
+from autopipe.timeline import Event
+
+FEATURES = 16
+BATCH = 8
+
+
+def tiny_model() -> nn.Module:
+    """The model the CLI builds from the spec ``test_bench:tiny_model``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def two_stage_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[autopipe.Plan, Path]:
+    """A hand-made two-stage plan of the tiny model, saved, as ``plan -o`` would."""
+    torch.set_num_threads(1)
+    profile = autopipe.profile(tiny_model(), torch.randn(BATCH, FEATURES), ["cpu", "cpu"],
+                               batch_sizes=[4, 8], warmup=0, repeats=1, quiet=True)
+    plan = plan_of(profile, ["cpu", "cpu"], [3, 2], chunks=2)
+    return plan, plan.save(tmp_path_factory.mktemp("plans") / "tiny.json")
+
+
+def test_stage_times_sums_lanes_and_leaves_the_rest_idle() -> None:
+    events = [
+        Event(0, "compute", "F", 0, 0.0, 2.0), Event(0, "compute", "F", 1, 2.0, 4.0),
+        Event(1, "copy", "C", 0, 2.0, 2.5), Event(1, "compute", "F", 0, 2.5, 5.0),
+        Event(1, "compute", "R", 0, 6.0, 7.0), Event(1, "compute", "B", 0, 7.0, 10.0),
+        Event(0, "copy", "G", 0, 10.0, 10.5), Event(0, "compute", "B", 0, 10.5, 14.0),
+    ]
+    first, second = stage_times(events, 2, iteration_ms=15.0)
+    assert first == Times(forward_ms=4.0, backward_ms=3.5, copy_ms=0.5, idle_ms=7.5)
+    assert second == Times(forward_ms=2.5, backward_ms=4.0, copy_ms=0.5, idle_ms=8.5)
+
+
+def test_errors_are_relative_to_measured_and_skip_tiny_figures() -> None:
+    row = Row("x", Times(11.0, 18.0, 0.02, 1.0), Times(10.0, 20.0, 0.001, 0.0), 30.0, 30.0)
+    errors = row.errors(scale_ms=30.0)
+    assert errors["forward_ms"] == pytest.approx(10.0)
+    assert errors["backward_ms"] == pytest.approx(-10.0)
+    assert errors["copy_ms"] is None and errors["idle_ms"] is None
+    assert errors["total_ms"] == pytest.approx(0.0)
+
+
+def test_interleave_drops_warmup_and_steps_every_trainer() -> None:
+    model = tiny_model()
+    batch, target = synthetic_batch(model, [FEATURES], BATCH)
+    trainers = {name: Trainer(tiny_model(), batch, target) for name in ("a", "b", "c")}
+    interleave(trainers, steps=3, warmup=2)
+    for trainer in trainers.values():
+        assert len(trainer.times) == 3 and len(trainer.losses) == 5
+        assert all(t.step_ms >= t.iteration_ms > 0 for t in trainer.times)
+
+
+def test_bench_plan_file_prints_every_stage_and_writes_json(
+        two_stage_plan: tuple[autopipe.Plan, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan, path = two_stage_plan
+    out = tmp_path / "out" / "bench.json"
+    code = main(["bench", "test_bench:tiny_model", "--plan", str(path), "--input-shape", str(FEATURES),
+                 "--steps", "2", "--json", str(out)])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("2 stages, balance [3, 2], 2 micro-batches of 4, checkpoint never")
+    assert any(line.startswith("#0 0..2 (cpu)") for line in lines)
+    assert any(line.startswith("#1 3..4 (cpu)") for line in lines)
+    assert any(line.startswith("iteration ") for line in lines)
+    assert "speedup" in lines[-2] and lines[-1] == f"wrote {out}"
+
+    document = json.loads(out.read_text())
+    assert document["kind"] == "bench" and document["model_spec"] == "test_bench:tiny_model"
+    assert (document["balance"], document["chunks"], document["steps"]) == ([3, 2], 2, 2)
+    assert [row["name"] for row in document["rows"]] == ["#0 0..2 (cpu)", "#1 3..4 (cpu)", "iteration"]
+    for row in document["rows"]:
+        assert set(row["predicted"]) == set(row["measured"]) == {"forward_ms", "backward_ms", "copy_ms", "idle_ms"}
+        assert set(row["error_pct"]) == {"forward_ms", "backward_ms", "copy_ms", "idle_ms", "total_ms"}
+        assert row["measured"]["forward_ms"] > 0 and row["measured"]["backward_ms"] > 0
+    for stage, row in zip(plan.stages, document["rows"]):  # the predicted side is the plan's own
+        assert row["predicted"]["forward_ms"] == pytest.approx(plan.chunks * stage.forward_ms, abs=1e-3)
+        assert row["predicted"]["backward_ms"] == pytest.approx(plan.chunks * stage.backward_ms, abs=1e-3)
+    whole = document["rows"][-1]
+    assert whole["predicted_total_ms"] == pytest.approx(plan.predicted.iteration_ms, abs=1e-3)
+    assert whole["predicted_total_ms"] == pytest.approx(simulate_plan(plan).iteration_ms, abs=1e-3)
+    assert document["speedup"] == pytest.approx(
+        document["single_device"]["step_ms"] / document["pipeline"]["step_ms"], rel=1e-3)
+
+
+def test_bench_model_profiles_and_plans_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "test_bench:tiny_model", "--input-shape", str(FEATURES), "--batch-size", str(BATCH),
+                 "--devices", "cpu,cpu", "--steps", "1"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("planned: balance [")
+    stages = len(json.loads(lines[0].split("balance ")[1].split("]")[0] + "]"))
+    assert lines[1].startswith(f"{stages} stages")
+    assert sum(line.startswith("#") for line in lines) == stages
+    assert "speedup" in lines[-1]
+
+
+def test_bench_refuses_a_plan_for_another_batch(two_stage_plan: tuple[autopipe.Plan, Path],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _, path = two_stage_plan
+    code = main(["bench", "test_bench:tiny_model", "--plan", str(path), "--input-shape", str(FEATURES),
+                 "--batch-size", "16"])
+    assert code == 2
+    assert "plan is for batch size 8, not 16" in capsys.readouterr().err
+
+
+def test_bench_needs_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench"]) == 2
+    assert "name the model" in capsys.readouterr().err

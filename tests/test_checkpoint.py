@@ -1,0 +1,64 @@
+"""Checkpointing: the recomputation flag, and random draws replayed exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.checkpoint import RandomGuard
+
+
+class Record(nn.Module):
+    """Records ``is_recomputing()`` at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(autopipe.is_recomputing())
+        return x
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "checkpoint,expected",
+    [
+        ("never", [False] * 3),
+        ("except_last", [False] * 3 + [True] * 2),   # micro-batches 1 and 0 recomputed
+        ("always", [False] * 3 + [True] * 3),
+    ],
+)
+def test_is_recomputing_only_during_recomputation(checkpoint: str, expected: list[bool]) -> None:
+    record = Record()
+    model = nn.Sequential(nn.Linear(3, 3), record, nn.Linear(3, 3))
+    pipe = autopipe.Pipeline(model, balance=[1, 2], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    pipe(torch.randn(6, 3)).sum().backward()
+    assert record.seen == expected
+    assert not autopipe.is_recomputing()
+
+
+@pytest.mark.timeout(30)
+def test_stages_without_random_draws_do_not_lock() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 3), nn.Tanh())
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    pipe(torch.randn(4, 3)).sum().backward()
+    assert [stage.random.draws for stage in pipe.stages] == [True, False]
+
+
+def test_replay_repeats_the_draws_then_continues_the_stream() -> None:
+    guard = RandomGuard(torch.device("cpu"))
+    torch.manual_seed(1)
+    with guard.forward() as states:
+        first = torch.rand(4)
+    second = torch.rand(4)
+    with guard.replay(states):
+        again = torch.rand(4)
+        assert autopipe.is_recomputing()
+    after = torch.rand(4)
+    torch.manual_seed(1)
+    expected = [torch.rand(4) for _ in range(3)]
+    assert torch.equal(again, first) and torch.equal(first, expected[0])
+    assert torch.equal(second, expected[1]) and torch.equal(after, expected[2])
+    assert guard.draws is True

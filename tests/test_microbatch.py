@@ -1,0 +1,47 @@
+"""Micro-batches: tensor_split sizes, plain arguments repeated, outputs joined."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from autopipe.microbatch import gather, map_tensors, scatter, split_sizes, tensors_of
+
+
+@given(batch=st.integers(1, 200), chunks=st.integers(1, 40))
+def test_sizes_follow_tensor_split_and_are_never_empty(batch: int, chunks: int) -> None:
+    sizes = split_sizes(batch, chunks)
+    assert len(sizes) == min(batch, chunks) and min(sizes) >= 1
+    if batch >= chunks:
+        assert sizes == [len(p) for p in torch.tensor_split(torch.arange(batch), chunks)]
+
+
+def test_scatter_splits_tensors_and_repeats_other_arguments() -> None:
+    x, y = torch.arange(7), torch.arange(14).view(7, 2)
+    micro = scatter((x, "mode", y), 3)
+    assert [m[0].tolist() for m in micro] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [m[1] for m in micro] == ["mode"] * 3
+    assert torch.equal(torch.cat([m[2] for m in micro]), y)
+    assert len(scatter((torch.zeros(2, 5),), 4)) == 2  # one sample per micro-batch
+
+
+def test_scatter_refuses_unequal_batches_and_no_tensor() -> None:
+    with pytest.raises(ValueError, match="same batch size"):
+        scatter((torch.zeros(3), torch.zeros(4)), 2)
+    with pytest.raises(TypeError, match="at least one tensor"):
+        scatter((1, 2), 2)
+
+
+def test_gather_joins_tensors_and_tuples() -> None:
+    assert torch.equal(gather([torch.zeros(2, 3), torch.ones(1, 3)]), torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3]))
+    a, b = gather([(torch.zeros(1), torch.ones(2)), (torch.zeros(2), torch.ones(1))])
+    assert a.shape == (3,) and b.shape == (3,)
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        gather([{"x": torch.zeros(1)}])
+
+
+def test_map_tensors_keeps_structure_and_order() -> None:
+    value = (torch.zeros(1), [torch.ones(1), 3], "s")
+    doubled = map_tensors(value, lambda t: t + 2)
+    assert doubled[1][1] == 3 and doubled[2] == "s"
+    assert [t.item() for t in tensors_of(doubled)] == [2.0, 3.0]

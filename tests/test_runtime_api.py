@@ -1,0 +1,350 @@
+"""The pipeline as an ``nn.Module``: state, modes, inputs, plans, devices, errors, threads."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import threading
+
+import pytest
+import torch
+import torchvision
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.fingerprint import model_fingerprint
+from autopipe.plans import Plan, Prediction, StagePlan
+from autopipe.runtime import StageError
+from test_runtime import assert_close, mlp, reference_step, skip_model
+
+
+def resnet() -> nn.Module:
+    return torchvision.models.resnet18(weights=None, num_classes=10)
+
+
+# -- state --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_state_dict_is_the_models(deferred: bool) -> None:
+    model = resnet()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = autopipe.Pipeline(model, balance=[5, 5, 5], devices=["cpu"] * 3, deferred_batch_norm=deferred)
+    state = pipe.state_dict()
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in model.named_parameters()}
+
+    other = resnet()  # different random weights: load both ways
+    pipe.load_state_dict(other.state_dict())
+    assert all(torch.equal(pipe.state_dict()[k], v) for k, v in other.state_dict().items())
+    fresh = resnet()
+    fresh.load_state_dict(pipe.state_dict())
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in other.state_dict().items())
+
+
+@pytest.mark.timeout(60)
+def test_parameters_feed_an_optimizer() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    x, g = torch.randn(6, 6), torch.randn(6, 3)
+    for net in (pipe, reference):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            optimizer.zero_grad()
+            (net(x) * g).sum().backward()
+            optimizer.step()
+    for key, value in reference.state_dict().items():
+        assert_close(pipe.state_dict()[key], value, key)
+
+
+# -- modes --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_no_grad_runs_forward_only() -> None:
+    model = resnet().eval()
+    expected = model(torch.ones(4, 3, 32, 32)).detach()
+    pipe = autopipe.Pipeline(model, balance=[7, 8], devices=["cpu", "cpu"], chunks=2).eval()
+    with torch.no_grad():
+        out = pipe(torch.ones(4, 3, 32, 32))
+    assert out.grad_fn is None and not out.requires_grad
+    assert_close(out, expected, "output")
+    assert {e.kind for e in pipe.last_trace()} == {"F"}
+
+
+@pytest.mark.timeout(60)
+def test_eval_uses_running_stats_and_still_gives_gradients() -> None:
+    model = resnet()
+    model(torch.randn(8, 3, 32, 32))  # move the running statistics away from 0 and 1
+    model.eval()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[7, 8], devices=["cpu", "cpu"], chunks=4, checkpoint="always")
+    pipe.eval()
+    assert not any(m.training for stage in pipe.stages for m in stage.modules)
+    x = torch.randn(8, 3, 32, 32)
+    g = torch.randn(8, 10)
+    out = pipe(x)
+    (out * g).sum().backward()
+    expected = reference_step(reference, x, g, 1)  # eval: the full batch is the reference
+    assert_close(out, expected, "output")
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, name)
+    assert "R" not in {e.kind for e in pipe.last_trace()}  # no checkpointing in eval
+    pipe.train()
+    assert all(m.training for stage in pipe.stages for m in stage.modules)
+
+
+@pytest.mark.timeout(60)
+def test_two_forwards_before_one_backward() -> None:
+    model = skip_model()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 2, 2, 3], devices=["cpu"] * 4, chunks=3)
+    x1, x2 = torch.randn(5, 8), torch.randn(7, 8)
+    out1, out2 = pipe(x1), pipe(x2)
+    dropped = pipe(x1)  # a forward whose output is never backpropagated
+    del dropped
+    (out2.sum() + 2 * out1.sum()).backward()
+    (reference(x2).sum() + 2 * reference(x1).sum()).backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, name)
+    with pytest.raises(RuntimeError, match="twice"):
+        out = pipe(x1)
+        loss = out.sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+# -- inputs and outputs ---------------------------------------------------------------------
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(3, 5)
+
+    def forward(self, x: Tensor, y: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        return self.a(x) * scale, self.b(y)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 5)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        return self.linear(pair[0]) + pair[1], pair[1] * 2
+
+
+@pytest.mark.timeout(60)
+def test_tuple_inputs_outputs_and_plain_arguments() -> None:
+    model = nn.Sequential(TwoInputs(), Pair(), Pair())
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 1, 1], devices=["cpu"] * 3, chunks=4)
+    x = torch.randn(6, 4, requires_grad=True)
+    y = torch.randn(6, 3)
+    first, second = pipe(x, y, 0.5)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = reference[2](reference[1](reference[0](x_ref, y, 0.5)))
+    assert_close(first, ref[0]) and assert_close(second, ref[1])
+    (first.sum() + second.pow(2).sum()).backward()
+    (ref[0].sum() + ref[1].pow(2).sum()).backward()
+    assert_close(x.grad, x_ref.grad, "x.grad")
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, name)
+
+
+@pytest.mark.timeout(60)
+def test_batch_smaller_than_chunks_gives_one_sample_per_micro_batch() -> None:
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"], chunks=4)
+    pipe(torch.randn(3, 6)).sum().backward()
+    forwards = [e for e in pipe.last_trace() if e.kind == "F" and e.stage == 0]
+    assert [e.micro_batch for e in forwards] == [0, 1, 2]
+
+
+# -- plans and devices ----------------------------------------------------------------------
+
+def plan_for(model: nn.Module, balance: list[int], chunks: int = 2) -> Plan:
+    layers = autopipe.layer_chain(model)
+    stages, start = [], 0
+    for index, count in enumerate(balance):
+        where = dict(index=index, device="cpu", start=start, stop=start + count,
+                     first_layer=layers[start].name, last_layer=layers[start + count - 1].name)
+        costs = {f.name: 0 for f in dataclasses.fields(StagePlan) if f.name not in where}
+        stages.append(StagePlan(**where, **costs))
+        start += count
+    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), 8, chunks, "never", "gpipe",
+                stages, Prediction(0.0, 0.0, 0.0, 0.0))
+
+
+@pytest.mark.timeout(60)
+def test_plan_is_followed_and_checked(tmp_path) -> None:
+    model = mlp()
+    plan_for(model, [2, 5], chunks=4).save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")
+    pipe = autopipe.Pipeline(model, plan)
+    assert (pipe.balance, pipe.chunks, pipe.checkpoint) == ([2, 5], 4, "never")
+    other = mlp()
+    other[2] = nn.Linear(16, 17)
+    with pytest.raises(ValueError, match=r"another model: layer 2 differs: expected 2 \(Linear, bias \(16,\)"):
+        autopipe.Pipeline(other, plan)
+
+
+@pytest.mark.timeout(60)
+def test_missing_devices_are_refused_before_any_work() -> None:
+    model = mlp()
+    with pytest.raises(autopipe.DeviceError, match="cuda:3"):
+        autopipe.Pipeline(model, balance=[3, 4], devices=["cpu", "cuda:3"])
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with pytest.raises(ValueError, match="summing to the model's 7 layers"):
+        autopipe.Pipeline(model, balance=[3, 3], devices=["cpu", "cpu"])
+
+
+@autopipe.skippable(pop=["a"])
+class PopAndRecordDevice(nn.Module):
+    seen: list[torch.device] = []
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        a = yield autopipe.pop("a")
+        PopAndRecordDevice.seen.append(a.device)
+        return x + a
+
+
+@autopipe.skippable(stash=["a"])
+class Stash(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield autopipe.stash("a", x)
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_meta_last_stage_places_everything_on_its_device() -> None:
+    """With "meta" as the last stage's device a misrouted tensor would raise a device
+    mismatch; meta tensors have no data, so only devices and shapes are compared."""
+    model = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), PopAndRecordDevice(), nn.Linear(4, 2))
+    pipe = autopipe.Pipeline(model, balance=[3, 3], devices=["cpu", "meta"], chunks=2, checkpoint="except_last")
+    PopAndRecordDevice.seen.clear()
+    x = torch.randn(6, 4, requires_grad=True)
+    out = pipe(x)
+    assert out.device.type == "meta" and out.shape == (6, 2)
+    out.sum().backward()  # the output gradient is created on meta, like the output
+    # two forwards and the recomputation of micro-batch 0 (checkpoint="except_last")
+    assert PopAndRecordDevice.seen == [torch.device("meta")] * 3
+    assert x.grad is not None and x.grad.device.type == "cpu" and x.grad.shape == x.shape
+    assert [p.grad.device.type for p in pipe.parameters()] == ["cpu"] * 4 + ["meta"] * 4
+    kinds = {(e.stage, e.lane, e.kind) for e in pipe.last_trace()}
+    assert {(1, "copy", "C"), (0, "copy", "G")} <= kinds
+
+
+# -- errors -------------------------------------------------------------------------------
+
+class FailOn(nn.Module):
+    """Raises in the forward (or the backward) of the given micro-batch call."""
+
+    def __init__(self, call: int, backward: bool = False) -> None:
+        super().__init__()
+        self.call, self.backward, self.calls = call, backward, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.call:
+            if not self.backward:
+                raise ValueError("forward boom")
+            return _RaiseInBackward.apply(x)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        raise KeyError("backward boom")
+
+
+@pytest.mark.timeout(30)
+def test_forward_error_names_the_stage_and_the_pipeline_survives() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), FailOn(call=2), nn.Linear(4, 4))
+    pipe = autopipe.Pipeline(model, balance=[1, 3], devices=["cpu", "cpu"], chunks=4)
+    with pytest.raises(StageError, match=r"stage 1 \(1\.\.3\) on cpu failed in forward of micro-batch 2: ValueError: forward boom") as info:
+        pipe(torch.randn(8, 4))
+    assert isinstance(info.value.__cause__, ValueError)
+    pipe(torch.randn(8, 4)).sum().backward()  # the workers live on
+    assert all(worker.alive for worker in pipe._engine.workers)
+
+
+@pytest.mark.timeout(30)
+def test_backward_error_names_the_stage() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), FailOn(call=1, backward=True), nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="never")
+    out = pipe(torch.randn(6, 4))
+    with pytest.raises(StageError, match=r"stage 0 \(0\.\.1\) on cpu failed in backward of micro-batch 1: KeyError") as info:
+        out.sum().backward()
+    assert isinstance(info.value.__cause__, KeyError)
+    pipe(torch.randn(6, 4)).sum().backward()
+
+
+@pytest.mark.timeout(30)
+def test_workers_stop_when_the_pipeline_is_collected() -> None:
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 6)).sum().backward()
+    workers = pipe._engine.workers
+    del pipe
+    gc.collect()
+    for worker in workers:
+        worker.join(timeout=10)
+        assert not worker.alive
+    assert not any(t.name.startswith("autopipe-stage") and t in [w._thread for w in workers] for t in threading.enumerate())
+
+
+# -- trace --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_trace_has_every_action_of_the_last_iteration() -> None:
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"], chunks=4, checkpoint="except_last")
+    for _ in range(2):
+        pipe(torch.randn(8, 6)).sum().backward()
+    events = pipe.last_trace()
+    for stage in (0, 1):
+        assert sorted(e.micro_batch for e in events if e.stage == stage and e.kind == "F") == [0, 1, 2, 3]
+        assert sorted(e.micro_batch for e in events if e.stage == stage and e.kind == "B") == [0, 1, 2, 3]
+        assert sorted(e.micro_batch for e in events if e.stage == stage and e.kind == "R") == [0, 1, 2]
+    assert all(0 <= e.start_ms <= e.end_ms for e in events)
+    f3 = next(e for e in events if e.stage == 1 and e.kind == "F" and e.micro_batch == 3)
+    b3 = next(e for e in events if e.stage == 1 and e.kind == "B" and e.micro_batch == 3)
+    assert f3.end_ms <= b3.start_ms
+
+
+class Slice(nn.Module):
+    """A captured layer's shape: holds some of the model's modules (and maybe its top-level
+    parameters) at their original paths, so its state prefix is ""."""
+
+    def __init__(self, model: nn.Module, names: list[str], scale: bool) -> None:
+        super().__init__()
+        self.names = names
+        for name in names:
+            self._modules[name] = model._modules[name]
+        if scale:
+            self.scale = model.scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        for name in self.names:
+            x = self._modules[name](x)
+        return x * self.scale if hasattr(self, "scale") else x
+
+
+@pytest.mark.timeout(30)
+def test_layers_with_empty_prefix_keep_the_models_keys() -> None:
+    model = nn.Module()
+    model.enc = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    model.scale = nn.Parameter(torch.tensor(2.0))
+    model.dec = nn.Linear(3, 2)
+    layers = [autopipe.Layer("enc", Slice(model, ["enc"], True), prefix=""),
+              autopipe.Layer("dec", Slice(model, ["dec"], False), prefix="")]
+    pipe = autopipe.Pipeline(layers, balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    assert set(pipe.state_dict()) == set(model.state_dict())
+    assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in model.named_parameters()}
+    pipe(torch.randn(4, 3)).sum().backward()
+    assert model.scale.grad is not None

@@ -1,0 +1,67 @@
+"""The skip API: stash/pop outside and inside a pipeline, verification and namespaces."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from test_runtime import assert_transparent
+
+
+@autopipe.skippable(stash=["skip"])
+class Save(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield autopipe.stash("skip", x)
+        return x
+
+
+@autopipe.skippable(pop=["skip"])
+class Add(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield autopipe.pop("skip")
+        return x + skip
+
+
+def unet_like() -> nn.Sequential:
+    """Two levels built from one Save/Add pair, isolated by namespaces (outer around inner)."""
+    outer, inner = autopipe.Namespace("outer"), autopipe.Namespace("inner")
+    return nn.Sequential(
+        nn.Linear(4, 4), Save().isolate(outer), nn.Linear(4, 4), Save().isolate(inner),
+        nn.Linear(4, 4), Add().isolate(inner), nn.Linear(4, 4), Add().isolate(outer), nn.Linear(4, 2),
+    )
+
+
+def test_runs_outside_a_pipeline_like_the_plain_computation() -> None:
+    model = unet_like()
+    x = torch.randn(3, 4)
+    h0 = model[0](x)
+    h2 = model[2](h0)
+    expected = model[8](model[6](model[4](h2) + h2) + h0)
+    assert torch.allclose(model(x), expected)
+
+
+def test_verify_lists_every_mismatch_at_once() -> None:
+    with pytest.raises(TypeError) as info:
+        autopipe.verify_skippables(nn.Sequential(Add(), Save(), Save()))
+    message = str(info.value)
+    assert "'skip' is popped by layer '0' but no earlier layer stashes it" in message
+    assert "'skip' is stashed more than once (again by layer '2')" in message
+    assert "'skip' is stashed by layer '2' but never popped" in message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[2, 7], [1, 3, 3, 2], [4, 2, 3]])
+def test_namespaced_skips_in_a_pipeline(balance: list[int]) -> None:
+    assert_transparent(unet_like(), torch.randn(6, 4, requires_grad=True), balance, 2, "except_last")
+
+
+def test_a_layer_pairing_a_skip_inside_itself_keeps_it_local() -> None:
+    block = nn.Sequential(Save(), nn.Linear(4, 4), Add())
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(block), nn.Linear(4, 4))
+    pipe = autopipe.Pipeline(copy.deepcopy(model), balance=[2, 1], devices=["cpu", "cpu"])
+    assert all(not s.routes.arriving and not s.routes.leaving for s in pipe.stages)
+    x = torch.randn(2, 4)
+    assert torch.allclose(pipe(x), model(x))
