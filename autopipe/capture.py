@@ -34,27 +34,26 @@ def chain(
 ) -> list[Layer]:
     """The layers of ``model`` in forward order, with every long-lived value routed as a skip.
 
-    The model is traced with torch.fx (symbolically: no batch size is baked in).  A call of a
-    leaf module starts a layer; functional glue joins the layer of its latest input (so
-    ``x + identity`` or ``torch.cat`` runs where its last operand is made); a value that the next
-    layer reads is part of the main value (a tensor or a tuple) and one that a later layer reads
-    is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original modules at
-    their original paths, so parameters and state-dict keys are the model's own
-    (``Layer.prefix == ""``).
+    The model is traced with torch.fx (symbolically: no batch size is baked in), or, where fx
+    cannot and a ``sample_input`` is given, exported with torch.export (only the batch dimension
+    stays dynamic; Python branches, other sizes and the train/eval mode are the sample's).  The
+    nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
+    input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made); a value that
+    the next layer reads is part of the main value (a tensor or a tuple) and one that a later
+    layer reads is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original
+    modules (fx) or the original parameters and buffers (export) at their original paths, so
+    state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.
 
     ``granularity="module"`` makes each top-level child a layer, except that containers
     (``Sequential``, ``ModuleList``, ``ModuleDict``) and top-level children holding one are opened
     into their blocks (``layer1.0``, ``features.3``, ``encoder.layers.2``); ``"finer"`` opens each
     such block one level more.  ``leaf_modules`` (dotted paths or classes) are kept whole: the way
-    around a submodule whose forward cannot be traced.  Tracing is symbolic, so ``sample_input``
-    is not needed; it is accepted for the signature that ``profile`` and ``partition`` share.
+    around a submodule whose forward cannot be traced.
     """
-    del sample_input  # fx traces symbolically; no batch size can be baked in
     leaves = _LeafRule(model, granularity, tuple(leaf_modules))
-    graph = _trace(model, leaves)
-    groups = _group(model, graph)
-    namespace = Namespace(type(model).__name__)
-    return _build(model, graph, groups, namespace)
+    traced = _trace(model, leaves, sample_input)
+    groups = _group(traced)
+    return _build(traced, groups, Namespace(type(model).__name__))
 
 
 # --------------------------------------------------------------------------- which modules are leaves
@@ -139,22 +138,74 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def _trace(model: nn.Module, leaves: _LeafRule) -> fx.Graph:
-    """The model's graph; arguments with defaults are fixed to them (they are not micro-batched)."""
+@dataclass
+class _Traced:
+    """A traced forward: the module its targets resolve in (holding the model's own tensors at
+    their paths), its graph, and for each node of a layer module's call, the layer's name and
+    the call it belongs to."""
+
+    root: nn.Module
+    graph: fx.Graph
+    calls: dict[fx.Node, tuple[str, int]]
+    mode: bool | None = None  # exported graphs keep the train/eval mode of the export
+
+
+def _trace(model: nn.Module, leaves: _LeafRule, sample_input: Any) -> _Traced:
+    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works."""
     tracer = _Tracer(leaves)
+    try:
+        return _symbolic(model, tracer)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
+        failure = _trace_failure(model, tracer.failed_in or "", error)
+        if sample_input is None:
+            raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
+        try:
+            return _export(model, leaves, sample_input)
+        except Exception as export_error:  # noqa: BLE001
+            summary = str(export_error).strip().splitlines()[0]
+            raise CaptureError(f"{failure}; torch.export failed too: {summary}") from export_error
+
+
+def _symbolic(model: nn.Module, tracer: _Tracer) -> _Traced:
+    """The fx graph; arguments with defaults are fixed to them (they are not micro-batched)."""
     defaults = {
         name: p.default
         for name, p in inspect.signature(model.forward).parameters.items()
         if p.default is not inspect.Parameter.empty
     }
-    try:
-        graph = tracer.trace(model, concrete_args=defaults or None)
-    except Exception as error:
-        raise CaptureError(_trace_failure(model, tracer.failed_in or "", error)) from error
+    graph = tracer.trace(model, concrete_args=defaults or None)
     fixed = [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in defaults]
     for node in fixed:
         _erase_with_users(graph, node)
-    return graph
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    return _Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)})
+
+
+def _export(model: nn.Module, leaves: _LeafRule, sample_input: Any) -> _Traced:
+    """The exported graph (ATen operations on the model's own parameters and buffers), each
+    node assigned to the outermost layer module in its ``nn_module_stack``."""
+    inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) else None for t in inputs)
+    root = torch.export.export(model, inputs, dynamic_shapes=batch).module()
+    graph = root.graph
+    for node in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
+        graph.erase_node(node)  # export's input guards: sizes are the micro-batch's, not the sample's
+    modules = dict(model.named_modules())
+    calls: dict[fx.Node, tuple[str, int]] = {}
+    run, previous = -1, None
+    for node in graph.nodes:
+        path = _layer_of(modules, leaves, node.meta.get("nn_module_stack", {}))
+        if path is not None:
+            run += path != previous
+            calls[node], previous = (path, run), path
+    return _Traced(root, graph, calls, mode=model.training)
+
+
+def _layer_of(modules: dict[str, nn.Module], leaves: _LeafRule, stack: dict[str, tuple[str, Any]]) -> str | None:
+    for path, _ in stack.values():
+        if path in leaves.paths or path in modules and leaves.is_extra(modules[path], path):
+            return path
+    return None
 
 
 def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
@@ -190,25 +241,26 @@ def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
 # --------------------------------------------------------------------------- grouping nodes into layers
 
 
-def _group(model: nn.Module, graph: fx.Graph) -> list[list[fx.Node]]:
+def _group(traced: _Traced) -> list[list[fx.Node]]:
     """Nodes per layer, in graph order.  Leaf calls open layers; glue joins its latest input's
     layer; constants and attributes join their first user's; layers sharing state are merged."""
-    where = _place(graph)
+    where = _place(traced)
     count = max(where.values(), default=0) + 1
-    where = _merge_shared_state(model, graph, where, count)
+    where = _merge_shared_state(traced, where, count)
     groups: list[list[fx.Node]] = [[] for _ in range(max(where.values(), default=0) + 1)]
-    for node in graph.nodes:
+    for node in traced.graph.nodes:
         if node.op != "output":
             groups[where[node]].append(node)
     return _merge_readless(groups)
 
 
-def _place(graph: fx.Graph) -> dict[fx.Node, int]:
+def _place(traced: _Traced) -> dict[fx.Node, int]:
     where: dict[fx.Node, int] = {}
-    layer = -1
-    for node in graph.nodes:
-        if node.op == "call_module":
-            layer += 1
+    layer, current = -1, None
+    for node in traced.graph.nodes:
+        if node in traced.calls:
+            if traced.calls[node] != current:
+                layer, current = layer + 1, traced.calls[node]
             where[node] = layer
         elif node.op == "placeholder":
             where[node] = 0
@@ -217,22 +269,20 @@ def _place(graph: fx.Graph) -> dict[fx.Node, int]:
             if placed:
                 where[node] = max(placed)
     last = max(layer, 0)
-    for node in reversed(graph.nodes):
+    for node in reversed(traced.graph.nodes):
         if node.op != "output" and node not in where:
             users = [last if user.op == "output" else where[user] for user in node.users]
             where[node] = min(users, default=0)
     return where
 
 
-def _merge_shared_state(
-    model: nn.Module, graph: fx.Graph, where: dict[fx.Node, int], count: int
-) -> dict[fx.Node, int]:
+def _merge_shared_state(traced: _Traced, where: dict[fx.Node, int], count: int) -> dict[fx.Node, int]:
     """Layers that use one parameter or buffer (a module called twice, tied weights) become one,
     with every layer between them: a tensor must live on exactly one stage."""
     first: dict[int, int] = {}
     spans: list[tuple[int, int]] = []
-    for node in graph.nodes:
-        for tensor in _state_of(model, node):
+    for node in traced.graph.nodes:
+        for tensor in _state_of(traced.root, node):
             key = id(tensor)
             if key in first and first[key] != where[node]:
                 spans.append((first[key], where[node]))
@@ -342,27 +392,27 @@ class _Route:
         ]
 
 
-def _build(model: nn.Module, graph: fx.Graph, groups: list[list[fx.Node]], namespace: Namespace) -> list[Layer]:
-    output = next(node for node in graph.nodes if node.op == "output")
+def _build(traced: _Traced, groups: list[list[fx.Node]], namespace: Namespace) -> list[Layer]:
+    output = next(node for node in traced.graph.nodes if node.op == "output")
     route = _Route(groups, output)
-    names = _layer_names(groups, type(model).__name__)
+    names = _layer_names(groups, traced.calls, namespace.label or "model")
     layers: list[Layer] = []
     for index, nodes in enumerate(groups):
         pops = [_skip_name(node, names[index]) for node in route.popped(index)]
         stashes = [_skip_name(node, names[consumer]) for node, consumer in route.stashed(index)]
-        code = _layer_code(model, route, index)
+        code = _layer_code(traced.root, route, index)
         main_in = len(route.main_inputs(index))
         main_out = len(route.main_outputs(index)) if index + 1 < len(groups) else None
-        module = CapturedLayer(code, main_in, pops, stashes, main_out).isolate(namespace)
+        module = CapturedLayer(code, main_in, pops, stashes, main_out, traced.mode).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers
 
 
-def _layer_names(groups: list[list[fx.Node]], model_name: str) -> list[str]:
+def _layer_names(groups: list[list[fx.Node]], calls: dict[fx.Node, tuple[str, int]], model_name: str) -> list[str]:
     """Each layer is named after its first leaf module call; repeats get ``:2``, ``:3``…"""
     names: list[str] = []
     for nodes in groups:
-        call = next((str(n.target) for n in nodes if n.op == "call_module"), model_name)
+        call = next((calls[n][0] for n in nodes if n in calls), model_name)
         name, repeat = call, 1
         while name in names:
             repeat += 1
@@ -375,8 +425,8 @@ def _skip_name(node: fx.Node, consumer: str) -> str:
     return f"{node.name}->{consumer}"
 
 
-def _layer_code(model: nn.Module, route: _Route, index: int) -> fx.GraphModule:
-    """A GraphModule over ``model`` (same module objects) computing one layer: inputs are its
+def _layer_code(root: nn.Module, route: _Route, index: int) -> fx.GraphModule:
+    """A GraphModule over ``root`` (same tensors and modules) computing one layer: inputs are its
     main values then its popped skips; outputs its main values then its stashes (or, for the last
     layer, the model's output)."""
     graph = fx.Graph()
@@ -393,7 +443,7 @@ def _layer_code(model: nn.Module, route: _Route, index: int) -> fx.GraphModule:
     else:
         sent = route.main_outputs(index) + [node for node, _ in route.stashed(index)]
         graph.output(tuple(_sendable(graph, env[node], node) for node in sent))
-    return fx.GraphModule(model, graph, class_name=f"Layer{index}")
+    return fx.GraphModule(root, graph, class_name=f"Layer{index}")
 
 
 _METADATA_METHODS = {"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size"}
@@ -406,6 +456,8 @@ def _is_metadata(node: fx.Node) -> bool:
         return node.target in _METADATA_METHODS
     if node.op != "call_function":
         return False
+    if node.target is torch.ops.aten.sym_size.int:
+        return True
     if node.target is getattr:
         return node.args[1] in ("shape", "ndim")
     if node.target is len:
@@ -435,6 +487,9 @@ def _unpack(packed: torch.Tensor) -> Any:
 # --------------------------------------------------------------------------- the layer module
 
 
+_MODES = {True: "train", False: "eval"}
+
+
 class CapturedLayer(Skippable):
     """One captured layer: runs its slice of the traced graph, popping and stashing its skips.
 
@@ -449,6 +504,7 @@ class CapturedLayer(Skippable):
         pops: Sequence[str],
         stashes: Sequence[str],
         main_outputs: int | None,
+        exported_mode: bool | None = None,
     ) -> None:
         super().__init__()
         self._modules.update(code._modules)
@@ -461,9 +517,18 @@ class CapturedLayer(Skippable):
         self.main_outputs = main_outputs
         self.pop_names = tuple(pops)
         self.stash_names = tuple(stashes)
+        self.exported_mode = exported_mode
+        if exported_mode is not None:
+            self.train(exported_mode)
 
     def forward(self, *main: Any) -> Any:
         """``main`` is the previous layer's value (a tensor or a tuple), or the model's inputs."""
+        if self.exported_mode is not None and self.training != self.exported_mode:
+            raise RuntimeError(
+                f"this layer was captured with torch.export in {_MODES[self.exported_mode]} mode, which "
+                f"the exported graph keeps; call autopipe.chain again with the model in "
+                f"{_MODES[self.training]} mode"
+            )
         if self.pop_names or self.stash_names:
             return self._drive(self._steps(main))
         return self._main(self._code(self, *self._inputs(main)))

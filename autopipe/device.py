@@ -155,8 +155,11 @@ class CUDAOps(DeviceOps):
 
         The source tensor's producer stream is waited on by an event, the copy runs on
         ``stream`` (the consumer's), and ``record_stream`` tells each caching allocator that
-        the memory is in use on the other stream, so neither block is reused too early.
+        the memory is in use on the other stream, so neither block is reused too early.  To a
+        CPU (or meta) target the copy is synchronous on the source's current stream.
         """
+        if not isinstance(target, CUDAOps):
+            return tensor.to(target.device)
         dst_stream = stream if stream is not None else torch.cuda.current_stream(target.device)
         if tensor.is_cuda:
             ready = torch.cuda.Event()

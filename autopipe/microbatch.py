@@ -1,7 +1,7 @@
 """Micro-batches: split a call's arguments along dim 0, and join the outputs back.
 
 A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
-argument is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
+argument (also inside tuple and list arguments) is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
 (the first ``batch % m`` are one sample larger, the planner's rule); non-tensor arguments are
 passed to every micro-batch unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches
 of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
@@ -27,8 +27,9 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
 
 
 def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
-    """``args`` as micro-batches: tensors split along dim 0, other values repeated."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
+    """``args`` as micro-batches: tensors (also inside tuples and lists) split along dim 0,
+    other values repeated."""
+    tensors = tensors_of(args)
     if not tensors:
         raise TypeError("a pipeline needs at least one tensor argument to split into micro-batches")
     batch = tensors[0].shape[0] if tensors[0].dim() else 0
@@ -39,11 +40,8 @@ def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
                 f"shapes {[tuple(t.shape) for t in tensors]}"
             )
     sizes = split_sizes(batch, chunks)
-    pieces = [torch.split(a, sizes) if isinstance(a, Tensor) else None for a in args]
-    return [
-        tuple(a if piece is None else piece[j] for a, piece in zip(args, pieces))
-        for j in range(len(sizes))
-    ]
+    pieces = {id(t): torch.split(t, sizes) for t in tensors}
+    return [map_tensors(args, lambda t, j=j: pieces[id(t)][j]) for j in range(len(sizes))]
 
 
 def gather(outputs: Sequence[Value]) -> Value:

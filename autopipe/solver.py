@@ -54,8 +54,10 @@ class Choice:
 class Search:
     """One DP over splits for fixed ``chunks`` and ``mode``, cut by an upper bound ``best``."""
 
-    def __init__(self, model: CostModel, chunks: int, mode: str, limits: np.ndarray, best: float) -> None:
+    def __init__(self, model: CostModel, chunks: int, mode: str, limits: np.ndarray, best: float,
+                 beam: int | None = None) -> None:
         self.model = model
+        self.beam = beam
         self.m = chunks
         self.mode = "never" if mode == "except_last" and chunks == 1 else mode
         self.costs: SizeCosts = model.at(model.micro_batch_size(chunks))
@@ -81,12 +83,19 @@ class Search:
                 for key, labels in keyed.items():
                     self._extend(stage, start, key, labels, grown)
             grown.pop(layers, None)
-            frontier = {stop: {k: _pareto(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
+            frontier = {stop: {k: self._keep(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
             if not frontier:
                 break
         if self.bounds is None:
             return None
         return Choice(self.bounds, self.m, self.mode, self.best)
+
+    def _keep(self, labels: list[_Label]) -> list[_Label]:
+        """The non-dominated labels (exact), or only the ``beam`` most promising (heuristic)."""
+        if self.beam is None:
+            return _pareto(labels)
+        weight = self.m - 1 if self.mode != "except_last" else self.m - 2
+        return sorted(labels, key=lambda l: l[3] + (self.m - 1) * l[0] + weight * l[1])[: self.beam]
 
     def _caps(self) -> tuple[float, float]:
         """Largest forward and backward lane a plan better than ``best`` can have:
@@ -259,26 +268,38 @@ def plan(
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
-    """Branch and bound over ``(chunks, mode)``, each a :class:`Search`.
-
-    Searches are cut at a target that starts just above the least lower bound and grows
-    geometrically until some plan beats it (tight targets prune most of the DP); every
-    candidate whose lower bound is below the target is searched up to it, so the first round
-    that finds a plan has found the optimum.  The last round has no target.
-    """
+    """Branch and bound over ``(chunks, mode)`` in order of a lower bound, one exact
+    :class:`Search` each, all cut by the best plan so far — seeded by :func:`_seed`, because the
+    DP's size grows steeply with the gap between that bound and the optimum."""
     pairs = sorted((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes)
-    target = pairs[0][0] * 1.05
-    while True:
+    choice = _seed(model, pairs, limits)
+    best = math.inf if choice is None else choice.iteration_ms
+    for bound, m, mode in pairs:
+        if bound >= best:
+            break
+        found = Search(model, m, mode, limits, best).run()
+        if found is not None:
+            choice, best = found, found.iteration_ms
+    return choice
+
+
+def _seed(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.ndarray,
+          beam: int = 2, step: float = 1.03) -> Choice | None:
+    """A good plan, fast: beam searches (``beam`` labels per state) cut at a target that starts
+    at the least lower bound and grows by ``step`` until one succeeds; ``None`` past 16×."""
+    target = pairs[0][0] * step
+    while target < 16 * pairs[0][0]:
         choice, best = None, target
         for bound, m, mode in pairs:
             if bound >= best:
                 break
-            found = Search(model, m, mode, limits, best).run()
+            found = Search(model, m, mode, limits, best, beam).run()
             if found is not None:
                 choice, best = found, found.iteration_ms
-        if choice is not None or math.isinf(target):
+        if choice is not None:
             return choice
-        target = target * 1.25 if target < 8 * pairs[0][0] else math.inf
+        target *= step
+    return None
 
 
 def _lower_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:

@@ -6,8 +6,9 @@ lists, so one renderer shows either and ``bench`` can put them side by side.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["Event"]
+__all__ = ["Event", "render"]
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,41 @@ class Event:
     @property
     def duration_ms(self) -> float:
         return self.end_ms - self.start_ms
+
+
+def render(events: Sequence[Event], width: int = 72) -> str:
+    """A text timeline: one row per stage lane, one column per ``total / width`` ms.
+
+    A cell shows the event covering most of it — ``F`` forward, ``B`` backward (with any
+    recomputation), ``R`` recomputation, ``C`` forward copy, ``G`` gradient copy, in upper case
+    for even micro-batches and lower case for odd ones so micro-batches stay apart — or ``.``
+    when the lane is idle for most of it, so bubbles show as runs of dots.
+    """
+    if not events:
+        return "(no events)"
+    end = max(event.end_ms for event in events)
+    step = end / width if end > 0 else 1.0
+    rows = []
+    for stage in sorted({event.stage for event in events}):
+        for lane in ("compute", "copy"):
+            mine = [e for e in events if e.stage == stage and e.lane == lane]
+            if mine or lane == "compute":
+                rows.append(f"stage {stage:<2} {lane:<7} |{_row(mine, width, step)}|")
+    label = f"{end:.1f} ms"
+    return "\n".join(rows + [f"{'':17}0{label:>{width + 1}}"])
+
+
+def _row(events: Sequence[Event], width: int, step: float) -> str:
+    cells = []
+    for column in range(width):
+        lo, hi = column * step, (column + 1) * step
+        best, cover = None, 0.0
+        for event in events:
+            overlap = min(hi, event.end_ms) - max(lo, event.start_ms)
+            if overlap > cover:
+                best, cover = event, overlap
+        if best is None or cover * 2 < step:
+            cells.append(".")
+        else:
+            cells.append(best.kind if best.micro_batch % 2 == 0 else best.kind.lower())
+    return "".join(cells)

@@ -4,7 +4,15 @@ Every configuration runs one training step (forward + backward, no optimizer) pe
 rounds interleave the configurations, so machine load drifts hit all of them alike; the
 figures are medians after warm-up.  One intra-op thread, so each stage has one core.
 
-    python examples/bench_runtime.py [--balance 6,9] [--rounds 5] [--chunks 1,2,4,8]
+The "fill-drain" column is the iteration time that the stages' own measured compute times
+(the pipeline's last trace, per micro-batch means) give in an ideal fill-drain schedule; the
+"overhead" column is how much slower the pipeline really was, i.e. what the runtime itself
+costs (waits, copies, Python) beyond the schedule's bubbles and the split's imbalance.
+
+The default split [7, 8] (stage 1 starts at layer2.1) is the best 2-way split of the fill-drain
+model on per-layer times measured here at micro-batch 16 (forward 59/41 %, backward 47/53 %).
+
+    python examples/bench_runtime.py [--balance 7,8] [--rounds 5] [--chunks 1,2,4,8]
 """
 from __future__ import annotations
 
@@ -19,11 +27,13 @@ import torchvision
 from torch import nn
 
 import autopipe
+from autopipe.cost import StageLanes
+from autopipe.simulate import simulate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--balance", default="6,9", help="layers per stage (ResNet-18 has 15)")
+    parser.add_argument("--balance", default="7,8", help="layers per stage (ResNet-18 has 15)")
     parser.add_argument("--chunks", default="1,2,4,8", help="micro-batch counts to run")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--size", type=int, default=128, help="image side")
@@ -37,22 +47,24 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.size, args.size)
     y = torch.randint(0, 1000, (args.batch,))
     model = torchvision.models.resnet18(weights=None)
-    steps: dict[str, Callable[[], None]] = {"plain": _step(model, x, y)}
-    one = autopipe.Pipeline(model, balance=[15], devices=["cpu"], chunks=1, checkpoint=args.checkpoint)
-    steps["pipeline 1 stage, m=1"] = _step(one, x, y)
+    # Every pipeline shares the model's modules; they run one at a time, so that is fine.
+    nets: dict[str, autopipe.Pipeline] = {
+        "pipeline 1 stage, m=1": autopipe.Pipeline(model, balance=[15], chunks=1, checkpoint=args.checkpoint)
+    }
     for m in (int(c) for c in args.chunks.split(",")):
-        # Every pipeline shares the model's modules; they run one at a time, so that is fine.
-        pipe = autopipe.Pipeline(model, balance=balance, devices=["cpu", "cpu"], chunks=m,
-                                 checkpoint=args.checkpoint)
-        steps[f"pipeline {balance}, m={m}"] = _step(pipe, x, y)
+        nets[f"pipeline {balance}, m={m}"] = autopipe.Pipeline(
+            model, balance=balance, devices=["cpu", "cpu"], chunks=m, checkpoint=args.checkpoint)
+    steps = {"plain": _step(model, x, y), **{name: _step(net, x, y) for name, net in nets.items()}}
 
     print(f"ResNet-18 chain, batch {args.batch}, 3x{args.size}x{args.size}, 1 thread per stage, "
           f"checkpoint={args.checkpoint}, load average {os.getloadavg()[0]:.2f} at start")
     times = _interleaved(steps, args.rounds)
+    pipes = {name: _fill_drain_ms(net) for name, net in nets.items()}
     plain = times["plain"]
-    print(f"{'configuration':34s} {'median ms':>10s} {'speedup':>8s}")
+    print(f"{'configuration':34s} {'median ms':>10s} {'speedup':>8s} {'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
-        print(f"{name:34s} {ms:10.1f} {plain / ms:7.2f}x")
+        ideal = f"{pipes[name]:14.1f} {ms / pipes[name] - 1:+9.1%}" if name in pipes else ""
+        print(f"{name:34s} {ms:10.1f} {plain / ms:7.2f}x {ideal}")
     best = min((ms, name) for name, ms in times.items() if "m=" in name and "1 stage" not in name)
     one_stage = times["pipeline 1 stage, m=1"] / plain - 1
     print(f"best: {best[1]} at {plain / best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
@@ -68,6 +80,19 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], No
         loss_fn(model(x), y).backward()
 
     return step
+
+
+def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
+    """The fill-drain iteration time of the stage compute times in ``pipe``'s last trace: what
+    the pipeline would take with no runtime overhead at all (its per-micro-batch means)."""
+    events = pipe.last_trace()
+    chunks = max(e.micro_batch for e in events) + 1
+
+    def mean(stage: int, kind: str) -> float:
+        return sum(e.duration_ms for e in events if e.stage == stage and e.kind == kind) / chunks
+
+    lanes = [StageLanes(mean(s, "F"), mean(s, "B"), mean(s, "R"), 0.0, 0.0, 0.0) for s in range(len(pipe.stages))]
+    return simulate(lanes, chunks, pipe.checkpoint).iteration_ms
 
 
 def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:

@@ -41,15 +41,17 @@ TUTORIAL_CUT = "layer3.0"  # the tutorial's seq1 = conv1..layer2, seq2 = layer3.
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table: which section it belongs to, and the plan it runs (None: one device)."""
+    """One line of the table: its section and its plan.  The single-device row runs the plain
+    model; its one-stage plan only predicts it."""
 
     section: str
-    plan: autopipe.Plan | None
+    plan: autopipe.Plan
+    single: bool = False
 
     @property
     def key(self) -> tuple[object, ...]:
         """Rows with equal keys are one measurement; the planner's row is always its own."""
-        if self.plan is None:
+        if self.single:
             return ("single",)
         own = self.section if self.section == "planner's choice" else ""
         return (tuple(self.plan.balance), self.plan.chunks, self.plan.checkpoint, own)
@@ -68,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     profile = _profile(model, shape, args, devices)
     rows = _rows(profile, devices, args)
     batch, target = synthetic_batch(model, shape, args.batch_size)
+    distinct = {row.key: row.plan.predicted.iteration_ms for row in rows}
+    estimate = (args.warmup + args.steps) * sum(distinct.values()) / 1e3
     print(f"ResNet-50, batch {args.batch_size} of {'x'.join(map(str, shape))}, devices {', '.join(devices)} "
-          f"(1 thread each), {len(rows)} rows in {len({r.key for r in rows})} measurements, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"(1 thread each), {len(rows)} rows in {len(distinct)} measurements, about {estimate:.0f} s "
+          f"predicted; load average {os.getloadavg()[0]:.2f}", flush=True)
     steps = _measure(model, rows, batch, target, devices[0], args)
     print(_table(rows, steps))
     verdict = _goals(rows, steps)
@@ -125,7 +129,8 @@ def _rows(profile: autopipe.Profile, devices: list[str], args: argparse.Namespac
     tutorial = names.index(TUTORIAL_CUT)
     batch = args.batch_size
     split = lambda cut, m: plan_of(profile, devices, [cut, len(names) - cut], m, "never", batch)  # noqa: E731
-    rows = [Row("single device", None), Row("model parallel (tutorial split)", split(tutorial, 1))]
+    one = plan_of(profile, devices, [len(names)], 1, "never", batch)
+    rows = [Row("single device", one, single=True), Row("model parallel (tutorial split)", split(tutorial, 1))]
     rows += [Row("tutorial split, split size swept", split(tutorial, m)) for m in _powers(batch) if m > 1]
     rows += [Row("sweep (split point x micro-batches)", split(cut, m))
              for cut in _balanced_cuts(profile, args.cuts) for m in args.grid]
@@ -159,7 +164,7 @@ def _measure(model: nn.Module, rows: list[Row], batch: torch.Tensor, target: tor
     for row in rows:
         if row.key in trainers:
             continue
-        if row.plan is None:
+        if row.single:
             trainers[row.key] = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device])
             continue
         shared = copies.setdefault(tuple(row.plan.balance), copy.deepcopy(model))
@@ -172,8 +177,9 @@ def _measure(model: nn.Module, rows: list[Row], batch: torch.Tensor, target: tor
     return trainers
 
 
-def _describe(plan: autopipe.Plan | None) -> tuple[str, str]:
-    if plan is None:
+def _describe(row: Row) -> tuple[str, str]:
+    plan = row.plan
+    if row.single:
         return "-", "-"
     cuts = " | ".join(stage.first_layer for stage in plan.stages[1:])
     mode = "" if plan.checkpoint == "never" else f", ckpt {plan.checkpoint}"
@@ -187,11 +193,10 @@ def _table(rows: list[Row], trainers: dict[tuple[object, ...], Trainer]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         step = median_step(trainers[row.key].times)
-        split, micro = _describe(row.plan)
-        predicted = "-" if row.plan is None else f"{row.plan.predicted.iteration_ms:9.0f}"
-        error = "-" if row.plan is None else f"{_error(row.plan, step.iteration_ms):+6.0f}%"
+        split, micro = _describe(row)
         lines.append(f"{row.section:<36.36} {split:<18.18} {micro:<12} {step.step_ms:9.0f} "
-                     f"{single / step.step_ms:7.2f}x {step.iteration_ms:9.0f} {predicted:>9} {error:>7}")
+                     f"{single / step.step_ms:7.2f}x {step.iteration_ms:9.0f} "
+                     f"{row.plan.predicted.iteration_ms:9.0f} {_error(row.plan, step.iteration_ms):+6.0f}%")
     lines.append("step = zero_grad + forward + loss + backward + SGD step; iter = forward + backward "
                  "(what is predicted); error = (predicted - measured) / measured")
     return "\n".join(lines)
@@ -205,12 +210,12 @@ def _goals(rows: list[Row], trainers: dict[tuple[object, ...], Trainer]) -> dict
     """The two goals: the planner's choice within 5% of the best hand-swept row, and its
     predicted iteration within 10% of the measured one."""
     step = {row.key: median_step(trainers[row.key].times) for row in rows}
-    swept = [row for row in rows if row.plan is not None and row.section != "planner's choice"]
+    swept = [row for row in rows if not row.single and row.section != "planner's choice"]
     best = min(swept, key=lambda row: step[row.key].step_ms)
     planner = rows[-1]
     behind = 100.0 * (step[planner.key].step_ms / step[best.key].step_ms - 1)
     error = _error(planner.plan, step[planner.key].iteration_ms)
-    split, micro = _describe(best.plan)
+    split, micro = _describe(best)
     text = "\n".join([
         f"best hand-swept row: {best.section}, {split}, {micro}: {step[best.key].step_ms:.0f} ms/step",
         f"goal 1, planner's choice within 5% of it: {behind:+.1f}% -> {'met' if behind <= 5 else 'NOT met'}",
@@ -227,12 +232,10 @@ def _document(rows: list[Row], trainers: dict[tuple[object, ...], Trainer], verd
     table = []
     for row in rows:
         step = median_step(trainers[row.key].times)
-        entry: dict[str, object] = {"section": row.section, "step_ms": step.step_ms,
-                                    "iteration_ms": step.iteration_ms, "speedup": single / step.step_ms}
-        if row.plan is not None:
-            entry.update(balance=row.plan.balance, chunks=row.plan.chunks, checkpoint=row.plan.checkpoint,
-                         predicted_iteration_ms=row.plan.predicted.iteration_ms)
-        table.append(entry)
+        table.append({"section": row.section, "step_ms": step.step_ms, "iteration_ms": step.iteration_ms,
+                      "speedup": single / step.step_ms, "balance": row.plan.balance, "chunks": row.plan.chunks,
+                      "checkpoint": row.plan.checkpoint,
+                      "predicted_iteration_ms": row.plan.predicted.iteration_ms})
     goals = {k: v for k, v in verdict.items() if k != "text"}
     return {"kind": "seed_resnet50", "batch_size": args.batch_size, "input_shape": shape, "devices": devices,
             "steps": args.steps, "warmup": args.warmup, "rows": table, "goals": goals,

@@ -219,6 +219,47 @@ def test_untraceable_root_forward_points_to_sequential() -> None:
         chain(Root())
 
 
+class StockEncoder(nn.Module):
+    """``nn.TransformerEncoder`` with a causal mask, whose forward fx cannot trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        h = self.encoder(self.embed(x), mask=mask, is_causal=True)
+        return self.head(self.norm(h.mean(dim=1)).view(x.size(0), -1))
+
+
+def test_torch_export_captures_what_fx_cannot() -> None:
+    """Exported at batch 4, run at 3 and 6 in sequence and as a 3-stage pipeline (training
+    mode, per-micro-batch reference), on the model's own tensors; the mode stays the export's."""
+    model = StockEncoder()
+    with pytest.raises(CaptureError, match="'encoder' .*sample_input"):
+        chain(model)
+    layers = chain(model, torch.randn(4, 5, 8))
+    assert [layer.name for layer in layers] == ["embed", "encoder.layers.0", "encoder.layers.1", "norm", "head"]
+    original = model.state_dict(keep_vars=True)
+    captured = {k: v for layer in layers for k, v in layer.module.state_dict(keep_vars=True).items()}
+    assert captured.keys() == original.keys() and all(captured[k] is original[k] for k in original)
+    sequential = _sequential(layers)
+    for batch in (3, 6):
+        x = torch.randn(batch, 5, 8)
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(sequential, model, x))
+    pipe = autopipe.Pipeline(layers, balance=[2, 2, 1], devices=["cpu"] * 3, chunks=3)
+    try:
+        _assert_same(_output_and_grads(_per_micro_batch(model, 3), model, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+    with pytest.raises(RuntimeError, match="captured with torch.export in train mode"):
+        sequential.eval()(x)
+
+
 def test_finer_granularity_splits_blocks_and_keeps_results() -> None:
     model = torchvision.models.resnet18(num_classes=10)
     layers = chain(model, granularity="finer")

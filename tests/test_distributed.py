@@ -101,6 +101,25 @@ def batchnorm_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.BatchNorm1d(16), nn.Linear(16, 4))
 
 
+class Counted(nn.Module):
+    """Counts its forward runs, recomputations included (it saves its input for backward, so a
+    recomputation, which stops once the saved tensors are back, always reaches it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x * x
+
+
+def counted_model() -> nn.Sequential:
+    """Balance [2, 2]: one Counted per stage."""
+    torch.manual_seed(6)
+    return nn.Sequential(nn.Linear(8, 8), Counted(), Counted(), nn.Linear(8, 4))
+
+
 def labelled_model() -> nn.Sequential:
     torch.manual_seed(4)
     return nn.Sequential(nn.Linear(8, 8), Labelled(), nn.Linear(8, 4))
@@ -119,13 +138,13 @@ def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
     return torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator)
 
 
-def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str) -> Plan:
+def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, checkpoint: str = "never") -> Plan:
     """A plan as the planner would write it; the predicted costs do not matter to the engine."""
     layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
     zeros = {f.name: 0 for f in dataclasses.fields(StagePlan)}
     stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
                                    "last_layer": layers[b - 1].name}) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, "never", schedule, stages,
+    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, checkpoint, schedule, stages,
                 Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
 
 
@@ -185,11 +204,13 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["inplace_1f1b"] = _run(inplace_model(), None, None, None, plan=plan)["grads"]
     result["other_model"] = _error(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
     result["tuple"] = _run(tuple_model(), [2, 2], 2, "gpipe")["grads"]
-    bn = _run(batchnorm_model(), [2, 2], CHUNKS, "1f1b", checkpoint="always")
+    bn = _run(batchnorm_model(), [2, 2], CHUNKS, "1f1b", checkpoint="except_last")
     torch.optim.SGD(bn["runner"].parameters(), lr=0.1).step()
     result["checkpoint_grads"] = bn["grads"]
     path = bn["runner"].save_checkpoint(out / "model.pt")
     result["checkpoint_path"] = str(path) if path else None
+    for mode in ("always", "except_last"):
+        result[f"forwards_{mode}"] = _forwards_in_second_step(mode)
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = _error(lambda: runner.step(x, target=y))
@@ -204,6 +225,20 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
         os._exit(0)
     result["peer_of_non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
     return result
+
+
+def _forwards_in_second_step(checkpoint: str) -> int:
+    """Forward runs of this rank's Counted in one step after the first (which probes shapes)."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(counted_model(), balance=[2, 2], chunks=CHUNKS, checkpoint=checkpoint,
+                                 loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    runner.step(x, target=y)
+    counted = next(m for m in runner.module.modules() if isinstance(m, Counted))
+    counted.calls = 0
+    runner.step(x, target=y)
+    return counted.calls
 
 
 def _job_three(rank: int, out: Path) -> dict[str, Any]:
@@ -302,6 +337,13 @@ def test_checkpointed_batchnorm_and_merged_checkpoint_load_into_plain_model(two:
 
 
 @pytest.mark.slow
+def test_checkpoint_modes_recompute_like_the_in_process_runtime(two: list[dict[str, Any]]) -> None:
+    for result in two:  # CHUNKS forwards, plus one recomputation per checkpointed micro-batch
+        assert result["forwards_always"] == 2 * CHUNKS
+        assert result["forwards_except_last"] == 2 * CHUNKS - 1
+
+
+@pytest.mark.slow
 def test_changed_batch_size_raises_on_first_and_last_rank(two: list[dict[str, Any]]) -> None:
     assert two[0]["changed_batch"].startswith("DistributedError: the input batch has 6 samples")
     assert two[1]["changed_batch"].startswith("DistributedError: the target batch has 6 samples")
@@ -346,9 +388,12 @@ def test_world_size_must_match_stages(three: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_example_trains_and_writes_a_checkpoint_the_plain_model_loads(tmp_path: Path) -> None:
+def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_loads(tmp_path: Path) -> None:
+    import torchvision
+
+    plan = plan_for(torchvision.models.resnet18(weights=None), [7, 8], 2, "1f1b", checkpoint="except_last")
     example = Path(__file__).parents[1] / "examples" / "distributed_train.py"
-    launch_local([sys.executable, str(example), "--balance", "7,8", "--chunks", "2", "--batch-size", "4",
+    launch_local([sys.executable, str(example), "--plan", str(plan.save(tmp_path / "plan.json")),
                   "--image-size", "32", "--steps", "2", "--save", str(tmp_path / "model.pt")], 2, tmp_path, JOB_TIMEOUT_S)
     printed = (tmp_path / "rank0.log").read_text()
     losses = [float(line.split()[-1]) for line in printed.splitlines() if line.startswith("step ")]

@@ -23,6 +23,9 @@ def test_scatter_splits_tensors_and_repeats_other_arguments() -> None:
     assert [m[1] for m in micro] == ["mode"] * 3
     assert torch.equal(torch.cat([m[2] for m in micro]), y)
     assert len(scatter((torch.zeros(2, 5),), 4)) == 2  # one sample per micro-batch
+    pair = scatter(((x, y),), 2)  # one tuple argument, as nn.Sequential takes it
+    assert [m[0][0].tolist() for m in pair] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert [m[0][1].shape[0] for m in pair] == [4, 3]
 
 
 def test_scatter_refuses_unequal_batches_and_no_tensor() -> None:

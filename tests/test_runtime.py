@@ -91,7 +91,8 @@ def resnet18() -> nn.Module:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "balance,chunks,checkpoint",
-    [([15], 1, "never"), ([2, 13], 2, "except_last"), ([7, 8], 4, "always"), ([4, 4, 4, 3], 4, "except_last")],
+    [([15], 1, "never"), ([2, 13], 2, "except_last"), ([5, 5, 5], 2, "never"), ([7, 8], 4, "always"),
+     ([4, 4, 4, 3], 4, "except_last")],
 )
 def test_resnet18(balance: list[int], chunks: int, checkpoint: str) -> None:
     # Batch norm trains per micro-batch in both; running statistics are compared too, so a

@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import threading
 
 import pytest
 import torch
@@ -146,7 +145,8 @@ def test_tuple_inputs_outputs_and_plain_arguments() -> None:
     first, second = pipe(x, y, 0.5)
     x_ref = x.detach().clone().requires_grad_()
     ref = reference[2](reference[1](reference[0](x_ref, y, 0.5)))
-    assert_close(first, ref[0]) and assert_close(second, ref[1])
+    assert_close(first, ref[0], "first")
+    assert_close(second, ref[1], "second")
     (first.sum() + second.pow(2).sum()).backward()
     (ref[0].sum() + ref[1].pow(2).sum()).backward()
     assert_close(x.grad, x_ref.grad, "x.grad")
@@ -265,10 +265,14 @@ class _RaiseInBackward(torch.autograd.Function):
 
 
 @pytest.mark.timeout(30)
-def test_forward_error_names_the_stage_and_the_pipeline_survives() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), FailOn(call=2), nn.Linear(4, 4))
-    pipe = autopipe.Pipeline(model, balance=[1, 3], devices=["cpu", "cpu"], chunks=4)
-    with pytest.raises(StageError, match=r"stage 1 \(1\.\.3\) on cpu failed in forward of micro-batch 2: ValueError: forward boom") as info:
+@pytest.mark.parametrize("stage", [0, 1])  # a failing stage 0 leaves stage 1 waiting for input
+def test_forward_error_names_the_stage_and_the_pipeline_survives(stage: int) -> None:
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    layers.insert(1 if stage == 0 else 3, FailOn(call=2))
+    pipe = autopipe.Pipeline(nn.Sequential(*layers), balance=[2, 2], devices=["cpu", "cpu"], chunks=4)
+    names = ["0..1", "2..3"][stage]
+    with pytest.raises(StageError, match=rf"stage {stage} \({names}\) on cpu failed in forward of "
+                                         r"micro-batch 2: ValueError: forward boom") as info:
         pipe(torch.randn(8, 4))
     assert isinstance(info.value.__cause__, ValueError)
     pipe(torch.randn(8, 4)).sum().backward()  # the workers live on
@@ -276,11 +280,17 @@ def test_forward_error_names_the_stage_and_the_pipeline_survives() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_backward_error_names_the_stage() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), FailOn(call=1, backward=True), nn.Linear(4, 4), nn.Linear(4, 4))
-    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="never")
-    out = pipe(torch.randn(6, 4))
-    with pytest.raises(StageError, match=r"stage 0 \(0\.\.1\) on cpu failed in backward of micro-batch 1: KeyError") as info:
+@pytest.mark.parametrize("stage", [0, 1])  # a failing stage 1 leaves stage 0 waiting for dy
+@pytest.mark.parametrize("input_grad", [False, True])  # the tie waits in a callback, or inline
+def test_backward_error_names_the_stage(stage: int, input_grad: bool) -> None:
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    layers.insert(1 if stage == 0 else 3, FailOn(call=1, backward=True))
+    pipe = autopipe.Pipeline(nn.Sequential(*layers), balance=[2, 2], devices=["cpu", "cpu"], chunks=3,
+                             checkpoint="never")
+    out = pipe(torch.randn(6, 4, requires_grad=input_grad))
+    names = ["0..1", "2..3"][stage]
+    with pytest.raises(StageError, match=rf"stage {stage} \({names}\) on cpu failed in backward of "
+                                         r"micro-batch 1: KeyError") as info:
         out.sum().backward()
     assert isinstance(info.value.__cause__, KeyError)
     pipe(torch.randn(6, 4)).sum().backward()
@@ -296,7 +306,17 @@ def test_workers_stop_when_the_pipeline_is_collected() -> None:
     for worker in workers:
         worker.join(timeout=10)
         assert not worker.alive
-    assert not any(t.name.startswith("autopipe-stage") and t in [w._thread for w in workers] for t in threading.enumerate())
+
+
+@pytest.mark.timeout(30)
+def test_close_stops_the_workers_and_refuses_further_calls() -> None:
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"])
+    pipe.close()
+    for worker in pipe._engine.workers:
+        worker.join(timeout=10)
+        assert not worker.alive
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe(torch.randn(2, 6))
 
 
 # -- trace --------------------------------------------------------------------------------
@@ -348,3 +368,52 @@ def test_layers_with_empty_prefix_keep_the_models_keys() -> None:
     assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in model.named_parameters()}
     pipe(torch.randn(4, 3)).sum().backward()
     assert model.scale.grad is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stages_with_skips_are_transparent() -> None:
+    """Streams, event-ordered copies and record_stream, on one or two GPUs and the CPU."""
+    gpus = ["cuda:0", f"cuda:{min(1, torch.cuda.device_count() - 1)}"]
+    model = skip_model()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 2, 2, 3], devices=["cpu", gpus[0], gpus[1], gpus[0]],
+                             chunks=4, checkpoint="except_last")
+    x = torch.randn(9, 8)
+    out = pipe(x)
+    g = torch.randn(9, 4)
+    (out * g.to(out.device)).sum().backward()
+    expected = reference_step(reference, x, g, 4)
+    assert_close(out.cpu(), expected, "output")
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        assert_close(p.grad.cpu(), q.grad, name)
+
+
+@pytest.mark.timeout(30)
+def test_one_tuple_argument_like_nn_sequential() -> None:
+    model = nn.Sequential(Pair(), Pair())
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=3)
+    a, b = torch.randn(5, 5, requires_grad=True), torch.randn(5, 5)
+    a_ref = a.detach().clone().requires_grad_()
+    out, ref = pipe((a, b)), reference((a_ref, b))
+    assert_close(out[0], ref[0], "first")
+    assert_close(out[1], ref[1], "second")
+    out[0].sum().backward()
+    ref[0].sum().backward()
+    assert_close(a.grad, a_ref.grad, "a.grad")
+
+
+@pytest.mark.timeout(30)
+def test_the_callers_autocast_applies_on_the_workers() -> None:
+    model = mlp()
+    pipe = autopipe.Pipeline(copy.deepcopy(model), balance=[3, 4], devices=["cpu", "cpu"], chunks=2,
+                             checkpoint="always")
+    x = torch.randn(4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = pipe(x), model(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert_close(out.float(), expected.float(), "output", rel=1e-2)
+    out.float().sum().backward()  # recomputation under autocast too
+    assert all(p.grad is not None for p in pipe.parameters())

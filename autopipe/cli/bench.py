@@ -13,6 +13,7 @@ from ..plans import Plan
 from ..profiler import profile
 from ..profiles import Profile
 from ..solver import plan as choose_plan
+from ..timeline import render
 from .profile import load_model, parse_ints
 
 __all__ = ["add_arguments", "run"]
@@ -33,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also draw the predicted timeline and the measured one of the last step")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON (atomically)")
 
 
@@ -47,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     batch, target = synthetic_batch(model, shape, chosen.batch_size)
     result = bench_plan(model, chosen, batch, target, steps=args.steps, warmup=args.warmup)
     print(format_bench(result))
+    if args.timeline:
+        print(f"\npredicted timeline:\n{render(result.predicted_events)}")
+        print(f"\nmeasured timeline (last step):\n{render(result.measured_events)}")
     if args.json:
         print(f"wrote {write_json_atomic(args.json, _document(result, args, shape))}")
     return 0

@@ -11,6 +11,7 @@ from ..device import resolve_devices
 from ..plans import Plan
 from ..profiler import profile
 from ..solver import plan as choose_plan
+from ..timeline import render
 from .profile import load_model, parse_ints
 
 __all__ = ["add_arguments", "run"]
@@ -72,8 +73,8 @@ def _report(result: BenchResult) -> None:
     print(f"\n3. trained {len(result.losses)} steps beside the unpartitioned model (first one untimed); "
           f"losses {losses}\n")
     print("predicted timeline:")
-    print(render_timeline(result.predicted_events))
+    print(render(result.predicted_events))
     print("\nmeasured timeline (last step):")
-    print(render_timeline(result.measured_events))
+    print(render(result.measured_events))
     print("\n4. predicted against measured:")
     print(format_bench(result))

@@ -83,7 +83,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[Layer], index: int, num_stages: int,
-                 routes: Sequence[SkipRoute], checkpoint: bool = False) -> None:
+                 routes: Sequence[SkipRoute], checkpoint: str = "never", chunks: int = 1) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.layer_names = [layer.name for layer in layers]
@@ -92,9 +92,12 @@ class StageModule(nn.Module):
         self.skips_in = [route.key for route in routes if route.crosses_into(index)]
         self.skips_out = [route.key for route in routes if route.crosses_out_of(index)]
         self.checkpoint = checkpoint
+        self.chunks = chunks
+        #: The micro-batch being run, set by :class:`_Stage`; ``None`` in the engine's shape probe.
+        self.micro_batch: int | None = None
 
     def forward(self, *received: Tensor) -> Any:
-        if self.checkpoint and torch.is_grad_enabled():
+        if self._checkpointing():
             return self._checkpointed(*received)
         return self._run(*received)
 
@@ -117,6 +120,12 @@ class StageModule(nn.Module):
         # The receiver's buffers copy the first micro-batch's strides and gloo refuses
         # non-contiguous buffers (a slice like x[:, :8]), so send contiguous tensors only.
         return tuple(t.contiguous() for t in sent)
+
+    def _checkpointing(self) -> bool:
+        """As the in-process runtime: ``except_last`` keeps the last micro-batch's activations."""
+        if not torch.is_grad_enabled() or self.micro_batch is None or self.checkpoint == "never":
+            return False
+        return self.checkpoint == "always" or self.micro_batch < self.chunks - 1
 
     def _checkpointed(self, *received: Tensor) -> Any:
         """Recompute the stage in backward; the recomputation must not update buffers twice.
@@ -148,19 +157,31 @@ class StageModule(nn.Module):
         )
 
 
+class _Stage(PipelineStage):
+    """Tells the stage module which micro-batch it runs, which checkpointing ``except_last`` needs."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.micro_batch = fwd_chunk_id
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            self.submod.micro_batch = None
+
+
 def _non_leaf(tensor: Tensor) -> Tensor:
     return tensor.clone() if tensor.is_leaf and tensor.requires_grad else tensor
 
 
 @contextlib.contextmanager
 def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Put buffers back without bumping their autograd version: a micro-batch that was not
+    checkpointed saved them for its backward, which under 1F1B runs after this recomputation."""
     saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+        for buffer, value in saved:
+            buffer.data.copy_(value)
 
 
 def _describe(value: Any) -> str:
@@ -235,8 +256,6 @@ class DistributedPipeline:
     Micro-batch shapes are fixed by the engine at the first step, so the batch size is fixed
     too (the plan's, ``batch_size``, or the first step's): another one raises
     :class:`DistributedError`; build a new pipeline on every rank for a new batch size.
-    Checkpointing (``"always"`` and ``"except_last"`` alike; the engine does not say which
-    micro-batch is the last) recomputes each micro-batch's stage forward in its backward.
     """
 
     def __init__(
@@ -257,7 +276,8 @@ class DistributedPipeline:
         settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size)
         self.balance, self.chunks, self.schedule_name = settings.balance, settings.chunks, settings.schedule
         self.batch_size = settings.batch_size
-        init_distributed("nccl" if any(d.startswith("cuda") for d in settings.devices) else "gloo")
+        kinds = [torch.device(device).type] if device is not None else [torch.device(d).type for d in settings.devices]
+        init_distributed("nccl" if "cuda" in kinds else "gloo")
         self.group = group
         self.num_stages = len(self.balance)
         self.rank = _check_world(self.num_stages, group)
@@ -267,8 +287,8 @@ class DistributedPipeline:
         start = sum(self.balance[: self.rank])
         self.stage_layers = self.layers[start : start + self.balance[self.rank]]
         self.module = StageModule(self.stage_layers, self.rank, self.num_stages, skip_routes(self.layers, self.balance),
-                                  checkpoint=settings.checkpoint != "never").to(self.device)
-        self.stage = PipelineStage(self.module, self.rank, self.num_stages, self.device, group=group)
+                                  settings.checkpoint, self.chunks).to(self.device)
+        self.stage = _Stage(self.module, self.rank, self.num_stages, self.device, group=group)
         self.schedule = _SCHEDULE_CLASSES[self.schedule_name](self.stage, self.chunks, loss_fn=loss_fn)
 
     @property
@@ -331,7 +351,7 @@ class DistributedPipeline:
         Returns the path on rank 0, ``None`` elsewhere.
         """
         local = {key: value.detach().cpu() for key, value in self.state_dict().items()}
-        parts: list[dict[str, Tensor]] | None = [{}] * self.num_stages if self.rank == 0 else None
+        parts: list[dict[str, Tensor]] | None = [{} for _ in range(self.num_stages)] if self.rank == 0 else None
         dist.gather_object(local, parts, dst=self._global_rank(0), group=self.group)
         if parts is None:
             return None

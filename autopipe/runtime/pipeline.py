@@ -18,13 +18,13 @@ import weakref
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..fingerprint import first_difference, model_fingerprint
 from ..layers import Layer, layer_chain
-from ..microbatch import gather, scatter
+from ..microbatch import gather, scatter, tensors_of
 from ..plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .function import PipelineTie
@@ -49,6 +49,7 @@ class Engine:
         self.schedule = FillDrain()
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
+        self.closed = False
 
     def run_phase(self, run: Run, phase: str) -> None:
         """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
@@ -57,6 +58,8 @@ class Engine:
         self.finish_phase(run, phase)
 
     def start_phase(self, run: Run, phase: str) -> None:
+        if self.closed:
+            raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
             worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
@@ -67,17 +70,42 @@ class Engine:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
+        if not self.closed:
+            self.closed = True
+            for worker in self.workers:
+                worker.close()
 
 
 class Pipeline(nn.Module):
     """A model run as a pipeline of stages, one worker thread per stage.
 
     Give a :class:`~autopipe.Plan` (its fingerprint must match the model) or the manual form:
-    ``balance`` (layers per stage), ``devices`` (one per stage), ``chunks`` (micro-batches per
-    mini-batch) and ``checkpoint`` (``"never"``, ``"except_last"`` or ``"always"``).  ``model``
-    is anything :func:`~autopipe.layer_chain` reads, or its layer chain itself.
+    ``balance`` (layers per stage), ``devices`` (one per stage, default ``"cpu"`` each),
+    ``chunks`` (micro-batches per mini-batch) and ``checkpoint`` (``"never"``,
+    ``"except_last"`` or ``"always"``).  ``model`` is anything :func:`~autopipe.layer_chain`
+    reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
+
+    * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.microbatch`
+      describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
+      arguments go to every micro-batch; the first layer is called with them all, every later
+      layer with the previous layer's value (a tensor or a tuple), as in ``nn.Sequential``.
+      The output (a tensor or a tuple of tensors) is on the last stage's device.
+    * Grad mode, autocast and the intra-op thread count are per thread; the caller's are
+      applied on the workers for each call.
+    * Under ``torch.no_grad()`` only the forward runs and nothing is kept.  In ``eval()``
+      layers behave as in eval and nothing is checkpointed, but gradients still flow.
+    * Each call's state lives in its own run: several forwards may precede their backwards,
+      and a forward whose output is dropped frees its state with the output.
+    * A stage's failure, forward or backward, is raised to the caller as a
+      :class:`~autopipe.runtime.StageError` naming the stage, phase and micro-batch (the
+      original as ``__cause__``) once every stage has stopped; the workers live on, so the
+      pipeline stays usable.
+    * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
+
+    Each stage runs its own backward, so parameters receive their gradients in ``.grad`` (as
+    with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
+    parameters, ``create_graph=True`` and a second backward through the same output are not
+    supported (gradients with respect to the inputs are).
     """
 
     def __init__(
@@ -118,8 +146,7 @@ class Pipeline(nn.Module):
         if not grad:
             self._engine.run_phase(run, "forward")
             return gather([run.outputs.pop(j) for j in range(run.chunks)])
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        return PipelineTie.apply(self._engine, run, self._dummy, *tensors)
+        return PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -128,7 +155,9 @@ class Pipeline(nn.Module):
             checkpointing and (self.checkpoint == "always" or (self.checkpoint == "except_last" and j < chunks - 1))
             for j in range(chunks)
         ]
-        return Run(micro_batches, checkpointed, grad, torch.get_num_threads(), len(self.stages))
+        autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(kind)]
+        return Run(micro_batches, checkpointed, grad, autocast, torch.get_num_threads(), len(self.stages))
 
     def last_trace(self) -> list[Event]:
         """Events of the last completed iteration (forward and backward), sorted by start."""

@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+import torch
 from torch import Tensor
 
 from ..checkpoint import RngStates
-from ..microbatch import Value
+from ..microbatch import Value, tensors_of
 from ..skip import SkipKey
 from ..timeline import Event
 
@@ -79,6 +80,7 @@ class Run:
     micro_batches: list[tuple[Any, ...]]
     checkpointed: list[bool]
     grad_enabled: bool
+    autocast: list[tuple[str, torch.dtype]]  # the caller's enabled autocast device types
     threads: int
     stages: int
     inboxes: list[Inbox] = field(init=False)
@@ -103,7 +105,7 @@ class Run:
     @property
     def sizes(self) -> list[int]:
         """Samples per micro-batch."""
-        return [next(a for a in mb if isinstance(a, Tensor)).shape[0] for mb in self.micro_batches]
+        return [tensors_of(mb)[0].shape[0] for mb in self.micro_batches]
 
     def ms(self) -> float:
         """Now, in ms since the call started (the trace's clock)."""

@@ -96,7 +96,7 @@ class Stage:
         begin = run.ms()
         with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
             with self._random(run) as rng:
-                output, leaving = self._compute(args, skips, wrap=run.grad_enabled and not checkpointed)
+                output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed)
         run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips)
         if run.grad_enabled:
@@ -121,13 +121,18 @@ class Stage:
         skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
         return args, skips
 
-    def _compute(self, args: tuple[Any, ...], skips: dict[SkipKey, Tensor], wrap: bool) -> tuple[Value, dict[SkipKey, Tensor]]:
-        """Run the layers on ``args``; ``wrap`` puts grad-requiring leaves behind a Boundary."""
+    def _compute(self, run: Run, args: tuple[Any, ...], skips: dict[SkipKey, Tensor],
+                 wrap: bool) -> tuple[Value, dict[SkipKey, Tensor]]:
+        """Run the layers on ``args`` under the caller's autocast; ``wrap`` puts
+        grad-requiring leaves behind a Boundary."""
         if wrap:
             args = map_tensors(args, _boundary)
             skips = {key: _boundary(t) for key, t in skips.items()}
         tracker = StageTracker(skips, self.routes.leaving)
-        with use_skip_tracker(tracker):
+        with contextlib.ExitStack() as stack:
+            for kind, dtype in run.autocast:
+                stack.enter_context(torch.autocast(kind, dtype))
+            stack.enter_context(use_skip_tracker(tracker))
             value = self.modules[0](*args)
             for module in self.modules[1:]:
                 value = module(value)
@@ -178,7 +183,7 @@ class Stage:
         skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
         if saved.output is None:
             begin = run.ms()
-            saved.output, saved.leaving = self._recompute(saved)
+            saved.output, saved.leaving = self._recompute(run, saved)
             run.events.append(Event(self.index, "compute", "R", j, begin, run.ms()))
         assert saved.leaving is not None
         begin = run.ms()
@@ -191,9 +196,9 @@ class Stage:
         run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
-    def _recompute(self, saved: Saved) -> tuple[Value, dict[SkipKey, Tensor]]:
+    def _recompute(self, run: Run, saved: Saved) -> tuple[Value, dict[SkipKey, Tensor]]:
         with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
-            return self._compute(saved.args, saved.skips, wrap=True)
+            return self._compute(run, saved.args, saved.skips, wrap=True)
 
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:

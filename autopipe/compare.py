@@ -1,0 +1,111 @@
+"""Our plan next to the splits other systems would choose, all priced by the same cost model.
+
+Baselines use every offered device, the plan's micro-batch count (or the ``chunks`` the user
+fixed) and its checkpoint mode, so each ratio isolates the choice of split points:
+
+* ``equal layers`` — the same number of layers per stage;
+* ``parameter-balanced`` — the least largest per-stage parameter bytes (DeepSpeed's
+  ``partition_method="parameters"``, PiPPy's split by parameter count);
+* ``time min-max`` — the least largest per-stage forward + backward time at the micro-batch
+  size, with no copies and no device speeds (torchgpipe's ``balance_by_time``, made optimal).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .cost import CostModel
+from .graph import build_graph, chain_of
+from .plans import Plan
+from .profiles import Profile
+
+__all__ = ["Baseline", "compare", "format_comparison", "min_max_split", "equal_split"]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One split priced by the cost model; ``fits`` is false when a stage exceeds its memory limit."""
+
+    name: str
+    balance: list[int]
+    chunks: int
+    checkpoint: str
+    iteration_ms: float
+    ratio: float
+    fits: bool
+
+
+def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Baseline]:
+    """Our plan first, then each baseline, with its iteration time relative to ours."""
+    options = plan.options
+    devices = list(options.get("devices", plan.devices))
+    speeds = options.get("speeds") or [1.0] * len(devices)
+    model = CostModel(profile, chain_of(build_graph(profile)), devices, speeds, plan.batch_size,
+                      float(options.get("optimizer_state_factor", 2.0)))
+    limits = [np.inf if v is None else v for v in options.get("memory_limit_bytes", [None] * len(devices))]
+    m = chunks or plan.chunks
+    parts = min(len(devices), model.layers)
+    costs = model.at(model.micro_batch_size(m))
+    splits = [
+        ("ours (autopipe)", [0] + [stage.stop for stage in plan.stages], plan.chunks),
+        ("equal layers", equal_split(model.layers, parts), m),
+        ("parameter-balanced", min_max_split([l.param_bytes for l in profile.layers], parts), m),
+        ("time min-max, no copies", min_max_split(np.diff(costs.forward + costs.backward), parts), m),
+    ]
+    rows = []
+    for name, bounds, count in splits:
+        evaluation = model.evaluate(bounds, count, plan.checkpoint)
+        fits = all(stage.memory <= limit for stage, limit in zip(evaluation.stages, limits))
+        rows.append(Baseline(name, list(np.diff(bounds)), count, plan.checkpoint, evaluation.iteration_ms,
+                             evaluation.iteration_ms / plan.predicted.iteration_ms, fits))
+    return rows
+
+
+def equal_split(layers: int, parts: int) -> list[int]:
+    """Bounds of ``parts`` stages whose layer counts differ by at most one (larger first)."""
+    sizes = [layers // parts + (1 if i < layers % parts else 0) for i in range(parts)]
+    return [0] + list(np.cumsum(sizes).tolist())
+
+
+def min_max_split(weights: Sequence[float], parts: int) -> list[int]:
+    """Bounds of exactly ``parts`` non-empty contiguous stages minimising the largest stage sum.
+
+    Bisection on the limit with a greedy check (each stage takes as many layers as fit) finds
+    the optimum to float precision; stages are then split to use every part.
+    """
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(weights, dtype=float))))
+    low, high = float(np.max(weights)) if len(weights) else 0.0, float(prefix[-1])
+    for _ in range(100):
+        middle = (low + high) / 2
+        if len(_greedy(prefix, middle)) - 1 <= parts:
+            high = middle
+        else:
+            low = middle
+    bounds = _greedy(prefix, high)
+    while len(bounds) - 1 < parts:
+        widest = int(np.argmax(np.diff(bounds)))
+        bounds.insert(widest + 1, bounds[widest] + 1)
+    return bounds
+
+
+def _greedy(prefix: np.ndarray, limit: float) -> list[int]:
+    bounds = [0]
+    layers = len(prefix) - 1
+    while bounds[-1] < layers:
+        stop = int(np.searchsorted(prefix, prefix[bounds[-1]] + limit * (1 + 1e-12), side="right")) - 1
+        bounds.append(max(stop, bounds[-1] + 1))
+    return bounds
+
+
+def format_comparison(rows: Sequence[Baseline]) -> str:
+    """A table: split, balance, micro-batches, predicted iteration time and ratio to ours."""
+    lines = [f"{'split':<26} {'iteration':>12} {'vs ours':>8}  {'m':>3}  balance",
+             f"{'-' * 26} {'-' * 12} {'-' * 8}  {'-' * 3}  {'-' * 7}"]
+    for row in rows:
+        note = "" if row.fits else "  (exceeds the memory limit)"
+        balance = ",".join(map(str, row.balance))
+        lines.append(f"{row.name:<26} {row.iteration_ms:>9.2f} ms {row.ratio:>7.2f}x  {row.chunks:>3}  "
+                     f"[{balance}]{note}")
+    return "\n".join(lines)
