@@ -5,7 +5,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -21,13 +21,15 @@ from .solver import build_plan
 from .timeline import Event
 
 __all__ = [
-    "synthetic_batch", "StepTime", "Trainer", "interleave",
+    "synthetic_batch", "StepTime", "Trainer", "interleave", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "simulate_plan", "format_bench", "plan_of",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
 #: percentage measures the timer, not the model (a CPU "copy" takes microseconds).
 ERROR_FLOOR = 0.01
+
+T = TypeVar("T")
 
 
 def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
@@ -108,7 +110,8 @@ class Trainer:
         return measured
 
     def forget(self) -> None:
-        """Drop what warm-up recorded, so medians are of steady-state steps only."""
+        """Drop warm-up's times and traces, so medians are of steady-state steps only (its
+        losses stay: those were training steps all the same)."""
         self.times.clear()
         self.traces.clear()
 
@@ -129,9 +132,10 @@ def interleave(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> 
             trainers[name].step()
 
 
-def median_step(times: Sequence[StepTime]) -> StepTime:
-    """Each field's median over steps."""
-    return StepTime(*(statistics.median(getattr(t, f.name) for t in times) for f in fields(StepTime)))
+def medians(items: Sequence[T]) -> T:
+    """Each field's median over ``items``, dataclasses of one type (the steps of one trainer)."""
+    kind = type(items[0])
+    return kind(*(statistics.median(getattr(item, f.name) for item in items) for f in fields(kind)))
 
 
 @dataclass(frozen=True)
@@ -159,11 +163,6 @@ def stage_times(events: Sequence[Event], stages: int, iteration_ms: float) -> li
         key = "copy" if event.lane == "copy" else ("F" if event.kind == "F" else "B")
         totals[event.stage][key] += event.duration_ms
     return [Times(t["F"], t["B"], t["copy"], max(iteration_ms - t["F"] - t["B"], 0.0)) for t in totals]
-
-
-def median_times(samples: Sequence[Times]) -> Times:
-    """Each field's median over steps."""
-    return Times(*(statistics.median(getattr(s, f.name) for s in samples) for f in fields(Times)))
 
 
 @dataclass(frozen=True)
@@ -268,8 +267,8 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
         pipe.close()
     simulation = simulate_plan(plan)
     return BenchResult(
-        plan=plan, rows=_rows(plan, simulation, piped), single=median_step(single.times),
-        pipeline=median_step(piped.times), steps=steps, warmup=warmup,
+        plan=plan, rows=_rows(plan, simulation, piped), single=medians(single.times),
+        pipeline=medians(piped.times), steps=steps, warmup=warmup,
         predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
     )
 
@@ -303,8 +302,8 @@ def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:
     count = len(plan.stages)
     predicted = stage_times(simulation.events, count, simulation.iteration_ms)
     per_step = [stage_times(trace, count, step.iteration_ms) for trace, step in zip(piped.traces, piped.times)]
-    measured = [median_times([step[s] for step in per_step]) for s in range(count)]
-    step = median_step(piped.times)
+    measured = [medians([step[s] for step in per_step]) for s in range(count)]
+    step = medians(piped.times)
     rows = [Row(_stage_name(stage), p, m, simulation.iteration_ms, step.iteration_ms)
             for stage, p, m in zip(plan.stages, predicted, measured)]
     whole_predicted = Times(plan.predicted.forward_ms, plan.predicted.backward_ms,

@@ -284,12 +284,12 @@ def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], lim
 
 
 def _seed(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.ndarray,
-          beam: int = 2, step: float = 1.03) -> Choice | None:
-    """A good plan, fast: beam searches (``beam`` labels per state) cut at a target that starts
-    at the least lower bound and grows by ``step`` until one succeeds; ``None`` past 16×."""
-    target = pairs[0][0] * step
-    while target < 16 * pairs[0][0]:
-        choice, best = None, target
+          beam: int = 2) -> Choice | None:
+    """A good plan, fast: beam searches (``beam`` labels per state) cut at a target ``(1 + gap)``
+    times the least lower bound, the gap doubling from 3% until one succeeds (``None`` past 16×)."""
+    gap = 0.03
+    while gap < 16:
+        choice, best = None, pairs[0][0] * (1 + gap)
         for bound, m, mode in pairs:
             if bound >= best:
                 break
@@ -298,7 +298,7 @@ def _seed(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.
                 choice, best = found, found.iteration_ms
         if choice is not None:
             return choice
-        target *= step
+        gap *= 2
     return None
 
 

@@ -58,12 +58,16 @@ def main() -> None:
 
     print(f"ResNet-18 chain, batch {args.batch}, 3x{args.size}x{args.size}, 1 thread per stage, "
           f"checkpoint={args.checkpoint}, load average {os.getloadavg()[0]:.2f} at start")
-    times = _interleaved(steps, args.rounds)
-    pipes = {name: _fill_drain_ms(net) for name, net in nets.items()}
+    samples = _interleaved(steps, nets, args.rounds)
+    times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
     plain = times["plain"]
     print(f"{'configuration':34s} {'median ms':>10s} {'speedup':>8s} {'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
-        ideal = f"{pipes[name]:14.1f} {ms / pipes[name] - 1:+9.1%}" if name in pipes else ""
+        ideal = ""
+        if name in nets:
+            fill_drain = statistics.median(f for _, f in samples[name])
+            overhead = statistics.median(ms / f for ms, f in samples[name]) - 1
+            ideal = f"{fill_drain:14.1f} {overhead:+9.1%}"
         print(f"{name:34s} {ms:10.1f} {plain / ms:7.2f}x {ideal}")
     best = min((ms, name) for name, ms in times.items() if "m=" in name and "1 stage" not in name)
     one_stage = times["pipeline 1 stage, m=1"] / plain - 1
@@ -95,16 +99,20 @@ def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
     return simulate(lanes, chunks, pipe.checkpoint).iteration_ms
 
 
-def _interleaved(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+def _interleaved(steps: dict[str, Callable[[], None]], nets: dict[str, autopipe.Pipeline],
+                 rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Per configuration and round: the step's ms and, for a pipeline, the fill-drain ms of
+    that same step's trace (0 for the plain model)."""
     for step in steps.values():  # warm-up
         step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            ms = (time.perf_counter() - start) * 1e3
+            samples[name].append((ms, _fill_drain_ms(nets[name]) if name in nets else 0.0))
+    return samples
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torchvision
 from torch import nn
 
 import autopipe
-from autopipe.bench import Trainer, interleave, median_step, plan_of, synthetic_batch
+from autopipe.bench import Trainer, interleave, medians, plan_of, synthetic_batch
 from autopipe.device import resolve_devices
 from autopipe.fingerprint import environment_fingerprint, first_difference, model_fingerprint
 from autopipe.jsonio import write_json_atomic
@@ -165,7 +165,8 @@ def _measure(model: nn.Module, rows: list[Row], batch: torch.Tensor, target: tor
         if row.key in trainers:
             continue
         if row.single:
-            trainers[row.key] = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device])
+            plain = copy.deepcopy(model).to(device)
+            trainers[row.key] = Trainer(plain, batch.to(device), target, devices=[device])
             continue
         shared = copies.setdefault(tuple(row.plan.balance), copy.deepcopy(model))
         trainers[row.key] = Trainer(autopipe.Pipeline(shared, row.plan), batch.to(device), target,
@@ -187,12 +188,12 @@ def _describe(row: Row) -> tuple[str, str]:
 
 
 def _table(rows: list[Row], trainers: dict[tuple[object, ...], Trainer]) -> str:
-    single = median_step(trainers[("single",)].times).step_ms
+    single = medians(trainers[("single",)].times).step_ms
     header = (f"{'row':<36} {'split':<18} {'m x size':<12} {'step ms':>9} {'speedup':>8} "
               f"{'iter ms':>9} {'predicted':>9} {'error':>7}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        step = median_step(trainers[row.key].times)
+        step = medians(trainers[row.key].times)
         split, micro = _describe(row)
         lines.append(f"{row.section:<36.36} {split:<18.18} {micro:<12} {step.step_ms:9.0f} "
                      f"{single / step.step_ms:7.2f}x {step.iteration_ms:9.0f} "
@@ -209,7 +210,7 @@ def _error(plan: autopipe.Plan, measured_ms: float) -> float:
 def _goals(rows: list[Row], trainers: dict[tuple[object, ...], Trainer]) -> dict[str, object]:
     """The two goals: the planner's choice within 5% of the best hand-swept row, and its
     predicted iteration within 10% of the measured one."""
-    step = {row.key: median_step(trainers[row.key].times) for row in rows}
+    step = {row.key: medians(trainers[row.key].times) for row in rows}
     swept = [row for row in rows if not row.single and row.section != "planner's choice"]
     best = min(swept, key=lambda row: step[row.key].step_ms)
     planner = rows[-1]
@@ -228,10 +229,10 @@ def _goals(rows: list[Row], trainers: dict[tuple[object, ...], Trainer]) -> dict
 
 def _document(rows: list[Row], trainers: dict[tuple[object, ...], Trainer], verdict: dict[str, object],
               args: argparse.Namespace, devices: list[str], shape: list[int]) -> dict[str, object]:
-    single = median_step(trainers[("single",)].times).step_ms
+    single = medians(trainers[("single",)].times).step_ms
     table = []
     for row in rows:
-        step = median_step(trainers[row.key].times)
+        step = medians(trainers[row.key].times)
         table.append({"section": row.section, "step_ms": step.step_ms, "iteration_ms": step.iteration_ms,
                       "speedup": single / step.step_ms, "balance": row.plan.balance, "chunks": row.plan.chunks,
                       "checkpoint": row.plan.checkpoint,

@@ -109,7 +109,7 @@ def test_bench_model_profiles_and_plans_first(capsys: pytest.CaptureFixture[str]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("planned: balance [")
     stages = len(json.loads(lines[0].split("balance ")[1].split("]")[0] + "]"))
-    assert lines[1].startswith(f"{stages} stages")
+    assert lines[1].startswith(f"{stages} stage")
     assert sum(line.startswith("#") for line in lines) == stages
     assert "speedup" in lines[-1]
 

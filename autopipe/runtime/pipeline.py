@@ -40,8 +40,8 @@ __all__ = ["Pipeline", "Engine"]
 class Engine:
     """The stages, their workers and the schedule: runs one phase of one call at a time.
 
-    Kept apart from the ``nn.Module`` so that autograd graphs (which hold the engine until
-    their backward) do not hold the module tree.
+    Kept apart from the ``nn.Module``: the worker threads and the finalizer reference only
+    the engine, so a dropped pipeline is collected, and its collection closes the workers.
     """
 
     def __init__(self, stages: list[Stage]) -> None:

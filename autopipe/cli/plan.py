@@ -1,0 +1,83 @@
+"""``python -m autopipe plan``: choose split points, micro-batches and checkpointing from a profile."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..plans import Plan
+from ..profiles import Profile
+
+__all__ = ["add_arguments", "run", "summary"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", help="profile JSON written by 'python -m autopipe profile'")
+    parser.add_argument("--devices", default=None,
+                        help="a count (4) or names (cpu,cpu or cuda:0,cuda:1); default: the profile's")
+    parser.add_argument("--memory-limit", default=None,
+                        help="bytes per device (16GiB, 500MB) or one per device (8GiB,16GiB); "
+                             "default: CUDA capacity, none on CPU")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the profile's batch size")
+    parser.add_argument("--checkpoint", default="auto", choices=["auto", "never", "except_last", "always"])
+    parser.add_argument("--chunks", type=int, default=None, help="fix the micro-batch count (default: chosen)")
+    parser.add_argument("--speeds", default=None, help="relative speed per device, e.g. 1,2")
+    parser.add_argument("--optimizer-state-factor", type=float, default=2.0,
+                        help="optimizer state per parameter byte (2: SGD with momentum, 3: Adam)")
+    parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    parser.add_argument("--compare", action="store_true",
+                        help="also price equal-layer, parameter-balanced and time-only min-max splits")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..compare import compare, format_comparison
+    from ..solver import plan
+
+    profile = Profile.load(args.profile)
+    chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
+                  memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
+                  optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
+                  chunks=args.chunks)
+    print(summary(chosen))
+    if args.compare:
+        print()
+        print(format_comparison(compare(profile, chosen, args.chunks)))
+    if args.output:
+        print(f"\nplan written to {chosen.save(Path(args.output))}")
+    return 0
+
+
+def _devices(text: str | None) -> int | list[str] | None:
+    if text is None:
+        return None
+    return int(text) if text.isdigit() else [d.strip() for d in text.split(",") if d.strip()]
+
+
+def _limits(text: str | None) -> str | list[str] | None:
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _speeds(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--speeds '{text}' must be numbers separated by commas, e.g. 1,2") from None
+
+
+def summary(chosen: Plan) -> str:
+    """What was chosen and what it predicts, in a few lines."""
+    predicted = chosen.predicted
+    split = ", ".join(f"{name} (#{index})" for index, name in chosen.split_points) or "none (one stage)"
+    return "\n".join([
+        f"stages:        {len(chosen.stages)} on {', '.join(chosen.devices)}",
+        f"balance:       {chosen.balance}",
+        f"split before:  {split}",
+        f"micro-batches: {chosen.chunks} of {chosen.micro_batch_size} (batch {chosen.batch_size})",
+        f"checkpoint:    {chosen.checkpoint}   schedule: {chosen.schedule}",
+        f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
+        f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
+    ])

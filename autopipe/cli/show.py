@@ -1,0 +1,77 @@
+"""``python -m autopipe show``: a plan's stages and the simulated timeline of its schedule."""
+from __future__ import annotations
+
+import argparse
+
+from ..cost import StageLanes
+from ..plans import Plan
+from ..simulate import Simulation, simulate
+from ..timeline import Event, render
+
+__all__ = ["add_arguments", "run", "stage_table", "simulate_plan"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", help="plan JSON written by 'python -m autopipe plan -o'")
+    parser.add_argument("--width", type=int, default=72, help="timeline width in characters")
+    parser.add_argument("--png", default=None, help="also draw the timeline to this PNG (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    simulation = simulate_plan(plan)
+    print(stage_table(plan))
+    print()
+    print(f"timeline of one iteration ({plan.chunks} micro-batches, checkpoint={plan.checkpoint}; "
+          "F/f forward, B/b backward, C/c copy in, G/g gradient copy, . idle):")
+    print(render(simulation.events, args.width))
+    if args.png:
+        draw_png(simulation.events, args.png)
+        print(f"\ntimeline drawn to {args.png}")
+    return 0
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """The simulator run on the plan's predicted per-stage lane times."""
+    lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
+                        float(s.memory_bytes)) for s in plan.stages]
+    return simulate(lanes, plan.chunks, plan.checkpoint)
+
+
+def stage_table(plan: Plan) -> str:
+    """One row per stage: device, layers, per-micro-batch times and predicted memory."""
+    lines = [f"{'stage':>5}  {'device':<8} {'layers':<24} {'F ms':>8} {'B ms':>8} {'R ms':>8} "
+             f"{'copy in':>8} {'grad in':>8} {'memory':>10}"]
+    for s in plan.stages:
+        layers = f"{s.start}-{s.stop - 1} {s.first_layer}..{s.last_layer}"
+        lines.append(f"{s.index:>5}  {s.device:<8} {layers[:24]:<24} {s.forward_ms:>8.2f} {s.backward_ms:>8.2f} "
+                     f"{s.recompute_ms:>8.2f} {s.copy_in_ms:>8.2f} {s.copy_grad_ms:>8.2f} "
+                     f"{s.memory_bytes / 2**20:>7.1f} MiB")
+    p = plan.predicted
+    lines.append(f"predicted iteration {p.iteration_ms:.2f} ms (forward {p.forward_ms:.2f} + backward "
+                 f"{p.backward_ms:.2f}), bubble {100 * p.bubble_fraction:.1f}%, "
+                 f"{plan.chunks} x {plan.micro_batch_size} samples")
+    return "\n".join(lines)
+
+
+def draw_png(events: list[Event], path: str) -> None:
+    """Draw the timeline as horizontal bars, one row per stage lane."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'autopipe[plot]' (or pip install matplotlib)") from None
+    colours = {"F": "tab:blue", "B": "tab:orange", "R": "tab:red", "C": "tab:green", "G": "tab:purple"}
+    rows = sorted({(e.stage, e.lane) for e in events})
+    figure, axes = plt.subplots(figsize=(12, 0.5 * len(rows) + 1))
+    for y, (stage, lane) in enumerate(rows):
+        for e in (e for e in events if (e.stage, e.lane) == (stage, lane)):
+            axes.barh(y, e.duration_ms, left=e.start_ms, color=colours.get(e.kind, "grey"), edgecolor="white")
+    axes.set_yticks(range(len(rows)), [f"stage {s} {lane}" for s, lane in rows])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

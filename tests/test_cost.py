@@ -1,0 +1,89 @@
+"""The cost model's formulas against hand-computed values."""
+from __future__ import annotations
+
+import pytest
+from synthetic import make_profile
+
+from autopipe.cost import CostModel, copy_matrix, interpolate
+from autopipe.graph import build_graph, chain_of
+
+
+def model_of(profile, devices=None, speeds=None, batch=None, factor=2.0):
+    devices = devices or profile.devices
+    return CostModel(profile, chain_of(build_graph(profile)), devices, speeds or [1.0] * len(devices),
+                     batch or profile.batch_size, factor)
+
+
+def test_interpolation_is_piecewise_linear_and_refuses_extrapolation():
+    table = {2: 10.0, 4: 14.0, 8: 30.0}
+    assert interpolate(table, 3) == 12.0
+    assert interpolate(table, 6) == 22.0
+    assert interpolate(table, 8) == 30.0
+    with pytest.raises(ValueError, match="outside the profiled sizes 2..8"):
+        interpolate(table, 1)
+    with pytest.raises(ValueError, match="outside"):
+        interpolate(table, 9)
+
+
+def test_stage_times_divide_by_speed_and_interpolate():
+    profile = make_profile([4.0, 8.0], sizes=(2, 4), batch_size=6, devices=2)  # scale: 0.25+0.75*b/4
+    model = model_of(profile, speeds=[1.0, 2.0])
+    costs = model.at(3)  # halfway between 2 (0.625) and 4 (1.0): 0.8125
+    forward, backward = model.compute(costs, 0, 2, 1)
+    assert forward == pytest.approx(12.0 * 0.8125 / 2)
+    assert backward == pytest.approx(24.0 * 0.8125 / 2)
+
+
+def test_memory_formula_for_each_checkpoint_mode():
+    profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
+                           saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50)
+    model = model_of(profile, factor=3.0)
+    b, m = 2, 2  # batch 4
+    # stage [1, 3): params 50 * (1 + 1 + 3); saved (2000 + 3000) * b; input = layer 0 output 100 * b
+    state = 50 * 5
+    expected = {"never": state + 10_000 * m, "always": state + 200 * m + 10_000,
+                "except_last": state + 200 * (m - 1) + 10_000}
+    for mode, value in expected.items():
+        assert model.evaluate([0, 1, 3], m, mode).stages[1].memory == value
+    # stage 0's input is the batch itself: input_bytes per sample
+    assert model.evaluate([0, 1, 3], m, "always").stages[0].memory == 10 * 5 + 50 * 2 * m + 2000
+
+
+def test_skip_crossing_two_cuts_is_charged_once_on_its_route():
+    copies = {(i, j): (1.0 * (i + 1), 0.001 * (j + 1)) for i in range(3) for j in range(3) if i != j}
+    profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=100, copies=copies,
+                           skips=[("s", 0, 5, 1000)])
+    model = model_of(profile)
+    stages = model.evaluate([0, 2, 4, 6], 1, "never").stages
+    b = 2
+    main = lambda src, dst: copies[(src, dst)][0] + 100 * b * copies[(src, dst)][1]  # noqa: E731
+    skip = copies[(0, 2)][0] + 1000 * b * copies[(0, 2)][1]
+    assert stages[1].copy_in == pytest.approx(main(0, 1))
+    assert stages[2].copy_in == pytest.approx(main(1, 2) + skip)
+    assert stages[0].copy_grad == pytest.approx(main(1, 0) + copies[(2, 0)][0] + 1000 * b * copies[(2, 0)][1])
+    assert stages[1].copy_grad == pytest.approx(main(2, 1))
+    # the skip is held by its producer and its consumer, not by the stage it passes
+    held = [model.held_bytes(model.at(b), s, e) for s, e in [(0, 2), (2, 4), (4, 6)]]
+    assert held == [1000 * b, 0, 1000 * b]
+
+
+def test_iteration_time_closed_form_by_hand():
+    profile = make_profile([2.0, 3.0], [4.0, 6.0], sizes=(1,), linear=True, devices=2, output_bytes=10,
+                           copies=(1.0, 0.0))
+    model = model_of(profile)
+    # forward lanes F0=2, C1=1, F1=3: 6 + 3*3; backward lanes B1=6, G0=1, B0=4: 11 + 3*6
+    evaluation = model.evaluate([0, 1, 2], 4, "never")
+    assert (evaluation.forward_ms, evaluation.backward_ms) == (15.0, 29.0)
+    # always: B lanes 6+3, 4+2 → 16 + 3*9
+    assert model.evaluate([0, 1, 2], 4, "always").backward_ms == 43.0
+    # except_last: job 1 unrecomputed (6, 1, 4) the rest (9, 1, 6): longest path 6 + 9*3 + 1 + 6 = 40
+    assert model.evaluate([0, 1, 2], 4, "except_last").backward_ms == 40.0
+
+
+def test_copy_fits_by_position_then_name_cpu_pairs_free_otherwise_an_error():
+    profile = make_profile([1.0], devices=["cpu", "cuda:0"], copies=(2.0, 0.5))
+    latency, per_byte = copy_matrix(profile, ["cpu", "cuda:0", "cpu"])
+    assert latency[0, 1] == 2.0 and latency[2, 1] == 2.0 and per_byte[1, 2] == 0.5
+    assert latency[0, 2] == 0.0
+    with pytest.raises(ValueError, match="no copy measurement from cuda:0 to cuda:1"):
+        copy_matrix(profile, ["cuda:0", "cuda:1"])

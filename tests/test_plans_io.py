@@ -1,0 +1,66 @@
+"""Plan files: JSON round trip, atomic save, validation errors naming file and field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from synthetic import make_profile
+
+from autopipe.jsonio import FormatError
+from autopipe.plans import Plan
+from autopipe.solver import plan
+
+
+@pytest.fixture
+def saved(tmp_path):
+    profile = make_profile([1.0, 2.0, 3.0, 4.0, 5.0], sizes=(1, 2, 4), devices=3, output_bytes=100,
+                           copies=(0.01, 1e-5))
+    chosen = plan(profile, checkpoint="except_last", speeds=[1.0, 1.0, 2.0])
+    path = chosen.save(tmp_path / "plans" / "p.json")
+    return chosen, path
+
+
+def test_round_trip(saved):
+    chosen, path = saved
+    loaded = Plan.load(path)
+    assert loaded == chosen
+    assert loaded.to_json() == chosen.to_json()
+    document = json.loads(path.read_text())
+    assert document["kind"] == "plan" and document["schema_version"] == 1
+    assert document["balance"] == chosen.balance
+    assert [p["index"] for p in document["split_points"]] == [s.start for s in chosen.stages[1:]]
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def edit(path, change):
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("change, field, words", [
+    (lambda d: d.update(checkpoint="sometimes"), "checkpoint", "not one of"),
+    (lambda d: d.update(balance=[1, 1, 1]), "balance", "disagrees with the stages"),
+    (lambda d: d["stages"][0].pop("forward_ms"), "stages[0].forward_ms", "missing"),
+    (lambda d: d.update(chunks=d["batch_size"] + 1), "chunks", "must be 1..batch_size"),
+    (lambda d: d.update(micro_batch_size=99), "micro_batch_size", "ceil(batch_size / chunks)"),
+    (lambda d: d["stages"][0].update(stop=d["stages"][0]["stop"] + 1), "stages[1]", "must start at"),
+    (lambda d: d.update(devices=d["devices"] + ["cpu"]), "devices", "devices for"),
+    (lambda d: d["predicted"].update(iteration_ms="fast"), "predicted.iteration_ms", "a finite number"),
+    (lambda d: d.update(schema_version=99), "schema_version", "upgrade autopipe"),
+])
+def test_validation_names_the_field(saved, change, field, words):
+    _, path = saved
+    edit(path, change)
+    with pytest.raises(FormatError) as error:
+        Plan.load(path)
+    assert f"field '{field}'" in str(error.value) and words in str(error.value) and str(path) in str(error.value)
+
+
+def test_truncated_and_missing_files(saved, tmp_path):
+    _, path = saved
+    path.write_text(path.read_text()[:100])
+    with pytest.raises(FormatError, match="corrupt or truncated"):
+        Plan.load(path)
+    with pytest.raises(FormatError, match="no such plan file"):
+        Plan.load(tmp_path / "none.json")
