@@ -10,19 +10,20 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .cost import CostModel, StageLanes
+from .cli.show import simulate_plan
+from .cost import CostModel
 from .device import ops_for
 from .graph import build_graph, chain_of
 from .plans import Plan, StagePlan
 from .profiles import Profile
 from .runtime import Pipeline
-from .simulate import Simulation, simulate
+from .simulate import Simulation
 from .solver import build_plan
 from .timeline import Event
 
 __all__ = [
     "synthetic_batch", "StepTime", "Trainer", "interleave", "medians",
-    "Times", "stage_times", "Row", "BenchResult", "bench_plan", "simulate_plan", "format_bench", "plan_of",
+    "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -288,13 +289,6 @@ def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], ch
         bounds.append(bounds[-1] + count)
     options = {"balance": list(balance), "chunks": chunks, "checkpoint": checkpoint}
     return build_plan(profile, model, bounds, chunks, checkpoint, options)
-
-
-def simulate_plan(plan: Plan) -> Simulation:
-    """The planner's simulator run on the plan's own per-stage predictions."""
-    lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
-                        float(s.memory_bytes)) for s in plan.stages]
-    return simulate(lanes, plan.chunks, plan.checkpoint)
 
 
 def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:

@@ -44,7 +44,8 @@ def layer_chain(model: nn.Module) -> list[Layer]:
 
     Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
     matching ``model.named_parameters()``) and a torchvision ResNet (its children in forward
-    order, with the ``flatten`` that its ``forward`` applies before ``fc``).
+    order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
+    is captured with :func:`autopipe.chain` (torch.fx).
     """
     if isinstance(model, nn.Sequential):
         verify_skippables(model)
@@ -52,11 +53,8 @@ def layer_chain(model: nn.Module) -> list[Layer]:
     elif _is_torchvision_resnet(model):
         layers = list(_resnet_layers(model))
     else:
-        raise ChainError(
-            f"{type(model).__name__} is neither an nn.Sequential nor a torchvision ResNet, so "
-            "autopipe cannot read its layers in order; capture it with "
-            "autopipe.chain(model, sample_input) (or wrap its layers in an nn.Sequential)"
-        )
+        from .capture import chain  # capture builds on this module, so import it late
+        layers = chain(model)
     if not layers:
         raise ChainError(f"{type(model).__name__} has no layers to partition")
     return layers

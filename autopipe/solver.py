@@ -268,12 +268,28 @@ def plan(
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
-    """Branch and bound over ``(chunks, mode)`` in order of a lower bound, one exact
-    :class:`Search` each, all cut by the best plan so far — seeded by :func:`_seed`, because the
-    DP's size grows steeply with the gap between that bound and the optimum."""
+    """Branch and bound over ``(chunks, mode)``, one exact :class:`Search` each.
+
+    The DP's size grows steeply with the gap between its cut-off and the optimum, so rounds cut
+    at a target ``(1 + gap)`` times the least lower bound, the gap doubling from 0.25% (the
+    last round has no target).  A round searches every candidate whose lower bound is under the
+    target (each cut at the best plan found so far), so the first round that finds a plan has
+    found the optimum.
+    """
     pairs = sorted((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes)
-    choice = _seed(model, pairs, limits)
-    best = math.inf if choice is None else choice.iteration_ms
+    gap = 0.0025
+    while True:
+        target = pairs[0][0] * (1 + gap) if gap < 16 else math.inf
+        choice = _round(model, pairs, limits, target)
+        if choice is not None or math.isinf(target):
+            return choice
+        gap *= 2
+
+
+def _round(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.ndarray,
+           best: float) -> Choice | None:
+    """The best plan under ``best`` over every candidate whose lower bound is under it."""
+    choice = None
     for bound, m, mode in pairs:
         if bound >= best:
             break
@@ -281,25 +297,6 @@ def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], lim
         if found is not None:
             choice, best = found, found.iteration_ms
     return choice
-
-
-def _seed(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.ndarray,
-          beam: int = 2) -> Choice | None:
-    """A good plan, fast: beam searches (``beam`` labels per state) cut at a target ``(1 + gap)``
-    times the least lower bound, the gap doubling from 3% until one succeeds (``None`` past 16×)."""
-    gap = 0.03
-    while gap < 16:
-        choice, best = None, pairs[0][0] * (1 + gap)
-        for bound, m, mode in pairs:
-            if bound >= best:
-                break
-            found = Search(model, m, mode, limits, best, beam).run()
-            if found is not None:
-                choice, best = found, found.iteration_ms
-        if choice is not None:
-            return choice
-        gap *= 2
-    return None
 
 
 def _lower_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:

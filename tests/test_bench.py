@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.bench import (Row, Times, Trainer, interleave, plan_of, simulate_plan, stage_times,
-                            synthetic_batch)
+from autopipe.bench import Row, Times, Trainer, interleave, plan_of, stage_times, synthetic_batch
 from autopipe.cli import main
+from autopipe.cli.show import simulate_plan
 from autopipe.timeline import Event
 
 FEATURES = 16

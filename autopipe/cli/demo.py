@@ -13,6 +13,7 @@ from ..profiler import profile
 from ..solver import plan as choose_plan
 from ..timeline import render
 from .profile import load_model, parse_ints
+from .show import stage_table
 
 __all__ = ["add_arguments", "run"]
 
@@ -62,9 +63,9 @@ def _profile_and_plan(model: torch.nn.Module, batch: torch.Tensor, devices: list
     started = time.perf_counter()
     chosen = choose_plan(measured, [str(d) for d in devices], batch_size=args.batch_size)
     print(f"2. planned in {time.perf_counter() - started:.2f} s: balance {chosen.balance}, "
-          f"{chosen.chunks} micro-batches of {chosen.micro_batch_size}, checkpoint {chosen.checkpoint}, "
+          f"micro-batches {chosen.chunks} x {chosen.micro_batch_size}, checkpoint {chosen.checkpoint}, "
           f"predicted {chosen.predicted.iteration_ms:.0f} ms per iteration\n")
-    print(format_plan(chosen))
+    print(stage_table(chosen))
     return chosen
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..cost import StageLanes
 from ..plans import Plan
@@ -19,14 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
+    pyplot = _pyplot() if args.png else None
     simulation = simulate_plan(plan)
     print(stage_table(plan))
     print()
     print(f"timeline of one iteration ({plan.chunks} micro-batches, checkpoint={plan.checkpoint}; "
           "F/f forward, B/b backward, C/c copy in, G/g gradient copy, . idle):")
     print(render(simulation.events, args.width))
-    if args.png:
-        draw_png(simulation.events, args.png)
+    if pyplot is not None:
+        draw_png(pyplot, simulation.events, args.png)
         print(f"\ntimeline drawn to {args.png}")
     return 0
 
@@ -54,8 +56,8 @@ def stage_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def draw_png(events: list[Event], path: str) -> None:
-    """Draw the timeline as horizontal bars, one row per stage lane."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on a file backend, or an error saying how to install it."""
     try:
         import matplotlib
 
@@ -63,6 +65,11 @@ def draw_png(events: list[Event], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--png needs matplotlib: pip install 'autopipe[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def draw_png(plt: Any, events: list[Event], path: str) -> None:
+    """Draw the timeline as horizontal bars, one row per stage lane."""
     colours = {"F": "tab:blue", "B": "tab:orange", "R": "tab:red", "C": "tab:green", "G": "tab:purple"}
     rows = sorted({(e.stage, e.lane) for e in events})
     figure, axes = plt.subplots(figsize=(12, 0.5 * len(rows) + 1))
