@@ -22,7 +22,7 @@ stage ``p_t`` and pop in ``s``, routed straight from ``p_t``'s device (never rel
 are the device pair's fitted latency and ms/byte (0 on the same device index).  The input copy
 of the batch onto device 0 happens before the pipeline starts and is not counted.
 
-Iteration (:func:`iteration_ms`) = forward phase + backward phase (the loss needs the whole
+Iteration (:func:`phase_makespan`) = forward phase + backward phase (the loss needs the whole
 output, so no backward starts before the last forward ends).  Each phase is a permutation flow
 shop whose machines are the lanes in order — forward ``F_0, C_1, F_1, …, C_{k-1}, F_{k-1}``,
 backward ``W_{k-1}+R, G_{k-2}, W_{k-2}+R, …, G_0, W_0+R`` — and whose jobs are the micro-batches
@@ -60,7 +60,7 @@ from .graph import Chain
 from .profiles import Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
-           "phase_makespan", "backward_makespan", "iteration_ms", "MODES"]
+           "phase_makespan", "backward_makespan", "MODES"]
 
 #: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
 MODES = ("never", "except_last", "always")
@@ -279,15 +279,11 @@ def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: str) -> tupl
     forward = sum(forward_lanes) + (chunks - 1) * max(forward_lanes)
     backward_lanes: list[tuple[float, float]] = []
     for index, stage in enumerate(stages):
-        backward_lanes.append((stage.backward + stage.recompute, _unrecomputed(stage, chunks, mode)))
+        skipped = stage.recompute if mode == "except_last" else 0.0  # R of the first backward job
+        backward_lanes.append((stage.backward + stage.recompute, skipped))
         if index < len(stages) - 1:
             backward_lanes.append((stage.copy_grad, 0.0))
     return forward, backward_makespan(backward_lanes, chunks)
-
-
-def _unrecomputed(stage: StageLanes, chunks: int, mode: str) -> float:
-    """The part ``R`` of a backward lane that the first backward micro-batch skips."""
-    return stage.recompute if mode == "except_last" else 0.0
 
 
 def backward_makespan(lanes: Sequence[tuple[float, float]], chunks: int) -> float:
@@ -299,8 +295,3 @@ def backward_makespan(lanes: Sequence[tuple[float, float]], chunks: int) -> floa
         v = max(v - skipped, p - skipped + (chunks - 2) * peak)
     return total + v
 
-
-def iteration_ms(stages: Sequence[StageLanes], chunks: int, mode: str) -> float:
-    """Predicted iteration time of fill-drain: forward phase + backward phase."""
-    forward, backward = phase_makespan(stages, chunks, mode)
-    return forward + backward

@@ -49,7 +49,8 @@ class StagePlan:
             index=f.int("index", 0), device=f.str("device"), start=f.int("start", 0),
             stop=f.int("stop", 1), first_layer=f.str("first_layer"), last_layer=f.str("last_layer"),
             forward_ms=f.float("forward_ms", 0.0), backward_ms=f.float("backward_ms", 0.0),
-            recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0), copy_grad_ms=f.float("copy_grad_ms", 0.0),
+            recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0),
+            copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
         )
 

@@ -7,7 +7,8 @@ and go) with two bottlenecks (forward lane maximum ``X``, backward lanes through
 So the DP over (layers covered, stages used) keeps, per state, every label ``(X, M, V, S)`` not
 dominated by another; every component only ever raises the final time, so a dominated label can
 never finish better.  Labels and whole stages are also cut by a lower bound against the best plan
-found so far (branch and bound), candidates ``(m, mode)`` are tried in order of a lower bound.
+found so far (branch and bound); candidates ``(m, mode)`` are tried in order of a lower bound,
+in rounds of growing targets (see :func:`solve`).
 
 Skips whose copy cost depends on the device pair need state: a label's key records, for each skip
 still open, its producer stage and the consumer stage it is committed to (the producer's gradient
@@ -29,7 +30,8 @@ from .graph import build_graph, chain_of
 from .plans import SCHEDULES, Plan, Prediction, StagePlan
 from .profiles import Profile
 
-__all__ = ["plan", "Search", "PlanningError", "candidate_chunks", "parse_bytes"]
+__all__ = ["plan", "solve", "Search", "Choice", "PlanningError", "build_plan", "candidate_chunks", "device_names",
+           "memory_limits", "parse_bytes", "smallest_memory"]
 
 
 class PlanningError(ValueError):
@@ -55,10 +57,11 @@ class Search:
     """One DP over splits for fixed ``chunks`` and ``mode``, cut by an upper bound ``best``."""
 
     def __init__(self, model: CostModel, chunks: int, mode: str, limits: np.ndarray, best: float,
-                 beam: int | None = None) -> None:
+                 floors: tuple[float, float] = (0.0, 0.0)) -> None:
+        """``floors``: known lower bounds on the largest forward and backward compute lanes."""
         self.model = model
-        self.beam = beam
         self.m = chunks
+        self.requested = mode
         self.mode = "never" if mode == "except_last" and chunks == 1 else mode
         self.costs: SizeCosts = model.at(model.micro_batch_size(chunks))
         self.limits = limits
@@ -72,38 +75,33 @@ class Search:
         self.rest_back = self.rest_forward * recompute + (self.costs.backward[-1] - self.costs.backward)
         self.rest = (self.rest_forward + self.rest_back) / self.top_speed
         self.speed_after = np.concatenate((np.cumsum(model.speeds[: self.devices][::-1])[::-1], [0.0]))
+        self.least_forward, self.least_back = floors
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``."""
-        layers = self.model.layers
         frontier: dict[int, dict[_Key, list[_Label]]] = {0: {(): [(0.0, 0.0, -math.inf, 0.0, 0, None)]}}
         for stage in range(self.devices):
             grown: dict[int, dict[_Key, list[_Label]]] = {}
             for start, keyed in frontier.items():
                 for key, labels in keyed.items():
                     self._extend(stage, start, key, labels, grown)
-            grown.pop(layers, None)
-            frontier = {stop: {k: self._keep(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
+            frontier = {stop: {k: _pareto(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
             if not frontier:
                 break
         if self.bounds is None:
             return None
-        return Choice(self.bounds, self.m, self.mode, self.best)
-
-    def _keep(self, labels: list[_Label]) -> list[_Label]:
-        """The non-dominated labels (exact), or only the ``beam`` most promising (heuristic)."""
-        if self.beam is None:
-            return _pareto(labels)
-        weight = self.m - 1 if self.mode != "except_last" else self.m - 2
-        return sorted(labels, key=lambda l: l[3] + (self.m - 1) * l[0] + weight * l[1])[: self.beam]
+        return Choice(self.bounds, self.m, self.requested, self.best)
 
     def _caps(self) -> tuple[float, float]:
         """Largest forward and backward lane a plan better than ``best`` can have:
-        ``best > S + (m-1)·X + V`` with ``V ≥ (m-1)·M`` (identical jobs) or ``(m-2)·M``."""
+        ``best > S + (m-1)·X + w·M`` (``w = m-1``, or ``m-2`` with ``except_last``), with
+        ``S ≥`` all work at top speed and each maximum at least its floor."""
         spare = self.best - self.rest[0]
         backward_weight = self.m - 1 if self.mode != "except_last" else self.m - 2
-        forward_cap = spare / (self.m - 1) if self.m > 1 else math.inf
-        return forward_cap, spare / backward_weight if backward_weight > 0 else math.inf
+        forward_cap = (spare - backward_weight * self.least_back) / (self.m - 1) if self.m > 1 else math.inf
+        backward_cap = ((spare - (self.m - 1) * self.least_forward) / backward_weight
+                        if backward_weight > 0 else math.inf)
+        return forward_cap, backward_cap
 
     def _extend(self, stage: int, start: int, key: _Key, labels: list[_Label],
                 grown: dict[int, dict[_Key, list[_Label]]]) -> None:
@@ -184,7 +182,8 @@ class Search:
         """Append the stage's lanes to each label — forward ``C, F``; backward (reversed, see
         :mod:`autopipe.cost`) ``W+R, G`` — and keep what can still beat ``best``: the layers
         left need at least their work at top speed in the sum and their work spread over the
-        devices left in the lane maxima."""
+        devices left in the lane maxima, which are also at least the least possible for the
+        whole chain."""
         copy_in, forward, back, skipped, copy_grad = lanes
         m1, m2, layers = self.m - 1, self.m - 2, self.model.layers
         lanes_forward = np.maximum(copy_in, forward)
@@ -192,7 +191,8 @@ class Search:
         rest = self.rest[stops]
         done = stops == layers
         spread = self.speed_after[stage + 1] if stage + 1 < self.devices else math.inf
-        forward_floor, back_floor = self.rest_forward[stops] / spread, self.rest_back[stops] / spread
+        forward_floor = np.maximum(self.rest_forward[stops] / spread, self.least_forward)
+        back_floor = np.maximum(self.rest_back[stops] / spread, self.least_back)
         for label in labels:
             x0, peak0, v0, total0 = label[:4]
             x = np.maximum(x0, lanes_forward)
@@ -276,38 +276,70 @@ def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], lim
     target (each cut at the best plan found so far), so the first round that finds a plan has
     found the optimum.
     """
-    pairs = sorted((_lower_bound(model, m, mode, len(limits)), m, mode) for m in candidates for mode in modes)
+    # ties go to the mode listed first in MODES (least recomputation)
+    pairs = sorted((_Candidate.of(model, m, mode, len(limits)) for m in candidates for mode in modes),
+                   key=lambda c: (c.bound, c.chunks, MODES.index(c.mode)))
     gap = 0.0025
     while True:
-        target = pairs[0][0] * (1 + gap) if gap < 16 else math.inf
+        target = pairs[0].bound * (1 + gap) if gap < 16 else math.inf
         choice = _round(model, pairs, limits, target)
         if choice is not None or math.isinf(target):
             return choice
         gap *= 2
 
 
-def _round(model: CostModel, pairs: Sequence[tuple[float, int, str]], limits: np.ndarray,
-           best: float) -> Choice | None:
+def _round(model: CostModel, pairs: Sequence["_Candidate"], limits: np.ndarray, best: float) -> Choice | None:
     """The best plan under ``best`` over every candidate whose lower bound is under it."""
     choice = None
-    for bound, m, mode in pairs:
-        if bound >= best:
+    for pair in pairs:
+        if pair.bound >= best:
             break
-        found = Search(model, m, mode, limits, best).run()
+        found = Search(model, pair.chunks, pair.mode, limits, best, pair.floors).run()
         if found is not None:
             choice, best = found, found.iteration_ms
     return choice
 
 
-def _lower_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:
-    """``S + (m-1)·X + V`` with every lane's work spread perfectly over all devices at once."""
-    costs = model.at(model.micro_batch_size(chunks))
-    forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
-    recompute = forward if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
-    top, total_speed = float(np.max(model.speeds[:devices])), float(np.sum(model.speeds[:devices]))
-    backward_weight = chunks - 1 if mode != "except_last" else max(chunks - 2, 0)
-    return ((forward + backward + recompute) / top + (chunks - 1) * forward / total_speed
-            + backward_weight * (backward + recompute) / total_speed)
+@dataclass(frozen=True)
+class _Candidate:
+    """A ``(chunks, mode)`` pair with its lower bound and compute-lane floors."""
+
+    bound: float
+    chunks: int
+    mode: str
+    floors: tuple[float, float]
+
+    @staticmethod
+    def of(model: CostModel, chunks: int, mode: str, devices: int) -> "_Candidate":
+        """``S + (m-1)·X + V ≥ work at top speed + (m-1)·X* + w·M*``, where ``X*`` and ``M*``
+        are the least possible largest forward and backward compute lanes on these devices
+        (copies only add lanes) and ``w`` is ``m-1``, or ``m-2`` with ``except_last``."""
+        costs = model.at(model.micro_batch_size(chunks))
+        recompute = 1.0 if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
+        back = costs.backward + recompute * costs.forward
+        speeds = model.speeds[:devices]
+        floors = (_least_largest_lane(costs.forward, speeds), _least_largest_lane(back, speeds))
+        backward_weight = chunks - 1 if mode != "except_last" else max(chunks - 2, 0)
+        bound = (float(costs.forward[-1] + back[-1]) / float(np.max(speeds))
+                 + (chunks - 1) * floors[0] + backward_weight * floors[1])
+        return _Candidate(bound, chunks, mode, floors)
+
+
+def _least_largest_lane(prefix: np.ndarray, speeds: np.ndarray) -> float:
+    """The least ``max_s work_s / v_s`` over contiguous splits of the layers (prefix sums
+    ``prefix``) onto the devices in order: bisection on the cap, each device greedily taking
+    all the layers that fit (optimal for a fixed device order)."""
+    low, high = float(prefix[-1]) / float(np.sum(speeds)), float(prefix[-1]) / float(np.min(speeds))
+    for _ in range(60):
+        cap = (low + high) / 2
+        start = 0
+        for speed in speeds:
+            start = int(np.searchsorted(prefix, prefix[start] + cap * speed, side="right")) - 1
+        if start >= len(prefix) - 1:
+            high = cap
+        else:
+            low = cap
+    return low
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def test_plan_records_what_it_predicts():
                            copies=(0.1, 1e-4), skips=[("s", 0, 3, 50)])
     chosen = plan(profile, checkpoint="always", memory_limit="1GiB")
     assert chosen.checkpoint == "always" and chosen.profile_digest == profile.digest
-    assert chosen.model == profile.model and chosen.split_points == [(s.start, s.first_layer) for s in chosen.stages[1:]]
+    assert chosen.model == profile.model
+    assert chosen.split_points == [(s.start, s.first_layer) for s in chosen.stages[1:]]
     assert chosen.options["memory_limit_bytes"] == [2**30, 2**30]
     assert 0.0 <= chosen.predicted.bubble_fraction < 1.0
     assert chosen.predicted.iteration_ms == pytest.approx(chosen.predicted.forward_ms + chosen.predicted.backward_ms)
