@@ -44,8 +44,8 @@ Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
                   except_last  input(b) · (m − 1) + saved(b)
 
 ``saved(b)`` is the stage's bytes saved for backward at size ``b``, ``input(b)`` its main input
-and ``skips`` the skip tensors it sends or receives (all ``m`` micro-batches are in flight in
-fill-drain).
+(the previous layer's output, or ``Profile.input_bytes`` per sample for stage 0) and ``skips``
+the skip tensors it sends or receives (all ``m`` micro-batches are in flight in fill-drain).
 """
 from __future__ import annotations
 

@@ -174,12 +174,11 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
                       f"{plan.micro_batch_size}", "micro_batch_size")
     if len(plan.devices) != len(plan.stages):
         raise f.error(f"{len(plan.devices)} devices for {len(plan.stages)} stages", "devices")
+    expected_start = 0
     for index, stage in enumerate(plan.stages):
         if stage.index != index or stage.device != plan.devices[index]:
             raise f.error(f"says stage {stage.index} on {stage.device}, but it is stage {index} and "
                           f"devices[{index}] is {plan.devices[index]}", f"stages[{index}]")
-    expected_start = 0
-    for index, stage in enumerate(plan.stages):
         if stage.start != expected_start or stage.stop <= stage.start:
             raise f.error(f"covers layers [{stage.start}, {stage.stop}) but must start at "
                           f"{expected_start} and hold at least one layer", f"stages[{index}]")

@@ -270,21 +270,25 @@ def plan(
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
     """Branch and bound over ``(chunks, mode)``, one exact :class:`Search` each.
 
-    The DP's size grows steeply with the gap between its cut-off and the optimum, so rounds cut
-    at a target ``(1 + gap)`` times the least lower bound, the gap doubling from 0.25% (the
-    last round has no target).  A round searches every candidate whose lower bound is under the
-    target (each cut at the best plan found so far), so the first round that finds a plan has
-    found the optimum.
+    The DP's size grows steeply with the gap between its cut-off and the optimum, and a DP by
+    stages completes no plan before its last stage, so rounds are cut at a target ``(1 + gap)``
+    times the least lower bound, the gap doubling from 0.25%, and never above the best balanced
+    split (the seed, see :class:`_Candidate`).  A round searches every candidate whose lower
+    bound is under the target, each for a plan strictly better than the best so far, so the
+    first round that finds a plan has found the optimum; a round at the seed that finds none
+    proves the seed optimal.  Without a seed the last round has no target.
     """
     # ties go to the mode listed first in MODES (least recomputation)
-    pairs = sorted((_Candidate.of(model, m, mode, len(limits)) for m in candidates for mode in modes),
+    pairs = sorted((_Candidate.of(model, m, mode, limits) for m in candidates for mode in modes),
                    key=lambda c: (c.bound, c.chunks, MODES.index(c.mode)))
+    seed = min((c.seed for c in pairs if c.seed is not None), key=lambda c: c.iteration_ms, default=None)
+    ceiling = math.inf if seed is None else seed.iteration_ms
     gap = 0.0025
     while True:
-        target = pairs[0].bound * (1 + gap) if gap < 16 else math.inf
+        target = min(pairs[0].bound * (1 + gap) if gap < 16 else math.inf, ceiling)
         choice = _round(model, pairs, limits, target)
-        if choice is not None or math.isinf(target):
-            return choice
+        if choice is not None or target == ceiling:
+            return choice or seed
         gap *= 2
 
 
@@ -302,44 +306,69 @@ def _round(model: CostModel, pairs: Sequence["_Candidate"], limits: np.ndarray, 
 
 @dataclass(frozen=True)
 class _Candidate:
-    """A ``(chunks, mode)`` pair with its lower bound and compute-lane floors."""
+    """A ``(chunks, mode)`` pair: its lower bound, compute-lane floors and the best of a few
+    balanced splits (``seed``, ``None`` if none fits in memory)."""
 
     bound: float
     chunks: int
     mode: str
     floors: tuple[float, float]
+    seed: Choice | None
 
     @staticmethod
-    def of(model: CostModel, chunks: int, mode: str, devices: int) -> "_Candidate":
+    def of(model: CostModel, chunks: int, mode: str, limits: np.ndarray) -> "_Candidate":
         """``S + (m-1)·X + V ≥ work at top speed + (m-1)·X* + w·M*``, where ``X*`` and ``M*``
         are the least possible largest forward and backward compute lanes on these devices
-        (copies only add lanes) and ``w`` is ``m-1``, or ``m-2`` with ``except_last``."""
+        (copies only add lanes) and ``w`` is ``m-1``, or ``m-2`` with ``except_last``.  The
+        splits reaching ``X*``, ``M*`` and the least largest forward + backward are the seeds."""
         costs = model.at(model.micro_batch_size(chunks))
         recompute = 1.0 if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
         back = costs.backward + recompute * costs.forward
-        speeds = model.speeds[:devices]
-        floors = (_least_largest_lane(costs.forward, speeds), _least_largest_lane(back, speeds))
+        speeds = model.speeds[: len(limits)]
+        (least_forward, by_forward), (least_back, by_back) = (_least_largest_lane(costs.forward, speeds),
+                                                              _least_largest_lane(back, speeds))
+        _, by_both = _least_largest_lane(costs.forward + back, speeds)
         backward_weight = chunks - 1 if mode != "except_last" else max(chunks - 2, 0)
         bound = (float(costs.forward[-1] + back[-1]) / float(np.max(speeds))
-                 + (chunks - 1) * floors[0] + backward_weight * floors[1])
-        return _Candidate(bound, chunks, mode, floors)
+                 + (chunks - 1) * least_forward + backward_weight * least_back)
+        seeds = [Choice(tuple(bounds), chunks, mode, model.evaluate(bounds, chunks, mode).iteration_ms)
+                 for bounds in (by_forward, by_back, by_both)
+                 if bounds is not None and _fits(model.evaluate(bounds, chunks, mode), limits)]
+        seed = min(seeds, key=lambda c: c.iteration_ms, default=None)
+        return _Candidate(bound, chunks, mode, (least_forward, least_back), seed)
 
 
-def _least_largest_lane(prefix: np.ndarray, speeds: np.ndarray) -> float:
+def _fits(evaluation: Any, limits: np.ndarray) -> bool:
+    return all(stage.memory <= limit for stage, limit in zip(evaluation.stages, limits))
+
+
+def _least_largest_lane(prefix: np.ndarray, speeds: np.ndarray) -> tuple[float, list[int] | None]:
     """The least ``max_s work_s / v_s`` over contiguous splits of the layers (prefix sums
-    ``prefix``) onto the devices in order: bisection on the cap, each device greedily taking
-    all the layers that fit (optimal for a fixed device order)."""
+    ``prefix``) onto the devices in order, skipping allowed (a lower bound): bisection on the
+    cap, each device greedily taking all the layers that fit (optimal for a fixed order).
+    Also the greedy split at the feasible end, if it uses the devices without gaps."""
     low, high = float(prefix[-1]) / float(np.sum(speeds)), float(prefix[-1]) / float(np.min(speeds))
     for _ in range(60):
         cap = (low + high) / 2
-        start = 0
-        for speed in speeds:
-            start = int(np.searchsorted(prefix, prefix[start] + cap * speed, side="right")) - 1
-        if start >= len(prefix) - 1:
+        if _greedy(prefix, speeds, cap)[-1] >= len(prefix) - 1:
             high = cap
         else:
             low = cap
-    return low
+    bounds = _greedy(prefix, speeds, high)
+    stops = [0] + [b for b in bounds[1:] if b > 0]
+    valid = bounds[-1] == len(prefix) - 1 and all(b > a for a, b in zip(stops, stops[1:]))
+    return low, stops if valid else None
+
+
+def _greedy(prefix: np.ndarray, speeds: np.ndarray, cap: float) -> list[int]:
+    """Stage ends when each device in turn takes the most layers whose work fits ``cap · speed``
+    (stops once all layers are placed)."""
+    bounds = [0]
+    for speed in speeds:
+        if bounds[-1] == len(prefix) - 1:
+            break
+        bounds.append(int(np.searchsorted(prefix, prefix[bounds[-1]] + cap * speed, side="right")) - 1)
+    return bounds
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,10 @@ def _rows(profile: autopipe.Profile, devices: list[str], args: argparse.Namespac
     rows += [Row("tutorial split, split size swept", split(tutorial, m)) for m in _powers(batch) if m > 1]
     rows += [Row("sweep (split point x micro-batches)", split(cut, m))
              for cut in _balanced_cuts(profile, args.cuts) for m in args.grid]
+    started = time.perf_counter()
     chosen = autopipe.plan(profile, devices, batch_size=batch)
+    print(f"planner: balance {chosen.balance}, {chosen.chunks} x {chosen.micro_batch_size}, checkpoint "
+          f"{chosen.checkpoint}, chosen from the profile alone in {time.perf_counter() - started:.2f} s")
     return rows + [Row("planner's choice", chosen)]
 
 

@@ -46,6 +46,7 @@ def edit(path, change):
     (lambda d: d.update(micro_batch_size=99), "micro_batch_size", "ceil(batch_size / chunks)"),
     (lambda d: d["stages"][0].update(stop=d["stages"][0]["stop"] + 1), "stages[1]", "must start at"),
     (lambda d: d.update(devices=d["devices"] + ["cpu"]), "devices", "devices for"),
+    (lambda d: d["stages"][0].update(device="cuda:7"), "stages[0]", "devices[0] is cpu"),
     (lambda d: d["predicted"].update(iteration_ms="fast"), "predicted.iteration_ms", "a finite number"),
     (lambda d: d.update(schema_version=99), "schema_version", "upgrade autopipe"),
 ])
