@@ -17,6 +17,9 @@ __all__ = ["FormatError", "Fields", "write_json_atomic", "read_json"]
 
 T = TypeVar("T")
 
+_UMASK = os.umask(0)  # read once at import (os.umask can only be read by setting it) ...
+os.umask(_UMASK)  # ... and put back at once
+
 
 class FormatError(ValueError):
     """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
@@ -29,6 +32,7 @@ def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) ->
     text = json.dumps(document, indent=1, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a saved profile is an ordinary file
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()

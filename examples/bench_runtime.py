@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -58,6 +59,8 @@ def main() -> None:
 
     print(f"ResNet-18 chain, batch {args.batch}, 3x{args.size}x{args.size}, 1 thread per stage, "
           f"checkpoint={args.checkpoint}, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"cores available: two threads ran two plain steps {_concurrency(x[:16]):.2f}x as fast as "
+          "one thread (a quiet 2-core machine gives ~2x; less means other load)")
     samples = _interleaved(steps, nets, args.rounds)
     times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
     plain = times["plain"]
@@ -72,7 +75,7 @@ def main() -> None:
     best = min((ms, name) for name, ms in times.items() if "m=" in name and "1 stage" not in name)
     one_stage = times["pipeline 1 stage, m=1"] / plain - 1
     print(f"best: {best[1]} at {plain / best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
-          f"load average {os.getloadavg()[0]:.2f} at end")
+          f"load average {os.getloadavg()[0]:.2f} at end; cores available: {_concurrency(x[:16]):.2f}x")
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -84,6 +87,29 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], No
         loss_fn(model(x), y).backward()
 
     return step
+
+
+def _concurrency(x: torch.Tensor) -> float:
+    """How much faster two threads run two independent ResNet-18 steps than one thread runs
+    them in turn: the parallelism the machine offers right now."""
+    models = [torchvision.models.resnet18(weights=None) for _ in range(2)]
+
+    def step(model: nn.Module) -> None:
+        model(x).sum().backward()
+
+    for model in models:
+        step(model)
+    start = time.perf_counter()
+    for model in models:
+        step(model)
+    sequential = time.perf_counter() - start
+    start = time.perf_counter()
+    threads = [threading.Thread(target=step, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sequential / (time.perf_counter() - start)
 
 
 def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,9 @@ def test_save_is_atomic_and_leaves_no_temporary_files(measured: Profile, saved_f
     assert saved_file.read_text() == before
     measured.save(saved_file)  # overwriting goes through a temporary file and a rename
     assert [p.name for p in saved_file.parent.iterdir()] == ["p.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert saved_file.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:

@@ -133,8 +133,9 @@ def test_plan_records_what_it_predicts():
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
-def test_committed_resnet50_profile(devices):
-    path = ROOT / "profiles" / "resnet50-128.json"
+@pytest.mark.parametrize("name", ["resnet50-128.json", "resnet18-128.json"])
+def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
+    path = ROOT / "profiles" / name
     if not path.exists():
         pytest.skip(f"{path} is not committed yet")
     profile = Profile.load(path)
