@@ -7,12 +7,14 @@ choice, found from the profile alone, beside them.  Every row trains in the same
 (one step of each row per round, warm-up rounds dropped), so load from elsewhere falls on all
 rows alike; step times are medians, speedups are over the single-device row.
 
-The exhaustive sweep is pruned to fit a few minutes: the ``--cuts`` split points whose first
-stage holds closest to half the profiled forward+backward time, times the micro-batch counts
-``--grid`` (m = 1 cannot overlap the stages and m = batch is the tutorial sweep's end; both are
-measured at the tutorial's split).
+The exhaustive sweep is pruned to fit a few minutes: for each micro-batch count m in
+``--grid``, the ``--cuts`` split points whose first stage holds closest to half the profiled
+forward+backward time at that micro-batch size (balance by time, as torchgpipe does, but per
+micro-batch size: small micro-batches shift the balance towards the late, wide layers).  m = 1
+cannot overlap the stages and m = batch is the tutorial sweep's end; both are measured at the
+tutorial's split.  The planner's cost model plays no part in the pruning.
 
-    python examples/seed_resnet50.py [--batch-size 32] [--steps 3] [--json results/seed.json]
+    python examples/seed_resnet50.py [--batch-size 32] [--steps 3] [--fresh] [--json results/seed.json]
     python examples/seed_resnet50.py --quick        # a smoke test in under a minute
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 
 import autopipe
 from autopipe.bench import Trainer, interleave, medians, plan_of, synthetic_batch
+from autopipe.cost import interpolate
 from autopipe.device import resolve_devices
 from autopipe.fingerprint import environment_fingerprint, first_difference, model_fingerprint
 from autopipe.jsonio import write_json_atomic
@@ -97,6 +100,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--devices", help="two devices, e.g. cpu,cpu or cuda:0,cuda:1")
     parser.add_argument("--profile", default=str(COMMITTED_PROFILE),
                         help="a saved profile to plan from when its batch and model match")
+    parser.add_argument("--fresh", action="store_true", help="profile afresh even when --profile matches")
     parser.add_argument("--json", help="also write the table and verdict as JSON")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: batch 8 of 3x64x64, 2 cuts, m in 2,4, one measured round")
@@ -110,7 +114,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def _profile(model: nn.Module, shape: list[int], args: argparse.Namespace, devices: list[str]) -> autopipe.Profile:
     """The committed profile if it was made for this model, input and batch; else a fresh one."""
     path = Path(args.profile)
-    if path.exists():
+    if path.exists() and not args.fresh:
         saved = autopipe.Profile.load(path)
         mismatch = first_difference(saved.model, model_fingerprint(autopipe.layer_chain(model)))
         if mismatch is None and saved.batch_size == args.batch_size and saved.input_shape == shape:
@@ -133,7 +137,7 @@ def _rows(profile: autopipe.Profile, devices: list[str], args: argparse.Namespac
     rows = [Row("single device", one, single=True), Row("model parallel (tutorial split)", split(tutorial, 1))]
     rows += [Row("tutorial split, split size swept", split(tutorial, m)) for m in _powers(batch) if m > 1]
     rows += [Row("sweep (split point x micro-batches)", split(cut, m))
-             for cut in _balanced_cuts(profile, args.cuts) for m in args.grid]
+             for m in args.grid for cut in _balanced_cuts(profile, -(-batch // m), args.cuts)]
     started = time.perf_counter()
     chosen = autopipe.plan(profile, devices, batch_size=batch)
     print(f"planner: balance {chosen.balance}, {chosen.chunks} x {chosen.micro_batch_size}, checkpoint "
@@ -146,11 +150,12 @@ def _powers(batch: int) -> list[int]:
     return sorted({min(1 << k, batch) for k in range(batch.bit_length() + 1)})
 
 
-def _balanced_cuts(profile: autopipe.Profile, count: int) -> list[int]:
-    """The ``count`` cuts whose first stage holds closest to half the profiled
-    forward+backward time at the full batch (the pruning rule of the sweep)."""
-    b = profile.batch_size
-    times = [layer.forward[b].median_ms + layer.backward[b].median_ms for layer in profile.layers]
+def _balanced_cuts(profile: autopipe.Profile, size: int, count: int) -> list[int]:
+    """The ``count`` cuts whose first stage holds closest to half the profiled forward+backward
+    time at micro-batch size ``size`` (the pruning rule of the sweep)."""
+    times = [interpolate({b: s.median_ms for b, s in layer.forward.items()}, size)
+             + interpolate({b: s.median_ms for b, s in layer.backward.items()}, size)
+             for layer in profile.layers]
     total, running, shares = sum(times), 0.0, []
     for cut in range(1, len(times)):
         running += times[cut - 1]
