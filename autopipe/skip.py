@@ -160,8 +160,8 @@ class Skippable(nn.Module):
     def _drive(self, generator: Generator[Any, Tensor | None, Any]) -> Any:
         tracker = current_skip_tracker()
         stashed: set[str] = set()
-        request = next(generator, _Done)
         try:
+            request = next(generator)
             while True:
                 if isinstance(request, stash):
                     self._check(request.name, self.stash_names, "stash")
@@ -193,11 +193,6 @@ class Skippable(nn.Module):
             )
 
 
-class _DoneType:
-    pass
-
-
-_Done = _DoneType()
 
 
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[T], T]:

@@ -65,3 +65,16 @@ def test_a_layer_pairing_a_skip_inside_itself_keeps_it_local() -> None:
     assert all(not s.routes.arriving and not s.routes.leaving for s in pipe.stages)
     x = torch.randn(2, 4)
     assert torch.allclose(pipe(x), model(x))
+
+
+@autopipe.skippable()
+class ReturnsWithoutYielding(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        if False:  # pragma: no cover - makes this a generator that never yields
+            yield
+        return x * 3
+
+
+def test_a_skippable_that_never_yields_returns_its_value() -> None:
+    x = torch.randn(2, 3)
+    assert torch.equal(ReturnsWithoutYielding()(x), x * 3)
