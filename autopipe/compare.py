@@ -1,7 +1,8 @@
 """Our plan next to the splits other systems would choose, all priced by the same cost model.
 
-Baselines use every offered device, the plan's micro-batch count (or the ``chunks`` the user
-fixed) and its checkpoint mode, so each ratio isolates the choice of split points:
+Baselines are costed for the plan's engine and use every offered device, the plan's micro-batch
+count (or the ``chunks`` the user fixed) and its checkpoint mode, so each ratio isolates the
+choice of split points:
 
 * ``equal layers`` — the same number of layers per stage;
 * ``parameter-balanced`` — the least largest per-stage parameter bytes (DeepSpeed's
@@ -43,7 +44,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
     devices = list(options.get("devices", plan.devices))
     speeds = options.get("speeds") or [1.0] * len(devices)
     model = CostModel(profile, chain_of(build_graph(profile)), devices, speeds, plan.batch_size,
-                      float(options.get("optimizer_state_factor", 2.0)))
+                      float(options.get("optimizer_state_factor", 2.0)), options.get("engine", "local"))
     limits = [np.inf if v is None else v for v in options.get("memory_limit_bytes", [None] * len(devices))]
     m = chunks or plan.chunks
     parts = min(len(devices), model.layers)

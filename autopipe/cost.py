@@ -18,9 +18,15 @@ Per stage ``s`` (times per micro-batch, in ms)::
     G_s = Σ_{tensors t produced by s, consumed in c_t > s} α(c_t, s) + bytes_t · β(c_t, s)
 
 where the tensors are the main input (from ``s-1``) and every skip whose stash is in an earlier
-stage ``p_t`` and pop in ``s``, routed straight from ``p_t``'s device (never relayed); ``α, β``
-are the device pair's fitted latency and ms/byte (0 on the same device index).  The input copy
-of the batch onto device 0 happens before the pipeline starts and is not counted.
+stage ``p_t`` and pop in ``s``; ``α, β`` are the device pair's fitted latency and ms/byte (0 on
+the same device index).  The input copy of the batch onto device 0 happens before the pipeline
+starts and is not counted.  How a skip from stage ``p`` to stage ``c > p`` travels depends on the
+engine that will run the plan:
+
+* ``local`` (the in-process runtime): straight from ``p``'s device to ``c``'s, once — as above;
+* ``distributed`` (``torch.distributed.pipelining``, which only talks to neighbours): relayed by
+  every stage between, so it is copied on every hop ``s-1 → s`` for ``p < s ≤ c``, adding
+  ``α(s-1, s) + bytes · β(s-1, s)`` to ``C_s`` and its gradient's copy ``s → s-1`` to ``G_{s-1}``.
 
 Iteration (:func:`phase_makespan`) = forward phase + backward phase (the loss needs the whole
 output, so no backward starts before the last forward ends).  Each phase is a permutation flow
@@ -38,14 +44,22 @@ identical jobs ``R = 0`` and ``V_n = (m-1)·max p``, so one recurrence serves ev
 
 Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
 
-    params · (1 + 1 + opt) + buffers + activations + skips · m
-    activations:  never        saved(b) · m
-                  always       input(b) · m       + saved(b)
-                  except_last  input(b) · (m − 1) + saved(b)
+    params · (1 + 1 + opt) + buffers + activations + skips · m [+ input(b) · m]
+    activations:  never        (saved(b) + input(b)) · m
+                  always       input(b) · m + saved(b)
+                  except_last  input(b) · m + saved(b)
 
-``saved(b)`` is the stage's bytes saved for backward at size ``b``, ``input(b)`` its main input
-(the previous layer's output, or ``Profile.input_bytes`` per sample for stage 0) and ``skips``
-the skip tensors it sends or receives (all ``m`` micro-batches are in flight in fill-drain).
+``saved(b)`` is the stage's bytes saved for backward at size ``b`` — as profiled, the tensors its
+layers create, *excluding* the stage's own input — and ``input(b)`` its main input (the previous
+layer's output, or ``Profile.input_bytes`` per sample for stage 0), which the runtime holds for
+every micro-batch until that micro-batch's backward (all ``m`` are in flight in fill-drain).
+Checkpointed, a micro-batch keeps only its input until its backward reruns the forward, so one
+micro-batch's saved tensors are live at a time: ``always`` and ``except_last`` (whose last
+micro-batch keeps input and saved tensors, the others only their inputs) need the same peak.
+``skips`` are the skip tensors the stage holds per micro-batch: those it sends or receives, and
+with the ``distributed`` engine also those it passes along (stash before the stage, pop at or
+after its end).  The bracketed term is the ``distributed`` engine's receive buffer: every stage
+but the first keeps one more copy of its input per micro-batch.
 """
 from __future__ import annotations
 
@@ -60,10 +74,12 @@ from .graph import Chain
 from .profiles import Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
-           "phase_makespan", "backward_makespan", "MODES"]
+           "phase_makespan", "backward_makespan", "MODES", "ENGINES"]
 
 #: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
 MODES = ("never", "except_last", "always")
+#: engines a plan can be costed for: the in-process runtime or torch.distributed.pipelining.
+ENGINES = ("local", "distributed")
 
 
 def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
@@ -162,8 +178,11 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, chain: Chain, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state_factor: float) -> None:
+                 batch_size: int, optimizer_state_factor: float, engine: str = "local") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
+        self.relayed = engine == "distributed"
         self.chain = chain
         self.devices = list(devices)
         self.speeds = np.asarray(speeds, dtype=float)
@@ -203,20 +222,28 @@ class CostModel:
             return 0.0
         return float(self.latency[src, dst] + nbytes * self.per_byte[src, dst])
 
+    def route(self, src: int, dst: int) -> list[tuple[int, int]]:
+        """The copies ``(from stage, to stage)`` of a skip stashed in stage ``src`` and popped in
+        ``dst``: straight, or hop by hop when relayed; none within one stage."""
+        if src == dst:
+            return []
+        return [(s - 1, s) for s in range(src + 1, dst + 1)] if self.relayed else [(src, dst)]
+
     def compute(self, costs: SizeCosts, start: int, stop: int, device: int) -> tuple[float, float]:
         """Forward and backward (no recompute) time of layers ``[start, stop)`` on ``device``."""
         speed = self.speeds[device]
         return (float(costs.sum(costs.forward, start, stop) / speed),
                 float(costs.sum(costs.backward, start, stop) / speed))
 
-    def held_bytes(self, costs: SizeCosts, start: Any, stop: int) -> Any:
-        """Bytes per micro-batch of the skips stage ``[start, stop)`` sends on or receives
-        (``start`` may be an index array)."""
-        held = np.zeros(np.shape(start))
+    def held_bytes(self, costs: SizeCosts, start: Any, stop: Any) -> Any:
+        """Bytes per micro-batch of the skips stage ``[start, stop)`` sends on or receives, and
+        when relayed also passes along (either bound may be an index array)."""
+        held = np.zeros(np.broadcast(start, stop).shape)
         for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
             sends = (start <= skip.stash) & (skip.stash < stop) & (stop <= skip.pop)
             receives = (skip.stash < start) & (start <= skip.pop) & (skip.pop < stop)
-            held = held + nbytes * (sends | receives)
+            passes = (skip.stash < start) & (stop <= skip.pop) & self.relayed
+            held = held + nbytes * (sends | receives | passes)
         return held
 
     def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: str,
@@ -225,13 +252,9 @@ class CostModel:
         (``start`` and ``skip_bytes`` may be arrays)."""
         saved = costs.sum(costs.saved, start, stop)
         inputs = costs.input_bytes[start]
-        if mode == "never":
-            activations = saved * chunks
-        elif mode == "always":
-            activations = inputs * chunks + saved
-        else:
-            activations = inputs * (chunks - 1) + saved
-        return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks
+        activations = inputs * chunks + (saved * chunks if mode == "never" else saved)
+        received = inputs * chunks * (np.asarray(start) > 0) if self.relayed else 0.0
+        return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks + received
 
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
         """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
@@ -245,9 +268,9 @@ class CostModel:
             copy_grad[s - 1] += self.copy_ms(s, s - 1, costs.input_bytes[bounds[s]])
         for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
             src, dst = owner[skip.stash], owner[skip.pop]
-            if src != dst:
-                copy_in[dst] += self.copy_ms(src, dst, nbytes)
-                copy_grad[src] += self.copy_ms(dst, src, nbytes)
+            for hop_src, hop_dst in self.route(src, dst):
+                copy_in[hop_dst] += self.copy_ms(hop_src, hop_dst, nbytes)
+                copy_grad[hop_src] += self.copy_ms(hop_dst, hop_src, nbytes)
         stages = []
         for s in range(count):
             forward, backward = self.compute(costs, bounds[s], bounds[s + 1], s)

@@ -7,6 +7,7 @@ Skippable layers carry the keys they stash and pop, which are the skip edges of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from torch import nn
 
@@ -39,15 +40,20 @@ class Layer:
         return self.name if self.prefix is None else self.prefix
 
 
-def layer_chain(model: nn.Module) -> list[Layer]:
+def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
     """The layers of ``model`` in forward order.
+
+    A list of :class:`Layer` (e.g. from ``autopipe.chain(model, granularity="finer")``) is taken
+    as it is, so every step accepts a chain made with non-default options.
 
     Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
     matching ``model.named_parameters()``) and a torchvision ResNet (its children in forward
     order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
     is captured with :func:`autopipe.chain` (torch.fx).
     """
-    if isinstance(model, nn.Sequential):
+    if isinstance(model, (list, tuple)):
+        layers = list(model)
+    elif isinstance(model, nn.Sequential):
         verify_skippables(model)
         layers = list(_flatten(model, ""))
     elif _is_torchvision_resnet(model):

@@ -39,7 +39,7 @@ class ProfileError(ValueError):
 
 
 def profile(
-    model: nn.Module,
+    model: nn.Module | Sequence[Layer],
     sample_input: Tensor | Sequence[Tensor],
     devices: Sequence[torch.device | str | int] | int | None = None,
     batch_sizes: Sequence[int] | None = None,
@@ -49,7 +49,8 @@ def profile(
     copy_sizes: Sequence[int] = DEFAULT_COPY_SIZES,
     quiet: bool = False,
 ) -> Profile:
-    """Profile ``model``'s layer chain on ``devices[0]`` and the copies between ``devices``.
+    """Profile ``model``'s layer chain (or a given list of layers) on ``devices[0]`` and the
+    copies between ``devices``.
 
     ``sample_input`` is one full batch (a tensor, or a tuple of tensors passed as the first
     layer's arguments), batch dimension first; its batch is ``Profile.batch_size``.
@@ -65,11 +66,12 @@ def profile(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     resolved = resolve_devices(devices)
     layers = layer_chain(model)
+    root = model if isinstance(model, nn.Module) else nn.ModuleList(layer.module for layer in layers)
     pairs = [(i, j) for i in range(len(resolved)) for j in range(len(resolved)) if i != j]
     progress = Progress(len(sizes) * len(layers) + len(pairs) * len(copy_sizes), "profiling", not quiet)
     try:
         ops = ops_for(resolved[0])
-        with _untouched(model, resolved[0], resolved):
+        with _untouched(root, resolved[0], resolved):
             by_size = {b: _profile_size(layers, _first(inputs, b, ops.device), ops, warmup, repeats,
                                         progress) for b in sizes}
         copies = measure_copies(resolved, copy_sizes, repeats, warmup, progress)

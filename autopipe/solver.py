@@ -14,7 +14,8 @@ Skips whose copy cost depends on the device pair need state: a label's key recor
 still open, its producer stage and the consumer stage it is committed to (the producer's gradient
 lane is known only with the consumer); a stage that does not pop a skip committed to it is
 invalid.  With one copy fit for every pair the cost depends only on the cut positions and the key
-stays empty.
+stays empty.  Relayed skips (``engine="distributed"``) never need it: each hop's copy is
+charged to the neighbours it joins, known from the stage index and the cut positions.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class Search:
         self.best = best
         self.bounds: tuple[int, ...] | None = None
         self.devices = len(limits)
-        self.keyed = bool(model.chain.skips) and not _uniform(model.latency, model.per_byte)
+        self.keyed = (bool(model.chain.skips) and not model.relayed
+                      and not _uniform(model.latency, model.per_byte))
         self.top_speed = float(np.max(model.speeds[: self.devices]))
         recompute = 0.0 if self.mode == "never" else 1.0
         self.rest_forward = self.costs.forward[-1] - self.costs.forward
@@ -127,7 +129,7 @@ class Search:
         copy_in = np.full(len(stops), model.copy_ms(stage - 1, stage, costs.input_bytes[start]) if stage else 0.0)
         copy_grad = self._main_grad(stage, stops)
         if not self.keyed:
-            self._add_skips(start, stops, copy_in, copy_grad)
+            self._add_skips(stage, start, stops, copy_in, copy_grad)
             self._push(stage, labels, stops, (copy_in, forward, back, skipped, copy_grad), key, grown)
             return
         for j, stop in enumerate(stops.tolist()):
@@ -145,15 +147,27 @@ class Search:
         latency, per_byte = self.model.latency[stage + 1, stage], self.model.per_byte[stage + 1, stage]
         return np.where(nbytes > 0, latency + nbytes * per_byte, 0.0)
 
-    def _add_skips(self, start: int, stops: np.ndarray, copy_in: np.ndarray, copy_grad: np.ndarray) -> None:
-        """With one copy fit for all pairs: skips received (stash before ``start``, pop before
-        ``stop``) and sent on (stash in the stage, pop at or after ``stop``), in place."""
-        for skip, nbytes in zip(self.model.chain.skips, self.costs.skip_bytes):
-            cost = self.model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
+    def _add_skips(self, stage: int, start: int, stops: np.ndarray, copy_in: np.ndarray,
+                   copy_grad: np.ndarray) -> None:
+        """Skip copies that depend only on the cuts, in place.  Relayed: every skip crossing the
+        cut before ``start`` comes in from ``stage - 1``, every one crossing ``stop`` sends its
+        gradient back from ``stage + 1``.  Straight, with one copy fit for all pairs: skips
+        received (stash before ``start``, pop before ``stop``) and sent on (stash in the stage,
+        pop at or after ``stop``)."""
+        model = self.model
+        for skip, nbytes in zip(model.chain.skips, self.costs.skip_bytes):
+            crosses_stop = (skip.stash < stops) & (stops <= skip.pop)
+            if model.relayed:
+                if stage and skip.stash < start <= skip.pop:
+                    copy_in += model.copy_ms(stage - 1, stage, nbytes)
+                if stage + 1 < self.devices:
+                    copy_grad += model.copy_ms(stage + 1, stage, nbytes) * crosses_stop
+                continue
+            cost = model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
             if skip.stash < start <= skip.pop:
                 copy_in += cost * (skip.pop < stops)
             elif start <= skip.stash:
-                copy_grad += cost * ((skip.stash < stops) & (stops <= skip.pop))
+                copy_grad += cost * crosses_stop
 
     def _commitments(self, stage: int, start: int, stop: int, key: _Key) -> Iterator[tuple[float, float, _Key]]:
         """Skip copies in and out of stage ``[start, stop)`` when they depend on the device pair:
@@ -248,19 +262,23 @@ def plan(
     schedule: str = "gpipe",
     speeds: Sequence[float] | None = None,
     chunks: int | None = None,
+    engine: str = "local",
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
     Stages use ``devices`` in order (``k`` of them, ``k`` chosen); ``speeds`` are relative
     (times are divided by them); ``memory_limit`` is bytes (or ``"16GiB"``) for every device or
     one per device, defaulting to the capacity of CUDA devices and no limit on CPU;
-    ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count.
+    ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
+    ``engine`` is what will run the plan: ``"local"`` (the in-process runtime) or
+    ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
+    micro-batches only), costed as in :mod:`autopipe.cost`.
     """
     names = device_names(profile, devices)
     options = _Options.check(profile, names, batch_size, memory_limit, checkpoint,
-                             optimizer_state_factor, schedule, speeds, chunks)
+                             optimizer_state_factor, schedule, speeds, chunks, engine)
     model = CostModel(profile, chain_of(build_graph(profile)), names, options.speeds,
-                      options.batch_size, optimizer_state_factor)
+                      options.batch_size, optimizer_state_factor, engine)
     choice = solve(model, options.candidates, options.modes, options.limits)
     if choice is None:
         raise PlanningError(_infeasible(model, options))
@@ -385,10 +403,15 @@ class _Options:
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
               checkpoint: str, optimizer_state_factor: float, schedule: str,
-              speeds: Sequence[float] | None, chunks: int | None) -> "_Options":
+              speeds: Sequence[float] | None, chunks: int | None, engine: str) -> "_Options":
+        # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
+        # for it.  A gpipe plan runs on the distributed engine with schedule='1f1b' when chunks ≥
+        # stages, holding no more activations than planned (≤ stages - s micro-batches in flight).
         if schedule != "gpipe":
             known = f"; '{schedule}' is not a schedule" if schedule not in SCHEDULES else ""
-            raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe'")
+            raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe' "
+                             "(the distributed engine can run a gpipe plan with schedule='1f1b' "
+                             "when chunks >= stages)")
         if checkpoint != "auto" and checkpoint not in MODES:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {['auto', *MODES]}")
         if optimizer_state_factor < 0:
@@ -398,14 +421,15 @@ class _Options:
         rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
         if len(rates) != len(names) or min(rates) <= 0:
             raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
-        # 'always' is never chosen automatically: 'except_last' recomputes less and holds one
-        # stage input less, so it is at least as fast and as small.
+        # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
+        # same memory, so it is at least as fast and as small.
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
                  "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
-                 "speeds": rates, "chunks": chunks}
+                 "speeds": rates, "chunks": chunks, "engine": engine}
         return _Options(batch, rates, memory_limits(memory_limit, names),
-                        candidate_chunks(batch, profile.batch_sizes, chunks), modes, given)
+                        candidate_chunks(batch, profile.batch_sizes, chunks, equal=engine == "distributed"),
+                        modes, given)
 
     def record(self) -> dict[str, Any]:
         """The options as JSON for the plan file."""
@@ -415,9 +439,12 @@ class _Options:
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
 
 
-def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None = None) -> list[int]:
+def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None = None,
+                     equal: bool = False) -> list[int]:
     """Micro-batch counts worth trying: the least ``m`` for each distinct ``ceil(B/m)`` within
-    the profiled sizes (for equal micro-batch size, fewer micro-batches is never slower)."""
+    the profiled sizes (for equal micro-batch size, fewer micro-batches is never slower); with
+    ``equal`` (the distributed engine needs one micro-batch shape) only divisors of ``B`` —
+    a divisor is always the least ``m`` of its size, so no better count is lost."""
     if batch_size < 1:
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     low, high = min(sizes), max(sizes)
@@ -427,15 +454,19 @@ def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None =
             raise ValueError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} "
                              f"samples, outside 1..{batch_size} or the profiled sizes {low}..{high}; "
                              "choose another chunks or profile more batch sizes")
+        if equal and batch_size % chunks:
+            raise ValueError(f"chunks={chunks} does not divide batch size {batch_size}, and the distributed "
+                             "engine needs equal micro-batches; choose a divisor of the batch size")
         return [chunks]
     found = {}
     for m in range(1, batch_size + 1):
         found.setdefault(-(-batch_size // m), m)
-    usable = [m for size, m in found.items() if low <= size <= high]
+    usable = [m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m)]
     if not usable:
-        raise ValueError(f"batch size {batch_size} cannot be split into micro-batches of the profiled "
+        shape = "equal micro-batches" if equal else "micro-batches"
+        raise ValueError(f"batch size {batch_size} cannot be split into {shape} of the profiled "
                          f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
-                         f"size of at least {low}")
+                         f"size of at least {low}{' that a profiled size divides' if equal else ''}")
     return sorted(usable)
 
 

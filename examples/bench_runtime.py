@@ -9,10 +9,13 @@ The "fill-drain" column is the iteration time that the stages' own measured comp
 "overhead" column is how much slower the pipeline really was, i.e. what the runtime itself
 costs (waits, copies, Python) beyond the schedule's bubbles and the split's imbalance.
 
-The default split [7, 8] (stage 1 starts at layer2.1) is the best 2-way split of the fill-drain
-model on per-layer times measured here at micro-batch 16 (forward 59/41 %, backward 47/53 %).
+Splits come from the planner on the committed profile (``profiles/resnet18-128.json``): for each
+micro-batch count m the planner's best split at that m, and the planner's own choice of split,
+m and checkpointing; each row prints the planner's predicted time next to the measured one.
+``--balance 7,8`` runs a fixed split instead; ``--distributed`` adds the planner's choice run on
+torch.distributed.pipelining (2 processes, 1 thread each) as speedup over its own single-device run.
 
-    python examples/bench_runtime.py [--balance 7,8] [--rounds 5] [--chunks 1,2,4,8]
+    python examples/bench_runtime.py [--rounds 5] [--chunks 1,2,4,8] [--balance 7,8] [--distributed]
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from autopipe.simulate import simulate
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--balance", default="7,8", help="layers per stage (ResNet-18 has 15)")
+    parser.add_argument("--profile", default="profiles/resnet18-128.json", help="profile to plan from")
+    parser.add_argument("--balance", default=None, help="fixed layers per stage instead of the planner's")
+    parser.add_argument("--distributed", action="store_true", help="also run the torch.distributed engine")
     parser.add_argument("--chunks", default="1,2,4,8", help="micro-batch counts to run")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--size", type=int, default=128, help="image side")
@@ -44,17 +49,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    balance = [int(n) for n in args.balance.split(",")]
     x = torch.randn(args.batch, 3, args.size, args.size)
     y = torch.randint(0, 1000, (args.batch,))
     model = torchvision.models.resnet18(weights=None)
-    # Every pipeline shares the model's modules; they run one at a time, so that is fine.
-    nets: dict[str, autopipe.Pipeline] = {
-        "pipeline 1 stage, m=1": autopipe.Pipeline(model, balance=[15], chunks=1, checkpoint=args.checkpoint)
-    }
-    for m in (int(c) for c in args.chunks.split(",")):
-        nets[f"pipeline {balance}, m={m}"] = autopipe.Pipeline(
-            model, balance=balance, devices=["cpu", "cpu"], chunks=m, checkpoint=args.checkpoint)
+    nets, predicted = _pipelines(model, args)
     steps = {"plain": _step(model, x, y), **{name: _step(net, x, y) for name, net in nets.items()}}
 
     print(f"ResNet-18 chain, batch {args.batch}, 3x{args.size}x{args.size}, 1 thread per stage, "
@@ -64,18 +62,49 @@ def main() -> None:
     samples = _interleaved(steps, nets, args.rounds)
     times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
     plain = times["plain"]
-    print(f"{'configuration':34s} {'median ms':>10s} {'speedup':>8s} {'fill-drain ms':>14s} {'overhead':>9s}")
+    print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'error':>7s} "
+          f"{'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
-        ideal = ""
+        ideal = prediction = ""
         if name in nets:
             fill_drain = statistics.median(f for _, f in samples[name])
             overhead = statistics.median(ms / f for ms, f in samples[name]) - 1
             ideal = f"{fill_drain:14.1f} {overhead:+9.1%}"
-        print(f"{name:34s} {ms:10.1f} {plain / ms:7.2f}x {ideal}")
-    best = min((ms, name) for name, ms in times.items() if "m=" in name and "1 stage" not in name)
+        if name in predicted:
+            prediction = f"{predicted[name]:10.1f} {predicted[name] / ms - 1:+7.1%}"
+        print(f"{name:44s} {ms:10.1f} {plain / ms:7.2f}x {prediction:>18s} {ideal}")
+    best = min((ms, name) for name, ms in times.items() if name in nets and "1 stage" not in name)
     one_stage = times["pipeline 1 stage, m=1"] / plain - 1
     print(f"best: {best[1]} at {plain / best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
           f"load average {os.getloadavg()[0]:.2f} at end; cores available: {_concurrency(x[:16]):.2f}x")
+
+
+def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, autopipe.Pipeline], dict[str, float]]:
+    """The pipelines to time (they share the model's modules and run one at a time) and the
+    planner's predicted iteration ms of each planned one."""
+    nets = {"pipeline 1 stage, m=1": autopipe.Pipeline(model, balance=[15], chunks=1, checkpoint=args.checkpoint)}
+    predicted: dict[str, float] = {}
+    chunk_counts = [int(c) for c in args.chunks.split(",")]
+    if args.balance:
+        balance = [int(n) for n in args.balance.split(",")]
+        for m in chunk_counts:
+            nets[f"pipeline {balance}, m={m}"] = autopipe.Pipeline(
+                model, balance=balance, devices=["cpu", "cpu"], chunks=m, checkpoint=args.checkpoint)
+        return nets, predicted
+    profile = autopipe.Profile.load(args.profile)
+    plans = {f"planned m={m}": autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m,
+                                              checkpoint=args.checkpoint) for m in chunk_counts}
+    plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch)
+    for label, plan in plans.items():
+        name = f"{label} {plan.balance} m={plan.chunks} {plan.checkpoint}"
+        nets[name] = autopipe.Pipeline(model, plan)
+        predicted[name] = plan.predicted.iteration_ms
+    if args.distributed:
+        choice = plans["planner's choice"]
+        from autopipe.distributed.bench import bench_distributed
+        result = bench_distributed(choice.balance, choice.chunks, batch_size=args.batch, image_size=args.size)
+        print(f"planner's choice on {result.line()}")
+    return nets, predicted
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:

@@ -8,10 +8,10 @@ from autopipe.cost import CostModel, copy_matrix, interpolate
 from autopipe.graph import build_graph, chain_of
 
 
-def model_of(profile, devices=None, speeds=None, batch=None, factor=2.0):
+def model_of(profile, devices=None, speeds=None, batch=None, factor=2.0, engine="local"):
     devices = devices or profile.devices
     return CostModel(profile, chain_of(build_graph(profile)), devices, speeds or [1.0] * len(devices),
-                     batch or profile.batch_size, factor)
+                     batch or profile.batch_size, factor, engine)
 
 
 def test_interpolation_is_piecewise_linear_and_refuses_extrapolation():
@@ -41,12 +41,17 @@ def test_memory_formula_for_each_checkpoint_mode():
     b, m = 2, 2  # batch 4
     # stage [1, 3): params 50 * (1 + 1 + 3); saved (2000 + 3000) * b; input = layer 0 output 100 * b
     state = 50 * 5
-    expected = {"never": state + 10_000 * m, "always": state + 200 * m + 10_000,
-                "except_last": state + 200 * (m - 1) + 10_000}
+    expected = {"never": state + (10_000 + 200) * m, "always": state + 200 * m + 10_000,
+                "except_last": state + 200 * m + 10_000}
     for mode, value in expected.items():
         assert model.evaluate([0, 1, 3], m, mode).stages[1].memory == value
     # stage 0's input is the batch itself: input_bytes per sample
     assert model.evaluate([0, 1, 3], m, "always").stages[0].memory == 10 * 5 + 50 * 2 * m + 2000
+    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
+    # distributed: a stage after the first also keeps its received input, once per micro-batch
+    relayed = model_of(profile, factor=3.0, engine="distributed")
+    assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == state + (10_000 + 200) * m + 200 * m
+    assert relayed.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
 
 
 def test_skip_crossing_two_cuts_is_charged_once_on_its_route():
@@ -65,6 +70,28 @@ def test_skip_crossing_two_cuts_is_charged_once_on_its_route():
     # the skip is held by its producer and its consumer, not by the stage it passes
     held = [model.held_bytes(model.at(b), s, e) for s, e in [(0, 2), (2, 4), (4, 6)]]
     assert held == [1000 * b, 0, 1000 * b]
+
+
+def test_relayed_skip_is_charged_on_every_hop_in_distributed_mode():
+    copies = {(i, j): (1.0 * (i + 1), 0.001 * (j + 1)) for i in range(3) for j in range(3) if i != j}
+    profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=100, copies=copies,
+                           skips=[("s", 0, 5, 1000)])
+    b, m = 2, 1
+    copy = lambda src, dst, n: copies[(src, dst)][0] + n * b * copies[(src, dst)][1]  # noqa: E731
+    local = model_of(profile).evaluate([0, 2, 4, 6], m, "never").stages
+    relayed = model_of(profile, engine="distributed").evaluate([0, 2, 4, 6], m, "never").stages
+    # local: once, 0 -> 2 (and its gradient 2 -> 0)
+    assert [s.copy_in for s in local] == pytest.approx([0.0, copy(0, 1, 100), copy(1, 2, 100) + copy(0, 2, 1000)])
+    assert [s.copy_grad for s in local] == pytest.approx([copy(1, 0, 100) + copy(2, 0, 1000), copy(2, 1, 100), 0.0])
+    # distributed: on both hops, 0 -> 1 and 1 -> 2 (gradients 2 -> 1 and 1 -> 0)
+    assert [s.copy_in for s in relayed] == pytest.approx(
+        [0.0, copy(0, 1, 100) + copy(0, 1, 1000), copy(1, 2, 100) + copy(1, 2, 1000)])
+    assert [s.copy_grad for s in relayed] == pytest.approx(
+        [copy(1, 0, 100) + copy(1, 0, 1000), copy(2, 1, 100) + copy(2, 1, 1000), 0.0])
+    # the middle stage holds the skip it passes along, and its received input, per micro-batch
+    assert relayed[1].memory - local[1].memory == 1000 * b * m + 100 * b * m
+    assert relayed[2].memory - local[2].memory == 100 * b * m
+    assert relayed[0].memory == local[0].memory
 
 
 def test_iteration_time_closed_form_by_hand():

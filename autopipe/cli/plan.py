@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speeds", default=None, help="relative speed per device, e.g. 1,2")
     parser.add_argument("--optimizer-state-factor", type=float, default=2.0,
                         help="optimizer state per parameter byte (2: SGD with momentum, 3: Adam)")
+    parser.add_argument("--engine", default="local", choices=["local", "distributed"],
+                        help="what will run the plan: the in-process runtime (local) or "
+                             "torch.distributed.pipelining under torchrun (distributed)")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--compare", action="store_true",
                         help="also price equal-layer, parameter-balanced and time-only min-max splits")
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
-                  chunks=args.chunks)
+                  chunks=args.chunks, engine=args.engine)
     print(summary(chosen))
     if args.compare:
         print()
@@ -77,7 +80,8 @@ def summary(chosen: Plan) -> str:
         f"balance:       {chosen.balance}",
         f"split before:  {split}",
         f"micro-batches: {chosen.chunks} of {chosen.micro_batch_size} (batch {chosen.batch_size})",
-        f"checkpoint:    {chosen.checkpoint}   schedule: {chosen.schedule}",
+        f"checkpoint:    {chosen.checkpoint}   schedule: {chosen.schedule}   "
+        f"engine: {chosen.options.get('engine', 'local')}",
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
         f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
     ])

@@ -272,7 +272,7 @@ class DistributedPipeline:
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.layers = layer_chain(model) if isinstance(model, nn.Module) else list(model)
+        self.layers = layer_chain(model)
         settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size)
         self.balance, self.chunks, self.schedule_name = settings.balance, settings.chunks, settings.schedule
         self.batch_size = settings.batch_size

@@ -120,7 +120,7 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        layers = layer_chain(model) if isinstance(model, nn.Module) else list(model)
+        layers = layer_chain(model)
         if plan is not None:
             balance, devices, chunks, checkpoint = _from_plan(plan, layers, balance, devices)
         if balance is None:
