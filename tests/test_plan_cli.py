@@ -39,6 +39,10 @@ def test_plan_options_reach_the_solver(profile_path, tmp_path, capsys):
                  "--batch-size", "8", "-o", str(out)]) == 0
     chosen = Plan.load(out)
     assert chosen.chunks == 4 and chosen.options["speeds"] == [1.0, 2.0]
+    assert main(["plan", str(profile_path), "--engine", "distributed", "--batch-size", "6", "-o", str(out)]) == 0
+    assert "engine: distributed" in capsys.readouterr().out
+    chosen = Plan.load(out)
+    assert chosen.options["engine"] == "distributed" and 6 % chosen.chunks == 0
 
 
 def test_show_prints_stages_and_timeline(profile_path, tmp_path, capsys):

@@ -10,6 +10,7 @@ import torchvision
 from torch import Tensor, nn
 
 from autopipe.cli import profile as profile_cli
+from autopipe.layers import layer_chain
 from autopipe.profiler import ProfileError, fit_copy, profile
 from autopipe.profiles import Profile
 from autopipe.skip import pop, skippable, stash
@@ -189,6 +190,17 @@ def test_profiling_leaves_model_state_unchanged() -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, grad_values))
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_layer_list_profiles_like_its_model_and_comes_back_unchanged() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    from_model = run(model, torch.randn(8, 4), [8], repeats=1)
+    from_list = run(layer_chain(model), torch.randn(8, 4), [8], repeats=1)
+    assert [l.name for l in from_list.layers] == [l.name for l in from_model.layers] == ["0", "1", "2"]
+    assert from_list.model == from_model.model
+    assert saved(from_list) == saved(from_model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
 # --- copies -----------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from autopipe.solver import PlanningError, candidate_chunks, plan, solve
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def model_of(profile, speeds):
-    return CostModel(profile, chain_of(build_graph(profile)), profile.devices, speeds, profile.batch_size, 2.0)
+def model_of(profile, speeds, engine="local"):
+    return CostModel(profile, chain_of(build_graph(profile)), profile.devices, speeds, profile.batch_size, 2.0,
+                     engine)
 
 
 def all_splits(layers, devices):
@@ -67,6 +68,46 @@ def test_optimal_against_brute_force(seed):
         assert all(s.memory <= limit for s, limit in zip(evaluation.stages, limits))
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_optimal_against_brute_force_for_the_distributed_engine(seed):
+    """Relayed skips (more of them, so they cross several cuts), equal micro-batches only."""
+    rng = random.Random(100 + seed)
+    for _ in range(20):
+        layers, devices = rng.randint(2, 10), rng.randint(2, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(1, 4), per_pair=rng.random() < 0.6)
+        profile.batch_size = rng.choice([6, 8])
+        speeds = [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)]
+        model = model_of(profile, speeds, "distributed")
+        chunks = candidate_chunks(profile.batch_size, profile.batch_sizes, equal=True)
+        assert all(profile.batch_size % m == 0 for m in chunks)
+        modes = rng.choice([["never", "except_last"], ["always"]])
+        limits = np.full(devices, math.inf)
+        if rng.random() < 0.5:
+            limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.2, 1.0)
+        expected = brute_force(model, chunks, modes, limits)
+        choice = solve(model, chunks, modes, limits)
+        if math.isinf(expected):
+            assert choice is None
+            continue
+        assert choice.iteration_ms == pytest.approx(expected, rel=1e-9)
+        assert model.evaluate(choice.bounds, choice.chunks, choice.mode).iteration_ms == pytest.approx(expected,
+                                                                                                    rel=1e-9)
+
+
+def test_distributed_engine_is_recorded_and_needs_equal_micro_batches():
+    profile = make_profile([1.0] * 6, sizes=(1, 2, 4, 8), batch_size=6, devices=2, output_bytes=100,
+                           copies=(0.1, 1e-4), skips=[("s", 0, 5, 50)])
+    chosen = plan(profile, engine="distributed")
+    assert chosen.options["engine"] == "distributed" and 6 % chosen.chunks == 0
+    assert plan(profile).options["engine"] == "local"
+    assert candidate_chunks(6, [1, 8]) == [1, 2, 3, 4, 6]
+    assert candidate_chunks(6, [1, 8], equal=True) == [1, 2, 3, 6]
+    with pytest.raises(ValueError, match="chunks=4 does not divide batch size 6"):
+        plan(profile, chunks=4, engine="distributed")
+    with pytest.raises(ValueError, match="engine 'mpi' is not one of"):
+        plan(profile, engine="mpi")
+
+
 def test_constant_costs_1001_to_1012_over_three_stages():
     profile = make_profile([1001.0 + i for i in range(12)], sizes=(1, 2, 4, 8), linear=True, devices=3)
     chosen = plan(profile, chunks=8)
@@ -109,8 +150,8 @@ def test_expensive_copies_use_fewer_devices():
 
 def test_options_are_checked_with_a_fix():
     profile = make_profile([1.0] * 4, sizes=(2, 4), devices=2)
-    with pytest.raises(ValueError, match="use 'gpipe'"):
-        plan(profile, schedule="1f1b")
+    with pytest.raises(ValueError, match="use 'gpipe'.*schedule='1f1b' when chunks >= stages"):
+        plan(profile, schedule="1f1b", engine="distributed")
     with pytest.raises(ValueError, match="outside 1..4 or the profiled sizes 2..4"):
         plan(profile, chunks=4)
     with pytest.raises(ValueError, match="cannot be split into micro-batches of the profiled sizes"):
