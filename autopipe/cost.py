@@ -206,15 +206,26 @@ class CostModel:
 
     def _build(self, b: int) -> SizeCosts:
         layers = self.profile.layers
-        median = lambda stats: {size: s.median_ms for size, s in stats.items()}  # noqa: E731
-        forward = [interpolate(median(l.forward), b, f"forward of {l.name}") for l in layers]
-        backward = [interpolate(median(l.backward), b, f"backward of {l.name}") for l in layers]
-        saved = [interpolate(dict(l.saved_bytes), b, f"saved bytes of {l.name}") for l in layers]
+        # interpolation is linear in the table's values: one weight per profiled size for all layers
+        sizes = self.profile.batch_sizes
+        weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
+                              for size in sizes])
+        forward, backward, saved = (table @ weights for table in self._tables())
         state = [l.param_bytes * (2 + self.optimizer_state_factor) + l.buffer_bytes for l in layers]
         inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
         return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
                          np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
                                                                      dtype=float))
+
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Forward and backward medians and saved bytes, layers × profiled sizes (cached)."""
+        if not hasattr(self, "_per_size"):
+            sizes, layers = self.profile.batch_sizes, self.profile.layers
+            self._per_size = tuple(np.asarray([[table(l)[s] for s in sizes] for l in layers], dtype=float)
+                                   for table in (lambda l: {k: v.median_ms for k, v in l.forward.items()},
+                                                 lambda l: {k: v.median_ms for k, v in l.backward.items()},
+                                                 lambda l: l.saved_bytes))
+        return self._per_size
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""

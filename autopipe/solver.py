@@ -39,8 +39,7 @@ class PlanningError(ValueError):
     """No plan satisfies the options (memory limits, chunks, batch size)."""
 
 
-# A label: (X, M, V, S, stop, parent label).  Key: ((skip index, producer, consumer), ...).
-_Label = tuple
+# Key: ((skip index, producer, consumer), ...).
 _Key = tuple
 
 
@@ -52,6 +51,23 @@ class Choice:
     chunks: int
     mode: str
     iteration_ms: float
+
+
+@dataclass(frozen=True)
+class _Labels:
+    """The labels of one DP state as parallel arrays: forward lane maximum ``X``, backward lane
+    maximum ``M``, ``V``, lane sum ``S`` and each label's index in its stage's trace (``-1``
+    for the empty start); arrays, because every stage extends every label at once."""
+
+    x: np.ndarray
+    peak: np.ndarray
+    v: np.ndarray
+    total: np.ndarray
+    ref: np.ndarray
+
+
+# New labels of one stage before the Pareto filter: stop, X, M, V, S, lower bound, parent ref.
+_Piece = tuple[np.ndarray, ...]
 
 
 class Search:
@@ -71,23 +87,31 @@ class Search:
         self.devices = len(limits)
         self.keyed = (bool(model.chain.skips) and not model.relayed
                       and not _uniform(model.latency, model.per_byte))
-        self.top_speed = float(np.max(model.speeds[: self.devices]))
+        speeds = model.speeds[: self.devices]
+        self.top_speed = float(np.max(speeds))
         recompute = 0.0 if self.mode == "never" else 1.0
+        per_forward = np.diff(self.costs.forward)
+        per_back = np.diff(self.costs.backward) + recompute * per_forward
         self.rest_forward = self.costs.forward[-1] - self.costs.forward
         self.rest_back = self.rest_forward * recompute + (self.costs.backward[-1] - self.costs.backward)
         self.rest = (self.rest_forward + self.rest_back) / self.top_speed
-        self.speed_after = np.concatenate((np.cumsum(model.speeds[: self.devices][::-1])[::-1], [0.0]))
+        # largest single layer at or after each position (0 past the end)
+        self.layer_forward = np.concatenate((np.maximum.accumulate(per_forward[::-1])[::-1], [0.0]))
+        self.layer_back = np.concatenate((np.maximum.accumulate(per_back[::-1])[::-1], [0.0]))
+        self.speed_after = np.concatenate((np.cumsum(speeds[::-1])[::-1], [0.0]))
+        self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.least_forward, self.least_back = floors
+        self.trace: list[tuple[np.ndarray, np.ndarray]] = []
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``."""
-        frontier: dict[int, dict[_Key, list[_Label]]] = {0: {(): [(0.0, 0.0, -math.inf, 0.0, 0, None)]}}
+        root = _Labels(np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros(1), np.full(1, -1))
+        frontier: dict[tuple[int, _Key], _Labels] = {(0, ()): root}
         for stage in range(self.devices):
-            grown: dict[int, dict[_Key, list[_Label]]] = {}
-            for start, keyed in frontier.items():
-                for key, labels in keyed.items():
-                    self._extend(stage, start, key, labels, grown)
-            frontier = {stop: {k: _pareto(v) for k, v in keyed.items()} for stop, keyed in grown.items()}
+            pieces: dict[_Key, list[_Piece]] = {}
+            for (start, key), labels in frontier.items():
+                self._extend(stage, start, key, labels, pieces)
+            frontier = self._settle(pieces)
             if not frontier:
                 break
         if self.bounds is None:
@@ -105,8 +129,7 @@ class Search:
                         if backward_weight > 0 else math.inf)
         return forward_cap, backward_cap
 
-    def _extend(self, stage: int, start: int, key: _Key, labels: list[_Label],
-                grown: dict[int, dict[_Key, list[_Label]]]) -> None:
+    def _extend(self, stage: int, start: int, key: _Key, labels: _Labels, pieces: dict[_Key, list[_Piece]]) -> None:
         """Grow ``labels`` by one stage ``[start, stop)`` on device ``stage``, for every ``stop``
         at once (numpy arrays over ``stop``)."""
         model, costs, layers = self.model, self.costs, self.model.layers
@@ -130,13 +153,13 @@ class Search:
         copy_grad = self._main_grad(stage, stops)
         if not self.keyed:
             self._add_skips(stage, start, stops, copy_in, copy_grad)
-            self._push(stage, labels, stops, (copy_in, forward, back, skipped, copy_grad), key, grown)
+            self._push(stage, labels, stops, (copy_in, forward, back, skipped, copy_grad), key, pieces)
             return
         for j, stop in enumerate(stops.tolist()):
             for extra_in, extra_grad, new_key in self._commitments(stage, start, stop, key):
                 lanes = (copy_in[j:j + 1] + extra_in, forward[j:j + 1], back[j:j + 1], skipped[j:j + 1],
                          copy_grad[j:j + 1] + extra_grad)
-                self._push(stage, labels, stops[j:j + 1], lanes, new_key, grown)
+                self._push(stage, labels, stops[j:j + 1], lanes, new_key, pieces)
 
     def _main_grad(self, stage: int, stops: np.ndarray) -> np.ndarray:
         """The gradient of each stop's stage output, copied back from device ``stage + 1``."""
@@ -191,59 +214,128 @@ class Search:
             copy_grad = sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, consumers))
             yield copy_in, copy_grad, tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
 
-    def _push(self, stage: int, labels: list[_Label], stops: np.ndarray, lanes: tuple[np.ndarray, ...],
-              key: _Key, grown: dict[int, dict[_Key, list[_Label]]]) -> None:
-        """Append the stage's lanes to each label — forward ``C, F``; backward (reversed, see
-        :mod:`autopipe.cost`) ``W+R, G`` — and keep what can still beat ``best``: the layers
-        left need at least their work at top speed in the sum and their work spread over the
-        devices left in the lane maxima, which are also at least the least possible for the
-        whole chain."""
+    def _push(self, stage: int, labels: _Labels, stops: np.ndarray, lanes: tuple[np.ndarray, ...],
+              key: _Key, pieces: dict[_Key, list[_Piece]]) -> None:
+        """Append the stage's lanes to every label at once (labels × stops arrays) — forward
+        ``C, F``; backward (reversed, see :mod:`autopipe.cost`) ``W+R, G`` — record a finished
+        plan that beats ``best`` and keep what can still beat it (:meth:`_least`)."""
         copy_in, forward, back, skipped, copy_grad = lanes
         m1, m2, layers = self.m - 1, self.m - 2, self.model.layers
-        lanes_forward = np.maximum(copy_in, forward)
-        total_add = copy_in + forward + back + copy_grad
-        rest = self.rest[stops]
-        done = stops == layers
-        spread = self.speed_after[stage + 1] if stage + 1 < self.devices else math.inf
-        forward_floor = np.maximum(self.rest_forward[stops] / spread, self.least_forward)
-        back_floor = np.maximum(self.rest_back[stops] / spread, self.least_back)
-        for label in labels:
-            x0, peak0, v0, total0 = label[:4]
-            x = np.maximum(x0, lanes_forward)
-            peak = np.maximum(peak0, back)
-            v = np.maximum(v0 - skipped, back - skipped + m2 * peak)
-            peak = np.maximum(peak, copy_grad)
-            v = np.maximum(v, copy_grad + m2 * peak)
-            total = total0 + total_add
-            final = total + m1 * x + v
-            if done[-1] and final[-1] < self.best:
-                self.best = float(final[-1])
-                self.bounds = _bounds((0, 0, 0, 0, layers, label))
-            least_v = (m1 if self.mode != "except_last" else m2) * np.maximum(peak, back_floor)
-            least = total + rest + m1 * np.maximum(x, forward_floor) + least_v
-            alive = np.nonzero((least < self.best) & ~done)[0]
-            for j in alive.tolist():
-                stop = int(stops[j])
-                grown.setdefault(stop, {}).setdefault(key, []).append(
-                    (float(x[j]), float(peak[j]), float(v[j]), float(total[j]), stop, label))
+        x = np.maximum(labels.x[:, None], np.maximum(copy_in, forward))
+        peak = np.maximum(labels.peak[:, None], back)
+        v = np.maximum(labels.v[:, None] - skipped, back - skipped + m2 * peak)
+        peak = np.maximum(peak, copy_grad)
+        v = np.maximum(v, copy_grad + m2 * peak)
+        total = labels.total[:, None] + (copy_in + forward + back + copy_grad)
+        if stops[-1] == layers:
+            final = total[:, -1] + m1 * x[:, -1] + v[:, -1]
+            best = int(np.argmin(final))
+            if final[best] < self.best:
+                self.best = float(final[best])
+                self.bounds = self._bounds(stage, int(labels.ref[best]))
+        if stage + 1 >= self.devices:
+            return
+        least = self._least(stage, stops, x, peak, total)
+        least[:, stops == layers] = math.inf
+        i, j = np.nonzero(least < self.best)
+        if len(i):
+            pieces.setdefault(key, []).append((stops[j], x[i, j], peak[i, j], v[i, j], total[i, j], least[i, j],
+                                               labels.ref[i]))
+
+    def _least(self, stage: int, stops: np.ndarray, x: np.ndarray, peak: np.ndarray,
+               total: np.ndarray) -> np.ndarray:
+        """A lower bound on the final time of each (label, stop) with layers left: their work
+        at the top speed left adds to the sum; each lane maximum is at least its value so far,
+        the work left spread over the devices left, the largest layer left on the fastest
+        device left and the least for the whole chain; the next stage's copy of its main input
+        adds to the sum and is a forward lane."""
+        spread, top = self.speed_after[stage + 1], self.top_after[stage + 1]
+        forward_floor = np.maximum(np.maximum(self.rest_forward[stops] / spread, self.layer_forward[stops] / top),
+                                   self.least_forward)
+        back_floor = np.maximum(np.maximum(self.rest_back[stops] / spread, self.layer_back[stops] / top),
+                                self.least_back)
+        nbytes = self.costs.input_bytes[np.minimum(stops, self.model.layers - 1)]
+        latency, per_byte = self.model.latency[stage, stage + 1], self.model.per_byte[stage, stage + 1]
+        next_copy = np.where(nbytes > 0, latency + nbytes * per_byte, 0.0)
+        backward_weight = self.m - 1 if self.mode != "except_last" else self.m - 2
+        rest = (self.rest_forward[stops] + self.rest_back[stops]) / top + next_copy
+        return (total + rest + (self.m - 1) * np.maximum(x, np.maximum(forward_floor, next_copy))
+                + backward_weight * np.maximum(peak, back_floor))
+
+    def _settle(self, pieces: dict[_Key, list[_Piece]]) -> dict[tuple[int, _Key], _Labels]:
+        """This stage's new labels that are still under ``best`` and not dominated within their
+        state ``(stop, key)``: recorded as the stage's trace and returned as the next frontier.
+        Without ``except_last``, ``V = (m-1)·M`` (see :mod:`autopipe.cost`), so ``V`` is not
+        compared."""
+        columns = 4 if self.mode == "except_last" else 3
+        frontier: dict[tuple[int, _Key], _Labels] = {}
+        trace_stops, trace_parents, offset = [], [], 0
+        for key, parts in pieces.items():
+            stops, x, peak, v, total, least, parent = (np.concatenate(column) for column in zip(*parts))
+            order = np.lexsort((v, peak, x, total, stops))
+            order = order[least[order] < self.best]
+            stops, x, peak, v, total, parent = (a[order] for a in (stops, x, peak, v, total, parent))
+            keep = _pareto_mask(np.stack((total, x, peak, v)[:columns], axis=1), stops)
+            stops, x, peak, v, total, parent = (a[keep] for a in (stops, x, peak, v, total, parent))
+            refs = offset + np.arange(len(stops))
+            offset += len(stops)
+            trace_stops.append(stops)
+            trace_parents.append(parent)
+            for lo, hi in _groups(stops):
+                frontier[(int(stops[lo]), key)] = _Labels(x[lo:hi], peak[lo:hi], v[lo:hi], total[lo:hi], refs[lo:hi])
+        empty = np.zeros(0, dtype=int)
+        self.trace.append((np.concatenate(trace_stops or [empty]), np.concatenate(trace_parents or [empty])))
+        return frontier
+
+    def _bounds(self, stage: int, ref: int) -> tuple[int, ...]:
+        """Stage bounds of the plan whose last stage ``stage`` follows the label ``ref`` of the
+        stage before, read back through the trace."""
+        stops = [self.model.layers]
+        for past in range(stage - 1, -1, -1):
+            stops.append(int(self.trace[past][0][ref]))
+            ref = int(self.trace[past][1][ref])
+        return (0, *reversed(stops))
 
 
-def _bounds(label: _Label) -> tuple[int, ...]:
-    stops = []
-    while label is not None:
-        stops.append(label[4])
-        label = label[5]
-    return tuple(reversed(stops))
+def _groups(sorted_keys: np.ndarray) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each run of equal values in a sorted array."""
+    if not len(sorted_keys):
+        return []
+    edges = [0, *(np.flatnonzero(np.diff(sorted_keys)) + 1).tolist(), len(sorted_keys)]
+    return list(zip(edges, edges[1:]))
 
 
-def _pareto(labels: list[_Label]) -> list[_Label]:
-    """The labels no other label dominates (componentwise ≤ on X, M, V, S)."""
-    labels.sort(key=lambda l: (l[3], l[0], l[1], l[2]))
-    kept: list[_Label] = []
-    for label in labels:
-        if not any(k[0] <= label[0] and k[1] <= label[1] and k[2] <= label[2] for k in kept):
-            kept.append(label)
-    return kept
+def _pareto_mask(points: np.ndarray, groups: np.ndarray, block: int = 128) -> np.ndarray:
+    """Which points no other point of the same group dominates (≤ in every column); points are
+    sorted by group, then lexicographically, so only an earlier point can dominate (an equal
+    later one is a duplicate).  A cheap pass first drops points dominated by the earlier point
+    of least value in some column; the survivors are compared block by block with numpy
+    (a point dropped early is dominated by a survivor too, so this is exact)."""
+    keep = np.zeros(len(points), dtype=bool)
+    for lo, hi in _groups(groups):
+        survivors = lo + np.flatnonzero(_not_beaten_by_leaders(points[lo:hi]))
+        kept = points[:0]
+        for first in range(0, len(survivors), block):
+            rows = survivors[first:first + block]
+            chunk = points[rows]
+            earlier = np.tri(len(chunk), k=-1, dtype=bool)
+            beaten = ((chunk[None] <= chunk[:, None]).all(axis=2) & earlier).any(axis=1)
+            if len(kept):
+                beaten |= (kept[None] <= chunk[:, None]).all(axis=2).any(axis=1)
+            keep[rows[~beaten]] = True
+            kept = np.concatenate((kept, chunk[~beaten]))
+    return keep
+
+
+def _not_beaten_by_leaders(points: np.ndarray) -> np.ndarray:
+    """False for each point dominated by the earlier point of least value in some column."""
+    alive = np.ones(len(points), dtype=bool)
+    index = np.arange(len(points))
+    for column in points.T[1:]:
+        leader = np.maximum.accumulate(np.where(column == np.minimum.accumulate(column), index, 0))
+        before = np.concatenate(([0], leader[:-1]))
+        alive[1:] &= ~(points[before[1:]] <= points[1:]).all(axis=1)
+    return alive
 
 
 def _uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
