@@ -190,6 +190,7 @@ class CostModel:
         self.optimizer_state_factor = optimizer_state_factor
         self.latency, self.per_byte = copy_matrix(profile, devices)
         self._sizes: dict[int, SizeCosts] = {}
+        self._per_size = _per_size(profile)
 
     @property
     def layers(self) -> int:
@@ -210,22 +211,12 @@ class CostModel:
         sizes = self.profile.batch_sizes
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
-        forward, backward, saved = (table @ weights for table in self._tables())
+        forward, backward, saved = (table @ weights for table in self._per_size)
         state = [l.param_bytes * (2 + self.optimizer_state_factor) + l.buffer_bytes for l in layers]
         inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
         return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
                          np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
                                                                      dtype=float))
-
-    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Forward and backward medians and saved bytes, layers × profiled sizes (cached)."""
-        if not hasattr(self, "_per_size"):
-            sizes, layers = self.profile.batch_sizes, self.profile.layers
-            self._per_size = tuple(np.asarray([[table(l)[s] for s in sizes] for l in layers], dtype=float)
-                                   for table in (lambda l: {k: v.median_ms for k, v in l.forward.items()},
-                                                 lambda l: {k: v.median_ms for k, v in l.backward.items()},
-                                                 lambda l: l.saved_bytes))
-        return self._per_size
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
@@ -291,6 +282,15 @@ class CostModel:
             stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
         forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
         return Evaluation(stages, forward_ms, backward_ms)
+
+
+def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
+    """Forward and backward medians and saved bytes as (layers × profiled sizes) matrices."""
+    sizes, layers = profile.batch_sizes, profile.layers
+    forward = [[l.forward[s].median_ms for s in sizes] for l in layers]
+    backward = [[l.backward[s].median_ms for s in sizes] for l in layers]
+    saved = [[l.saved_bytes[s] for s in sizes] for l in layers]
+    return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved))
 
 
 def _prefix(values: Sequence[float]) -> np.ndarray:

@@ -19,6 +19,7 @@ charged to the neighbours it joins, known from the stage index and the cut posit
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Search:
         self.speed_after = np.concatenate((np.cumsum(speeds[::-1])[::-1], [0.0]))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.least_forward, self.least_back = floors
+        self.cuts = _cheapest_cuts(model, self.costs, self.devices)
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
 
     def run(self) -> Choice | None:
@@ -235,21 +237,37 @@ class Search:
                 self.bounds = self._bounds(stage, int(labels.ref[best]))
         if stage + 1 >= self.devices:
             return
-        least = self._least(stage, stops, x, peak, total)
-        least[:, stops == layers] = math.inf
-        i, j = np.nonzero(least < self.best)
+        # a cheap bound over the (labels × stops) grid, then a tighter one on what survives
+        relaxed = self._bound(stage, stops, x, peak, total, self.speed_after[stage + 1],
+                              self.top_after[stage + 1], 0.0)
+        relaxed[:, stops == layers] = math.inf
+        i, j = np.nonzero(relaxed < self.best)
+        least = self._least(stage, stops[j], x[i, j], peak[i, j], total[i, j])
+        alive = least < self.best
+        i, j = i[alive], j[alive]
         if len(i):
-            pieces.setdefault(key, []).append((stops[j], x[i, j], peak[i, j], v[i, j], total[i, j], least[i, j],
+            pieces.setdefault(key, []).append((stops[j], x[i, j], peak[i, j], v[i, j], total[i, j], least[alive],
                                                labels.ref[i]))
 
     def _least(self, stage: int, stops: np.ndarray, x: np.ndarray, peak: np.ndarray,
                total: np.ndarray) -> np.ndarray:
-        """A lower bound on the final time of each (label, stop) with layers left: their work
-        at the top speed left adds to the sum; each lane maximum is at least its value so far,
-        the work left spread over the devices left, the largest layer left on the fastest
-        device left and the least for the whole chain; the next stage's copy of its main input
-        adds to the sum and is a forward lane."""
-        spread, top = self.speed_after[stage + 1], self.top_after[stage + 1]
+        """The least of :meth:`_bound` over the number ``j ≥ 1`` of stages still to come, which
+        run on devices ``stage+1 … stage+j`` and add ``j - 1`` cuts after the one at ``stop``."""
+        speeds = self.model.speeds[stage + 1: self.devices]
+        count = np.arange(1, len(speeds) + 1)
+        grid = self._bound(stage, stops[:, None], x[:, None], peak[:, None], total[:, None], np.cumsum(speeds),
+                           np.maximum.accumulate(speeds), self.cuts[stops][:, : len(speeds)])
+        grid[count[None, :] > (self.model.layers - stops)[:, None]] = math.inf
+        return grid.min(axis=1, initial=math.inf)
+
+    def _bound(self, stage: int, stops: np.ndarray, x: np.ndarray, peak: np.ndarray, total: np.ndarray,
+               spread: Any, top: Any, cuts: Any) -> np.ndarray:
+        """A lower bound on the final time of a label at ``stop < L`` whose remaining layers run
+        on devices of total speed ``spread`` and top speed ``top`` with ``cuts`` of extra copy
+        time: their work at ``top`` adds to the sum; each lane maximum is at least its value so
+        far, the work left spread over those devices, the largest layer left at ``top`` and the
+        least for the whole chain; the next stage's copy of its main input adds to the sum and
+        is a forward lane."""
         forward_floor = np.maximum(np.maximum(self.rest_forward[stops] / spread, self.layer_forward[stops] / top),
                                    self.least_forward)
         back_floor = np.maximum(np.maximum(self.rest_back[stops] / spread, self.layer_back[stops] / top),
@@ -258,7 +276,7 @@ class Search:
         latency, per_byte = self.model.latency[stage, stage + 1], self.model.per_byte[stage, stage + 1]
         next_copy = np.where(nbytes > 0, latency + nbytes * per_byte, 0.0)
         backward_weight = self.m - 1 if self.mode != "except_last" else self.m - 2
-        rest = (self.rest_forward[stops] + self.rest_back[stops]) / top + next_copy
+        rest = (self.rest_forward[stops] + self.rest_back[stops]) / top + next_copy + cuts
         return (total + rest + (self.m - 1) * np.maximum(x, np.maximum(forward_floor, next_copy))
                 + backward_weight * np.maximum(peak, back_floor))
 
@@ -295,6 +313,29 @@ class Search:
             stops.append(int(self.trace[past][0][ref]))
             ref = int(self.trace[past][1][ref])
         return (0, *reversed(stops))
+
+
+def _cheapest_cuts(model: CostModel, costs: SizeCosts, devices: int) -> np.ndarray:
+    """Row ``p``: the least total copy time of ``0, 1, …, devices - 1`` cuts at positions after
+    ``p`` (``inf`` where there are fewer).  A cut before layer ``c`` copies at least the main
+    input forward and its gradient back, at the cheapest latency and ms/byte of any neighbour
+    pair (skips only add)."""
+    layers = model.layers
+    table = np.full((layers + 1, devices), math.inf)
+    table[:, 0] = 0.0
+    if devices < 2:
+        return table
+    pairs = np.arange(devices - 1)
+    forward = model.latency[pairs, pairs + 1].min(), model.per_byte[pairs, pairs + 1].min()
+    back = model.latency[pairs + 1, pairs].min(), model.per_byte[pairs + 1, pairs].min()
+    nbytes = costs.input_bytes
+    cost = np.where(nbytes > 0, forward[0] + back[0] + nbytes * (forward[1] + back[1]), 0.0)
+    cheapest: list[float] = []
+    for stop in range(layers - 2, -1, -1):  # positions after stop: stop + 1 … layers - 1
+        bisect.insort(cheapest, float(cost[stop + 1]))
+        del cheapest[devices - 1:]
+        table[stop, 1: len(cheapest) + 1] = np.cumsum(cheapest)
+    return table
 
 
 def _groups(sorted_keys: np.ndarray) -> list[tuple[int, int]]:
@@ -427,10 +468,13 @@ class _Candidate:
 
     @staticmethod
     def of(model: CostModel, chunks: int, mode: str, limits: np.ndarray) -> "_Candidate":
-        """``S + (m-1)·X + V ≥ work at top speed + (m-1)·X* + w·M*``, where ``X*`` and ``M*``
-        are the least possible largest forward and backward compute lanes on these devices
-        (copies only add lanes) and ``w`` is ``m-1``, or ``m-2`` with ``except_last``.  The
-        splits reaching ``X*``, ``M*`` and the least largest forward + backward are the seeds."""
+        """``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the top speed of
+        the first ``k`` devices, the ``k - 1`` cheapest cuts (:func:`_cheapest_cuts`), and
+        ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
+        speed (``M`` likewise), where ``X*`` and ``M*`` are the least possible largest forward
+        and backward compute lanes on these devices (copies only add lanes) and ``w`` is
+        ``m-1``, or ``m-2`` with ``except_last``.  The splits reaching ``X*``, ``M*`` and the
+        least largest forward + backward are the seeds."""
         costs = model.at(model.micro_batch_size(chunks))
         recompute = 1.0 if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
         back = costs.backward + recompute * costs.forward
@@ -439,8 +483,12 @@ class _Candidate:
                                                               _least_largest_lane(back, speeds))
         _, by_both = _least_largest_lane(costs.forward + back, speeds)
         backward_weight = chunks - 1 if mode != "except_last" else max(chunks - 2, 0)
-        bound = (float(costs.forward[-1] + back[-1]) / float(np.max(speeds))
-                 + (chunks - 1) * least_forward + backward_weight * least_back)
+        count = np.arange(1, min(len(speeds), model.layers) + 1)
+        spread, top = np.cumsum(speeds)[count - 1], np.maximum.accumulate(speeds)[count - 1]
+        cuts = _cheapest_cuts(model, costs, len(speeds))[0, count - 1]
+        bound = float(np.min(float(costs.forward[-1] + back[-1]) / top + cuts
+                             + (chunks - 1) * np.maximum(least_forward, costs.forward[-1] / spread)
+                             + backward_weight * np.maximum(least_back, back[-1] / spread)))
         seeds = [Choice(tuple(bounds), chunks, mode, model.evaluate(bounds, chunks, mode).iteration_ms)
                  for bounds in (by_forward, by_back, by_both)
                  if bounds is not None and _fits(model.evaluate(bounds, chunks, mode), limits)]

@@ -126,3 +126,16 @@ def test_bench_refuses_a_plan_for_another_batch(two_stage_plan: tuple[autopipe.P
 def test_bench_needs_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench"]) == 2
     assert "name the model" in capsys.readouterr().err
+
+
+def test_a_plan_from_the_cli_names_its_model_and_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile_path, plan_path = tmp_path / "tiny.json", tmp_path / "plan.json"
+    assert main(["profile", "test_bench:tiny_model", "--input-shape", str(FEATURES), "--batch-size", "8",
+                 "--batch-sizes", "2,4,8", "--repeats", "1", "--warmup", "0", "--quiet",
+                 "-o", str(profile_path)]) == 0
+    assert main(["plan", str(profile_path), "--devices", "cpu,cpu", "--chunks", "2", "-o", str(plan_path)]) == 0
+    plan = autopipe.Plan.load(plan_path)
+    assert (plan.model["spec"], plan.model["input_shape"]) == ("test_bench:tiny_model", [FEATURES])
+    capsys.readouterr()
+    assert main(["bench", "--plan", str(plan_path), "--steps", "1", "--warmup", "0"]) == 0
+    assert any(line.startswith("iteration ") for line in capsys.readouterr().out.splitlines())

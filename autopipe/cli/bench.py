@@ -22,11 +22,12 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?",
                         help="torchvision:NAME (random weights) or package.module:factory; profiled "
-                             "and planned first unless --plan is given")
+                             "and planned first unless --plan is given (default: the plan's model)")
     parser.add_argument("--plan", help="a saved plan (python -m autopipe plan ... -o plans/X.json) to run "
-                                       "instead of planning; MODEL names the model it was made for")
+                                       "instead of planning; a plan made from a CLI profile names its "
+                                       "model and input shape itself")
     parser.add_argument("--profile", help="plan from this saved profile instead of profiling MODEL")
-    parser.add_argument("--input-shape", default="3,64,64", help="one sample's shape (default 3,64,64)")
+    parser.add_argument("--input-shape", help="one sample's shape (default: the plan's, else 3,64,64)")
     parser.add_argument("--batch-size", type=int, help="the training batch (default: the plan's, else 32)")
     parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu (default: all CUDA devices, "
                                           "else two CPU devices)")
@@ -40,13 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model is None:
+    saved = Plan.load(args.plan) if args.plan else None
+    known = saved.model if saved is not None else {}
+    spec = args.model or known.get("spec")
+    if spec is None:
         raise ValueError("name the model: python -m autopipe bench MODEL [--plan plans/X.json]")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_model(args.model)
-    shape = parse_ints(args.input_shape, "--input-shape")
-    chosen = _plan(args, model, shape)
+    model = load_model(spec)
+    shape = (parse_ints(args.input_shape, "--input-shape") if args.input_shape
+             else known.get("input_shape", [3, 64, 64]))
+    chosen = _plan(args, saved, model, shape)
     batch, target = synthetic_batch(model, shape, chosen.batch_size)
     result = bench_plan(model, chosen, batch, target, steps=args.steps, warmup=args.warmup)
     print(format_bench(result))
@@ -54,18 +59,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"\npredicted timeline:\n{render(result.predicted_events)}")
         print(f"\nmeasured timeline (last step):\n{render(result.measured_events)}")
     if args.json:
-        print(f"wrote {write_json_atomic(args.json, _document(result, args, shape))}")
+        print(f"wrote {write_json_atomic(args.json, _document(result, spec, shape))}")
     return 0
 
 
-def _plan(args: argparse.Namespace, model: torch.nn.Module, shape: list[int]) -> Plan:
+def _plan(args: argparse.Namespace, saved: Plan | None, model: torch.nn.Module, shape: list[int]) -> Plan:
     """The saved plan, or one made now from a saved or fresh profile."""
-    if args.plan:
-        loaded = Plan.load(args.plan)
-        if args.batch_size not in (None, loaded.batch_size):
-            raise ValueError(f"the plan is for batch size {loaded.batch_size}, not {args.batch_size}; "
+    if saved is not None:
+        if args.batch_size not in (None, saved.batch_size):
+            raise ValueError(f"the plan is for batch size {saved.batch_size}, not {args.batch_size}; "
                              "plan again for another batch")
-        return loaded
+        return saved
     devices = resolve_devices(args.devices.split(",") if args.devices else None)
     batch_size = args.batch_size or 32
     if args.profile:
@@ -79,6 +83,6 @@ def _plan(args: argparse.Namespace, model: torch.nn.Module, shape: list[int]) ->
     return chosen
 
 
-def _document(result: BenchResult, args: argparse.Namespace, shape: list[int]) -> dict[str, object]:
-    return {**result.to_json(), "model_spec": args.model, "input_shape": shape,
+def _document(result: BenchResult, spec: str, shape: list[int]) -> dict[str, object]:
+    return {**result.to_json(), "model_spec": spec, "input_shape": shape,
             "environment": environment_fingerprint(resolve_devices(result.plan.devices))}

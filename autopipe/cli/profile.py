@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     sample = torch.randn(args.batch_size, *shape)
     measured = profile(model, sample, devices, sizes, warmup=args.warmup, repeats=args.repeats,
                        quiet=args.quiet)
+    measured.model.update(spec=args.model, input_shape=shape)  # lets bench rebuild it from a plan
     print(format_table(measured))
     if args.output:
         print(f"saved {measured.save(args.output)}")
