@@ -334,7 +334,8 @@ def _cheapest_cuts(model: CostModel, costs: SizeCosts, devices: int) -> np.ndarr
     for stop in range(layers - 2, -1, -1):  # positions after stop: stop + 1 … layers - 1
         bisect.insort(cheapest, float(cost[stop + 1]))
         del cheapest[devices - 1:]
-        table[stop, 1: len(cheapest) + 1] = np.cumsum(cheapest)
+        table[stop, 1: len(cheapest) + 1] = cheapest
+    table[:, 1:] = np.cumsum(table[:, 1:], axis=1)
     return table
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import autopipe
+
 
 def _block(inputs: int, outputs: int) -> nn.Sequential:
     return nn.Sequential(
@@ -87,3 +89,21 @@ class TinyTransformer(nn.Module):
         batch, length = x.shape[:2]
         h = self.encoder(self.embed(x) + self.position[:, :length])
         return self.head(h.reshape(batch, length, -1).mean(dim=1))
+
+
+@autopipe.skippable(stash=["skip"])
+class Save(nn.Module):
+    """Stashes its input as "skip" and passes it on."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield autopipe.stash("skip", x)
+        return x
+
+
+@autopipe.skippable(pop=["skip"])
+class Add(nn.Module):
+    """Adds the "skip" an earlier :class:`Save` stashed."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield autopipe.pop("skip")
+        return x + skip

@@ -9,7 +9,8 @@ import torchvision
 from torch import Tensor, nn
 
 from autopipe.layers import ChainError, layer_chain
-from autopipe.skip import DEFAULT_NAMESPACE, Namespace, SkipKey, pop, skippable, stash
+from autopipe.skip import DEFAULT_NAMESPACE, Namespace, SkipKey
+from models import Add, Save
 
 
 def chain_parameter_names(model: nn.Module) -> list[str]:
@@ -40,20 +41,6 @@ def test_resnet_chain_computes_the_model() -> None:
         for layer in layers:
             out = layer.module(out)
         assert torch.equal(out, model(x))
-
-
-@skippable(stash=["skip"])
-class Save(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        yield stash("skip", x)
-        return x
-
-
-@skippable(pop=["skip"])
-class Add(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        skip = yield pop("skip")
-        return x + skip
 
 
 def test_skippable_layers_carry_their_keys() -> None:

@@ -13,7 +13,8 @@ from autopipe.cli import profile as profile_cli
 from autopipe.layers import layer_chain
 from autopipe.profiler import ProfileError, fit_copy, profile
 from autopipe.profiles import Profile
-from autopipe.skip import pop, skippable, stash
+from autopipe.skip import skippable, stash
+from models import Add
 
 FAST = {"warmup": 0, "repeats": 1, "copy_sizes": (4096, 65536), "quiet": True}
 F32 = 4
@@ -67,13 +68,6 @@ class Stash(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[override]
         yield stash("skip", x * 2)
         return x
-
-
-@skippable(pop=["skip"])
-class Add(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        skip = yield pop("skip")
-        return x + skip
 
 
 def test_skip_stash_bytes_by_hand() -> None:

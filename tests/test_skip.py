@@ -8,21 +8,8 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
+from models import Add, Save
 from test_runtime import assert_transparent
-
-
-@autopipe.skippable(stash=["skip"])
-class Save(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        yield autopipe.stash("skip", x)
-        return x
-
-
-@autopipe.skippable(pop=["skip"])
-class Add(nn.Module):
-    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
-        skip = yield autopipe.pop("skip")
-        return x + skip
 
 
 def unet_like() -> nn.Sequential:
