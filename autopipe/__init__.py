@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "Namespace": "skip",
     "is_recomputing": "checkpoint",
     "DeferredBatchNorm": "batchnorm",
+    "DistributedPipeline": "distributed",
     # errors
     "FormatError": "jsonio",
     "DeviceError": "device",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .capture import chain
     from .checkpoint import is_recomputing
     from .device import DeviceError
+    from .distributed import DistributedPipeline
     from .jsonio import FormatError
     from .layers import Layer, layer_chain
     from .partition import partition
