@@ -42,6 +42,12 @@ orders (which keeps every path) and walking the lanes ``i = 1..n`` as ``B_0, G_0
 (the path runs jobs ``1..m-1`` over lanes ``1..i`` and the unrecomputed job over ``i..n``).  For
 identical jobs ``R = 0`` and ``V_n = (m-1)·max p``, so one recurrence serves every mode.
 
+Only this fill-drain (GPipe) schedule is modelled, and the planner refuses ``schedule="1f1b"``
+rather than price 1F1B as fill-drain: that would be no proven bound on 1F1B's time (its phases
+interleave).  A gpipe plan may still run on the distributed engine with ``1f1b`` (which needs
+``m ≥`` stages); it then holds at most ``stages - s`` micro-batches on stage ``s``, no more memory
+than planned.
+
 Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
 
     params · (1 + 1 + opt) + buffers + activations + skips · m [+ input(b) · m]
@@ -251,7 +257,8 @@ class CostModel:
     def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: str,
                skip_bytes: Any) -> Any:
         """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
-        (``start`` and ``skip_bytes`` may be arrays)."""
+        (any argument but ``chunks`` and ``mode`` may be an array; ``start > 0`` is a stage after
+        the first)."""
         saved = costs.sum(costs.saved, start, stop)
         inputs = costs.input_bytes[start]
         activations = inputs * chunks + (saved * chunks if mode == "never" else saved)

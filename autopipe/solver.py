@@ -7,8 +7,12 @@ and go) with two bottlenecks (forward lane maximum ``X``, backward lanes through
 So the DP over (layers covered, stages used) keeps, per state, every label ``(X, M, V, S)`` not
 dominated by another; every component only ever raises the final time, so a dominated label can
 never finish better.  Labels and whole stages are also cut by a lower bound against the best plan
-found so far (branch and bound); candidates ``(m, mode)`` are tried in order of a lower bound,
-in rounds of growing targets (see :func:`solve`).
+found so far (branch and bound): the layers left add at least their work at the fastest device
+left, the cheapest possible copies of the cuts still to come, and lane maxima no less than their
+work spread over the devices left (minimised over how many stages are left, :meth:`Search._least`).
+Labels are numpy arrays, so each stage extends every label of a state over every stop at once,
+and the Pareto filter compares blocks of labels at once.  Candidates ``(m, mode)`` are tried in
+order of a lower bound, in rounds of growing targets (see :func:`solve`).
 
 Skips whose copy cost depends on the device pair need state: a label's key records, for each skip
 still open, its producer stage and the consumer stage it is committed to (the producer's gradient
@@ -89,13 +93,12 @@ class Search:
         self.keyed = (bool(model.chain.skips) and not model.relayed
                       and not _uniform(model.latency, model.per_byte))
         speeds = model.speeds[: self.devices]
-        self.top_speed = float(np.max(speeds))
         recompute = 0.0 if self.mode == "never" else 1.0
         per_forward = np.diff(self.costs.forward)
         per_back = np.diff(self.costs.backward) + recompute * per_forward
         self.rest_forward = self.costs.forward[-1] - self.costs.forward
         self.rest_back = self.rest_forward * recompute + (self.costs.backward[-1] - self.costs.backward)
-        self.rest = (self.rest_forward + self.rest_back) / self.top_speed
+        self.all_work = float(self.rest_forward[0] + self.rest_back[0]) / float(np.max(speeds))
         # largest single layer at or after each position (0 past the end)
         self.layer_forward = np.concatenate((np.maximum.accumulate(per_forward[::-1])[::-1], [0.0]))
         self.layer_back = np.concatenate((np.maximum.accumulate(per_back[::-1])[::-1], [0.0]))
@@ -124,7 +127,7 @@ class Search:
         """Largest forward and backward lane a plan better than ``best`` can have:
         ``best > S + (m-1)·X + w·M`` (``w = m-1``, or ``m-2`` with ``except_last``), with
         ``S ≥`` all work at top speed and each maximum at least its floor."""
-        spare = self.best - self.rest[0]
+        spare = self.best - self.all_work
         backward_weight = self.m - 1 if self.mode != "except_last" else self.m - 2
         forward_cap = (spare - backward_weight * self.least_back) / (self.m - 1) if self.m > 1 else math.inf
         backward_cap = ((spare - (self.m - 1) * self.least_forward) / backward_weight

@@ -183,3 +183,36 @@ def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
     chosen = plan(profile, devices)
     assert sum(chosen.balance) == len(profile.layers)
     assert len(chosen.stages) <= devices
+
+
+def test_pareto_mask_keeps_exactly_the_undominated_points_per_group():
+    from autopipe.solver import _pareto_mask
+
+    rng = np.random.default_rng(0)
+    for columns in (3, 4):
+        groups = np.sort(rng.integers(0, 5, 600))
+        points = rng.integers(0, 6, (600, columns)).astype(float)  # small range: ties and duplicates
+        order = np.lexsort(tuple(points.T[::-1]) + (groups,))
+        groups, points = groups[order], points[order]
+        keep = _pareto_mask(points, groups, block=16)
+        for g in range(5):
+            rows = np.flatnonzero(groups == g)
+            unique = {tuple(p) for p in points[rows]}
+            front = {p for p in unique if not any(q != p and all(a <= b for a, b in zip(q, p)) for q in unique)}
+            assert sorted(tuple(p) for p in points[rows[keep[rows]]]) == sorted(front)
+
+
+def test_cheapest_cuts_against_sorting_by_hand():
+    from autopipe.solver import _cheapest_cuts
+
+    profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=[5, 0, 3, 9, 1, 0],
+                           copies={(0, 1): (1.0, 0.1), (1, 0): (2.0, 0.2), (1, 2): (0.5, 0.3), (2, 1): (3.0, 0.1),
+                                   (0, 2): (0.0, 0.0), (2, 0): (0.0, 0.0)})
+    model = model_of(profile, [1.0] * 3)
+    table = _cheapest_cuts(model, model.at(2), 3)
+    # the cut before layer c copies layer c-1's output (2 samples) at latency 0.5 + 2.0, 0.1 + 0.1 ms/byte
+    cost = {c: 0.0 if n == 0 else 2.5 + 2 * n * 0.2 for c, n in zip(range(1, 6), [5, 0, 3, 9, 1])}
+    for stop in range(7):
+        after = sorted(cost[c] for c in range(stop + 1, 6))
+        expected = [0.0] + [sum(after[:j]) if j <= len(after) else math.inf for j in (1, 2)]
+        assert table[stop].tolist() == pytest.approx(expected)
