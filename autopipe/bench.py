@@ -10,14 +10,13 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .cli.show import simulate_plan
 from .cost import CostModel
 from .device import ops_for
 from .graph import build_graph, chain_of
 from .plans import Plan, StagePlan
 from .profiles import Profile
 from .runtime import Pipeline
-from .simulate import Simulation
+from .simulate import Simulation, simulate_plan
 from .solver import build_plan
 from .timeline import Event
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cost import StageLanes
+from .plans import Plan
 from .timeline import Event
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["Simulation", "simulate", "simulate_plan"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,10 @@ def _run(lanes: list[_Lane], order: list[int], start: float) -> tuple[list[Event
             if durations[job] > 0:
                 events.append(Event(stage, lane, kind, micro_batch, begin, free))
     return events, max(ready)
+
+
+def simulate_plan(plan: Plan) -> Simulation:
+    """The simulator run on the plan's predicted per-stage lane times."""
+    lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
+                        float(s.memory_bytes)) for s in plan.stages]
+    return simulate(lanes, plan.chunks, plan.checkpoint)

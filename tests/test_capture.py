@@ -279,10 +279,10 @@ def test_layer_chain_captures_other_models_and_keeps_sequentials() -> None:
 
 #: (model, stages): every model on 2 and 3 CPU devices, the slow ones once.
 PIPELINES = [(name, k) for name in ("unet", "two_branch", "transformer", "vit", "mobilenet_v3_small") for k in (2, 3)]
-PIPELINES += [("densenet121", 2)]
+PIPELINES += [("densenet121", 2), ("densenet121", 3)]
 
 
-def _plan(model: nn.Module, x: Tensor, stages: int) -> autopipe.Plan:
+def _plan(model: nn.Module | list[Layer], x: Tensor, stages: int) -> autopipe.Plan:
     """The planner's split at 3 micro-batches; if it prefers fewer stages than devices on this
     tiny model, a per-device memory limit that fewer stages cannot meet makes it use them all."""
     profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=1, repeats=1, quiet=True)
@@ -318,13 +318,14 @@ def test_pipeline_with_planned_split_equals_model(name: str, stages: int) -> Non
         pipe.close()
 
 
-def test_resnet50_captured_chain_as_pipeline_equals_model() -> None:
-    """``layer_chain`` reads a ResNet by hand, so its captured chain runs with an even split."""
+@pytest.mark.parametrize("stages", [2, 3])
+def test_resnet50_captured_chain_as_pipeline_equals_model(stages: int) -> None:
+    """``layer_chain`` reads a ResNet by hand; its captured chain is profiled, planned and run
+    as a list of layers."""
     model = torchvision.models.resnet50(num_classes=10).eval()
     layers = chain(model)
-    third = len(layers) // 3
-    pipe = autopipe.Pipeline(layers, balance=[third, third, len(layers) - 2 * third], devices=["cpu"] * 3, chunks=3)
-    x = torch.randn(5, *VISION)
+    x = torch.randn(6, *VISION)
+    pipe = autopipe.Pipeline(layers, _plan(layers, x, stages))
     try:
         _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
     finally:

@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..cost import StageLanes
 from ..plans import Plan
-from ..simulate import Simulation, simulate
+from ..simulate import simulate_plan
 from ..timeline import Event, render
 
-__all__ = ["add_arguments", "run", "stage_table", "simulate_plan"]
+__all__ = ["add_arguments", "run", "stage_table"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +30,6 @@ def run(args: argparse.Namespace) -> int:
         draw_png(pyplot, simulation.events, args.png)
         print(f"\ntimeline drawn to {args.png}")
     return 0
-
-
-def simulate_plan(plan: Plan) -> Simulation:
-    """The simulator run on the plan's predicted per-stage lane times."""
-    lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
-                        float(s.memory_bytes)) for s in plan.stages]
-    return simulate(lanes, plan.chunks, plan.checkpoint)
 
 
 def stage_table(plan: Plan) -> str:
