@@ -72,8 +72,7 @@ def profile(
     try:
         ops = ops_for(resolved[0])
         with _untouched(root, resolved[0], resolved):
-            by_size = {b: _profile_size(layers, _first(inputs, b, ops.device), ops, warmup, repeats,
-                                        progress) for b in sizes}
+            by_size = _profile_sizes(layers, inputs, sizes, batch_sizes is None, ops, warmup, repeats, progress)
         copies = measure_copies(resolved, copy_sizes, repeats, warmup, progress)
     finally:
         progress.close()
@@ -86,10 +85,25 @@ def profile(
         input_dtype=str(inputs[0].dtype).removeprefix("torch."),
         input_bytes=sum(_per_sample(_nbytes(t), batch) for t in inputs),
         batch_size=batch,
-        batch_sizes=sizes,
+        batch_sizes=list(by_size),
         layers=[_layer_profile(layer, i, by_size, saved) for i, layer in enumerate(layers)],
         copies=copies,
     )
+
+
+def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[int], defaulted: bool,
+                   ops: DeviceOps, warmup: int, repeats: int, progress: Progress) -> dict[int, list[_Measure]]:
+    """Measure every size.  With the default sizes, a small size that a layer cannot train at
+    (batch norm needs more than one value per channel) is left out rather than failing the
+    whole profile; the planner then never chooses micro-batches that small."""
+    by_size: dict[int, list[_Measure]] = {}
+    for b in sizes:
+        try:
+            by_size[b] = _profile_size(layers, _first(inputs, b, ops.device), ops, warmup, repeats, progress)
+        except ProfileError:
+            if not defaulted or b == sizes[-1]:
+                raise
+    return by_size
 
 
 # --- input checks ---------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def test_tuple_input_goes_to_the_first_layer() -> None:
 
 
 def test_failing_layer_is_named() -> None:
-    with pytest.raises(ProfileError, match=r"layer '1' \(Linear\) at micro-batch size 1 failed"):
+    with pytest.raises(ProfileError, match=r"layer '1' \(Linear\) at micro-batch size 2 failed"):
         run(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2)), torch.randn(2, 3))
     with pytest.raises(TypeError, match="sample_input must be a tensor or a tuple of tensors"):
         run(nn.Sequential(nn.Linear(3, 4)), [[1.0, 2.0]])
@@ -284,3 +284,10 @@ def test_cuda_profile_times_on_the_gpu_and_returns_the_model() -> None:
     assert result.devices == ["cuda:0", "cuda:0"] and len(result.copies) == 2
     assert all(layer.forward[4].median_ms > 0 for layer in result.layers)
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_default_sizes_leave_out_a_size_batch_norm_cannot_train_at() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert run(model, torch.randn(4, 4)).batch_sizes == [2, 4]
+    with pytest.raises(ProfileError, match=r"layer '1' \(BatchNorm1d\) at micro-batch size 1"):
+        run(model, torch.randn(4, 4), [1, 4])
