@@ -1,4 +1,4 @@
-"""Atomic JSON files and validated reading, shared by profiles and plans.
+"""Atomic files and validated JSON reading, shared by profiles, plans and checkpoints.
 
 Files are written to a temporary file beside the target and renamed over it, so a crash never
 leaves half a file.  Reading goes through :class:`Fields`, which names the file and the exact
@@ -11,9 +11,9 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import IO, Any, Callable, TypeVar
 
-__all__ = ["FormatError", "Fields", "write_json_atomic", "read_json"]
+__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json"]
 
 T = TypeVar("T")
 
@@ -25,16 +25,15 @@ class FormatError(ValueError):
     """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
 
 
-def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
-    """Write ``document`` to ``path`` via a temporary file and a rename; returns the path."""
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
+    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a saved profile is an ordinary file
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a saved file is an ordinary file
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -42,6 +41,12 @@ def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) ->
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
+    """Write ``document`` to ``path`` as JSON, atomically; returns the path."""
+    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
 def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> "Fields":

@@ -17,6 +17,7 @@ import torchvision
 from torch import nn
 
 import autopipe
+from autopipe.jsonio import write_atomic
 
 
 def main() -> None:
@@ -54,7 +55,8 @@ def main() -> None:
         print(f"epoch {epoch + 1}: loss {total / len(data):.4f}, "
               f"{len(data) * batch / seconds:.1f} samples/s")
 
-    torch.save(pipe.state_dict(), args.save)
+    state = pipe.state_dict()
+    write_atomic(args.save, lambda handle: torch.save(state, handle))
     _check_checkpoint(args, pipe, data[0][0])
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from ..checkpoint import recomputing
 from ..fingerprint import first_difference, model_fingerprint
+from ..jsonio import write_atomic
 from ..layers import Layer, layer_chain
 from ..plans import CHECKPOINT_MODES, SCHEDULES, Plan
 from ..skip import SkipKey, SkipTracker, use_skip_tracker
@@ -355,7 +355,8 @@ class DistributedPipeline:
         dist.gather_object(local, parts, dst=self._global_rank(0), group=self.group)
         if parts is None:
             return None
-        return _save_atomic(merge_state_dicts(parts), Path(path))
+        state = merge_state_dicts(parts)
+        return write_atomic(path, lambda handle: torch.save(state, handle))
 
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -396,19 +397,6 @@ def merge_state_dicts(parts: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
             )
         merged.update(part)
     return merged
-
-
-def _save_atomic(state: dict[str, Tensor], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _plan_device(name: str) -> torch.device:
