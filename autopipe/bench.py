@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from .cost import CostModel
 from .device import ops_for
-from .graph import build_graph, chain_of
 from .plans import Plan, StagePlan
 from .profiles import Profile
 from .runtime import Pipeline
@@ -281,7 +280,7 @@ def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], ch
     planner's choice, so their predicted and measured times compare on equal terms.
     """
     batch = profile.batch_size if batch_size is None else batch_size
-    model = CostModel(profile, chain_of(build_graph(profile)), list(devices[:len(balance)]),
+    model = CostModel(profile, list(devices[:len(balance)]),
                       [1.0] * len(balance), batch, 2.0)
     bounds = [0]
     for count in balance:

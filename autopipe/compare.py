@@ -18,7 +18,6 @@ from typing import Sequence
 import numpy as np
 
 from .cost import CostModel
-from .graph import build_graph, chain_of
 from .plans import Plan
 from .profiles import Profile
 
@@ -43,7 +42,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
     options = plan.options
     devices = list(options.get("devices", plan.devices))
     speeds = options.get("speeds") or [1.0] * len(devices)
-    model = CostModel(profile, chain_of(build_graph(profile)), devices, speeds, plan.batch_size,
+    model = CostModel(profile, devices, speeds, plan.batch_size,
                       float(options.get("optimizer_state_factor", 2.0)), options.get("engine", "local"))
     limits = [np.inf if v is None else v for v in options.get("memory_limit_bytes", [None] * len(devices))]
     m = chunks or plan.chunks

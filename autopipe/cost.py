@@ -76,7 +76,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .graph import Chain
+from .graph import build_graph, chain_of
 from .profiles import Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
@@ -183,13 +183,13 @@ class Evaluation:
 class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
-    def __init__(self, profile: Profile, chain: Chain, devices: Sequence[str], speeds: Sequence[float],
+    def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
                  batch_size: int, optimizer_state_factor: float, engine: str = "local") -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
         self.relayed = engine == "distributed"
-        self.chain = chain
+        self.chain = chain_of(build_graph(profile))  # skip edges and the tensors crossing each cut
         self.devices = list(devices)
         self.speeds = np.asarray(speeds, dtype=float)
         self.batch_size = batch_size

@@ -32,7 +32,6 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .cost import MODES, CostModel, SizeCosts
-from .graph import build_graph, chain_of
 from .plans import SCHEDULES, Plan, Prediction, StagePlan
 from .profiles import Profile
 
@@ -414,7 +413,7 @@ def plan(
     names = device_names(profile, devices)
     options = _Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine)
-    model = CostModel(profile, chain_of(build_graph(profile)), names, options.speeds,
+    model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
     choice = solve(model, options.candidates, options.modes, options.limits)
     if choice is None:

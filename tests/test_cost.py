@@ -5,12 +5,11 @@ import pytest
 from synthetic import make_profile
 
 from autopipe.cost import CostModel, copy_matrix, interpolate
-from autopipe.graph import build_graph, chain_of
 
 
 def model_of(profile, devices=None, speeds=None, batch=None, factor=2.0, engine="local"):
     devices = devices or profile.devices
-    return CostModel(profile, chain_of(build_graph(profile)), devices, speeds or [1.0] * len(devices),
+    return CostModel(profile, devices, speeds or [1.0] * len(devices),
                      batch or profile.batch_size, factor, engine)
 
 

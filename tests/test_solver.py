@@ -11,7 +11,6 @@ import pytest
 from synthetic import make_profile, random_profile
 
 from autopipe.cost import CostModel
-from autopipe.graph import build_graph, chain_of
 from autopipe.profiles import Profile
 from autopipe.solver import PlanningError, candidate_chunks, plan, solve
 
@@ -19,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def model_of(profile, speeds, engine="local"):
-    return CostModel(profile, chain_of(build_graph(profile)), profile.devices, speeds, profile.batch_size, 2.0,
+    return CostModel(profile, profile.devices, speeds, profile.batch_size, 2.0,
                      engine)
 
 
