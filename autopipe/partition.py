@@ -9,7 +9,7 @@ from torch import nn
 
 from .device import resolve_devices
 from .fingerprint import first_difference, model_fingerprint
-from .layers import layer_chain
+from .layers import Layer, layer_chain
 from .profiler import profile as measure
 from .profiles import Profile
 from .runtime import Pipeline
@@ -36,22 +36,23 @@ def partition(
     the plan is on ``pipe.plan``.
     """
     resolved = resolve_devices(devices)
-    measured = _profile_for(model, sample_input, resolved, profile, quiet)
+    layers = layer_chain(model)  # once: capturing a non-Sequential model traces it
+    measured = _profile_for(layers, sample_input, resolved, profile, quiet)
     chosen = choose_plan(measured, resolved, **plan_options)
-    return Pipeline(model, chosen, deferred_batch_norm=deferred_batch_norm)
+    return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)
 
 
 def _profile_for(
-    model: nn.Module,
+    layers: list[Layer],
     sample_input: Any,
     devices: list[torch.device],
     given: Profile | str | os.PathLike[str] | None,
     quiet: bool,
 ) -> Profile:
     if given is None:
-        return measure(model, sample_input, devices, quiet=quiet)
+        return measure(layers, sample_input, devices, quiet=quiet)
     loaded = given if isinstance(given, Profile) else Profile.load(given)
-    difference = first_difference(loaded.model, model_fingerprint(layer_chain(model)))
+    difference = first_difference(loaded.model, model_fingerprint(layers))
     if difference is not None:
         raise ValueError(
             f"the profile was made for another model: {difference}; profile this model again "
