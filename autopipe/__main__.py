@@ -1,4 +1,8 @@
-"""``python -m autopipe``: the command line."""
-from .cli import main
+"""``python -m autopipe``: the command line, with steady CPU memory for its measurements."""
+from .allocator import steady_memory
+
+steady_memory()  # before torch is imported: see autopipe.allocator
+
+from .cli import main  # noqa: E402
 
 raise SystemExit(main())

@@ -55,6 +55,13 @@ class Namespace:
     def __repr__(self) -> str:
         return f"<Namespace {self.label or self.id}>"
 
+    def __copy__(self) -> "Namespace":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Namespace":
+        """A copied model keeps its skips' scopes: keys made from it match the original's."""
+        return self
+
 
 #: The namespace of every skippable that was never isolated.
 DEFAULT_NAMESPACE = Namespace("default")

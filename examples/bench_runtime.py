@@ -15,7 +15,12 @@ m and checkpointing; each row prints the planner's predicted time next to the me
 ``--balance 7,8`` runs a fixed split instead; ``--distributed`` adds the planner's choice run on
 torch.distributed.pipelining (2 processes, 1 thread each) as speedup over its own single-device run.
 
-    python examples/bench_runtime.py [--rounds 5] [--chunks 1,2,4,8] [--balance 7,8] [--distributed]
+Speedups are medians of per-round ratios (each configuration against the plain step of the same
+round), which drifts in machine speed between rounds do not move.  Memory is allocated alike on
+every thread (:mod:`autopipe.allocator`), so that the plain model (on the main thread) and the
+stages (on worker threads) differ only in what they compute.
+
+    python examples/bench_runtime.py [--rounds 7] [--chunks 1,2,4,8] [--balance 7,8] [--distributed]
 """
 from __future__ import annotations
 
@@ -26,13 +31,17 @@ import threading
 import time
 from typing import Callable
 
-import torch
-import torchvision
-from torch import nn
+from autopipe.allocator import steady_memory
 
-import autopipe
-from autopipe.cost import StageLanes
-from autopipe.simulate import simulate
+MEMORY = steady_memory()  # before torch is imported
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+from torch import nn  # noqa: E402
+
+import autopipe  # noqa: E402
+from autopipe.cost import StageLanes  # noqa: E402
+from autopipe.simulate import simulate  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +52,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="1,2,4,8", help="micro-batch counts to run")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--size", type=int, default=128, help="image side")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
     args = parser.parse_args()
 
@@ -56,12 +65,14 @@ def main() -> None:
     steps = {"plain": _step(model, x, y), **{name: _step(net, x, y) for name, net in nets.items()}}
 
     print(f"ResNet-18 chain, batch {args.batch}, 3x{args.size}x{args.size}, 1 thread per stage, "
-          f"checkpoint={args.checkpoint}, load average {os.getloadavg()[0]:.2f} at start")
+          f"checkpoint={args.checkpoint}, {MEMORY}, "
+          f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"cores available: two threads ran two plain steps {_concurrency(x[:16]):.2f}x as fast as "
           "one thread (a quiet 2-core machine gives ~2x; less means other load)")
     samples = _interleaved(steps, nets, args.rounds)
     times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
-    plain = times["plain"]
+    speedups = {name: statistics.median(p / ms for (p, _), (ms, _) in zip(samples["plain"], values))
+                for name, values in samples.items()}
     print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'error':>7s} "
           f"{'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
@@ -72,10 +83,10 @@ def main() -> None:
             ideal = f"{fill_drain:14.1f} {overhead:+9.1%}"
         if name in predicted:
             prediction = f"{predicted[name]:10.1f} {predicted[name] / ms - 1:+7.1%}"
-        print(f"{name:44s} {ms:10.1f} {plain / ms:7.2f}x {prediction:>18s} {ideal}")
-    best = min((ms, name) for name, ms in times.items() if name in nets and "1 stage" not in name)
-    one_stage = times["pipeline 1 stage, m=1"] / plain - 1
-    print(f"best: {best[1]} at {plain / best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
+        print(f"{name:44s} {ms:10.1f} {speedups[name]:7.2f}x {prediction:>18s} {ideal}")
+    best = max((speedup, name) for name, speedup in speedups.items() if name in nets and "1 stage" not in name)
+    one_stage = 1 / speedups["pipeline 1 stage, m=1"] - 1
+    print(f"best: {best[1]} at {best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
           f"load average {os.getloadavg()[0]:.2f} at end; cores available: {_concurrency(x[:16]):.2f}x")
 
 

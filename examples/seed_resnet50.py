@@ -27,11 +27,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torchvision
-from torch import nn
+from autopipe.allocator import steady_memory
 
-import autopipe
+MEMORY = steady_memory()  # before torch is imported
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+from torch import nn  # noqa: E402
+
+import autopipe  # noqa: E402
 from autopipe.bench import Trainer, interleave, medians, plan_of, synthetic_batch
 from autopipe.cost import interpolate
 from autopipe.device import resolve_devices
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     estimate = (args.warmup + args.steps) * sum(distinct.values()) / 1e3
     print(f"ResNet-50, batch {args.batch_size} of {'x'.join(map(str, shape))}, devices {', '.join(devices)} "
           f"(1 thread each), {len(rows)} rows in {len(distinct)} measurements, about {estimate:.0f} s "
-          f"predicted; load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"predicted; {MEMORY}; load average {os.getloadavg()[0]:.2f}", flush=True)
     steps = _measure(model, rows, batch, target, devices[0], args)
     print(_table(rows, steps))
     verdict = _goals(rows, steps)

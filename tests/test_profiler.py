@@ -291,3 +291,46 @@ def test_default_sizes_leave_out_a_size_batch_norm_cannot_train_at() -> None:
     assert run(model, torch.randn(4, 4)).batch_sizes == [2, 4]
     with pytest.raises(ProfileError, match=r"layer '1' \(BatchNorm1d\) at micro-batch size 1"):
         run(model, torch.randn(4, 4), [1, 4])
+
+
+# --- how layers are timed -------------------------------------------------------------------------
+
+class Logged(nn.Module):
+    """A linear layer that logs its forward and its backward (``forwards`` counts every copy's)."""
+
+    forwards = 0
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        super().__init__()
+        self.name, self.log = name, log
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        type(self).forwards += 1
+        self.log.append(f"F{self.name}")
+        y = self.linear(x)
+        y.register_hook(lambda grad: self.log.append(f"B{self.name}"))
+        return y
+
+
+def test_layers_are_timed_in_training_order() -> None:
+    log: list[str] = []
+    model = nn.Sequential(*(Logged(name, log) for name in "abc"))
+    profile(model, torch.randn(2, 3), ["cpu"], [2], **FAST)
+    # recorded one layer at a time, then one timed pass: all forwards, then backwards reversed
+    assert log == ["Fa", "Ba", "Fb", "Bb", "Fc", "Bc", "Fa", "Fb", "Fc", "Bc", "Bb", "Ba"]
+
+
+def test_several_cpu_devices_time_under_load_of_a_twin_chain() -> None:
+    log: list[str] = []
+    model = nn.Sequential(Logged("a", log))
+    Logged.forwards = 0
+    alone = profile(model, torch.randn(2, 3), ["cpu"], [2], **FAST)
+    assert Logged.forwards == 2 and alone.environment["timed_under_load"] is False
+    Logged.forwards = 0
+    loaded = profile(model, torch.randn(2, 3), ["cpu", "cpu"], [2], **FAST)
+    assert Logged.forwards >= 3 and loaded.environment["timed_under_load"] is True
+    assert log.count("Fa") == 4  # the twin logs to its own copy of the list
+    Logged.forwards = 0
+    profile(model, torch.randn(2, 3), ["cpu", "cpu"], [2], **FAST, under_load=False)
+    assert Logged.forwards == 2

@@ -30,6 +30,15 @@ def test_runs_outside_a_pipeline_like_the_plain_computation() -> None:
     assert torch.allclose(model(x), expected)
 
 
+def test_a_deep_copy_keeps_its_namespaces_and_runs_like_the_original() -> None:
+    model = unet_like()
+    twin = copy.deepcopy(model)
+    assert twin[1].namespace is model[1].namespace and twin[3].namespace is model[3].namespace
+    x = torch.randn(3, 4)
+    assert torch.allclose(twin(x), model(x))
+    autopipe.verify_skippables(twin)
+
+
 def test_verify_lists_every_mismatch_at_once() -> None:
     with pytest.raises(TypeError) as info:
         autopipe.verify_skippables(nn.Sequential(Add(), Save(), Save()))

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median kept)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: one core per CPU pipeline device)")
+    parser.add_argument("--alone", action="store_true",
+                        help="time layers on an idle machine even on several CPU devices (by default "
+                             "they are timed beside a twin of the chain, as pipeline stages run there)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("-o", "--output", help="where to save the profile JSON (not saved if absent)")
 
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     sample = torch.randn(args.batch_size, *shape)
     measured = profile(model, sample, devices, sizes, warmup=args.warmup, repeats=args.repeats,
-                       quiet=args.quiet)
+                       quiet=args.quiet, under_load=False if args.alone else None)
     measured.model.update(spec=args.model, input_shape=shape)  # lets bench rebuild it from a plan
     print(format_table(measured))
     if args.output:
