@@ -20,6 +20,7 @@ import numpy as np
 from .cost import CostModel
 from .plans import Plan
 from .profiles import Profile
+from .search import greedy_split, least_largest
 
 __all__ = ["Baseline", "compare", "format_comparison", "min_max_split", "equal_split"]
 
@@ -72,30 +73,15 @@ def equal_split(layers: int, parts: int) -> list[int]:
 def min_max_split(weights: Sequence[float], parts: int) -> list[int]:
     """Bounds of exactly ``parts`` non-empty contiguous stages minimising the largest stage sum.
 
-    Bisection on the limit with a greedy check (each stage takes as many layers as fit) finds
-    the optimum to float precision; stages are then split to use every part.
+    The solver's min-max bisection (:func:`~autopipe.search.least_largest`, to float precision)
+    with each stage taking as many layers as fit; stages are then split to use every part.
     """
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(weights, dtype=float))))
-    low, high = float(np.max(weights)) if len(weights) else 0.0, float(prefix[-1])
-    for _ in range(100):
-        middle = (low + high) / 2
-        if len(_greedy(prefix, middle)) - 1 <= parts:
-            high = middle
-        else:
-            low = middle
-    bounds = _greedy(prefix, high)
+    speeds = np.ones(parts)
+    bounds = sorted({0, *greedy_split(prefix, speeds, least_largest(prefix, speeds, 1e-12)[1])})
     while len(bounds) - 1 < parts:
         widest = int(np.argmax(np.diff(bounds)))
         bounds.insert(widest + 1, bounds[widest] + 1)
-    return bounds
-
-
-def _greedy(prefix: np.ndarray, limit: float) -> list[int]:
-    bounds = [0]
-    layers = len(prefix) - 1
-    while bounds[-1] < layers:
-        stop = int(np.searchsorted(prefix, prefix[bounds[-1]] + limit * (1 + 1e-12), side="right")) - 1
-        bounds.append(max(stop, bounds[-1] + 1))
     return bounds
 
 

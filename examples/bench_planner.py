@@ -3,7 +3,9 @@
 Run: ``.venv/bin/python examples/bench_planner.py [--limit SECONDS] [LAYERSxDEVICES ...]``.
 Each instance is a random chain (tests/synthetic.py: uneven layer times, one copy fit for every
 device pair, batch 64, profiled sizes 1..64) planned with checkpoint="auto" and the micro-batch
-count chosen.  An instance still running after ``--limit`` seconds is reported as not finished.
+count chosen.  Each time is of ``plan()`` end to end: the cost model, the search and the plan
+record (the profile's digest included).  An instance still running after ``--limit`` seconds is
+reported as not finished.
 """
 from __future__ import annotations
 

@@ -88,6 +88,11 @@ def main() -> None:
     one_stage = 1 / speedups["pipeline 1 stage, m=1"] - 1
     print(f"best: {best[1]} at {best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "
           f"load average {os.getloadavg()[0]:.2f} at end; cores available: {_concurrency(x[:16]):.2f}x")
+    choice = next((name for name in nets if name.startswith("planner's choice")), None)
+    if choice:
+        print(f"the cost model's own ceiling: the planner's choice is predicted at "
+              f"{predicted['plain'] / predicted[choice]:.2f}x the predicted one-device step; measured "
+              f"{speedups[choice]:.2f}x")
 
 
 def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, autopipe.Pipeline], dict[str, float]]:
@@ -106,6 +111,7 @@ def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, au
     plans = {f"planned m={m}": autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m,
                                               checkpoint=args.checkpoint) for m in chunk_counts}
     plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch)
+    predicted["plain"] = autopipe.plan(profile, ["cpu"], batch_size=args.batch, chunks=1).predicted.iteration_ms
     for label, plan in plans.items():
         name = f"{label} {plan.balance} m={plan.chunks} {plan.checkpoint}"
         nets[name] = autopipe.Pipeline(model, plan)

@@ -184,34 +184,152 @@ def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
     assert len(chosen.stages) <= devices
 
 
-def test_pareto_mask_keeps_exactly_the_undominated_points_per_group():
-    from autopipe.solver import _pareto_mask
+def label_after(lanes, chunks, mode):
+    """``(X, M, V, S)`` after the stages ``lanes`` (``cost.StageLanes``), by the recurrences of
+    autopipe.cost, as the search grows its labels."""
+    x, peak, v, total = 0.0, 0.0, -math.inf, 0.0
+    for stage in lanes:
+        back = stage.backward + stage.recompute
+        skipped = stage.recompute if mode == "except_last" else 0.0
+        x = max(x, stage.copy_in, stage.forward)
+        peak = max(peak, back)
+        v = max(v - skipped, back - skipped + (chunks - 2) * peak)
+        peak = max(peak, stage.copy_grad)
+        v = max(v, stage.copy_grad + (chunks - 2) * peak)
+        total += stage.copy_in + stage.forward + back + stage.copy_grad
+    return x, peak, v, total
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
+    """Two partial plans of two stages that end at the same cut (one copy fit for all pairs, so
+    what follows costs the same after either): if the rule says ``a`` dominates ``b``, every
+    way of finishing gives ``a`` a time no larger than ``b``."""
+    from autopipe.search import _beats, _Labels
+
+    rng = random.Random(seed)
+    profile = random_profile(rng, 10, 4, skips=2, per_pair=False)
+    model = model_of(profile, [1.0, 0.5, 2.0, 1.0], rng.choice(["local", "distributed"]))
+    for _ in range(40):
+        chunks, mode = rng.choice([1, 2, 3, 8]), rng.choice(["never", "except_last", "always"])
+        cut = rng.randint(2, 8)
+        heads = [s for s in all_splits(cut, 2) if len(s) == 3]
+        a_bounds, b_bounds = rng.choice(heads), rng.choice(heads)
+        for tail in all_splits(10 - cut, 2):
+            ends = [cut + t for t in tail[1:]]
+            a, b = (model.evaluate((*h, *ends), chunks, mode) for h in (a_bounds, b_bounds))
+            labels = _Labels(*(np.zeros(2, dtype=int),) * 2,
+                             *(np.array(column) for column in zip(label_after(a.stages[:2], chunks, mode),
+                                                                   label_after(b.stages[:2], chunks, mode))),
+                             np.zeros(2, dtype=int))
+            if _beats(labels, np.array([0]), np.array([1]), chunks)[0]:
+                assert a.iteration_ms <= b.iteration_ms * (1 + 1e-12)
+
+
+def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
+    from autopipe.search import _beats, _dominated, _Labels, _led
 
     rng = np.random.default_rng(0)
-    for columns in (3, 4):
-        groups = np.sort(rng.integers(0, 5, 600))
-        points = rng.integers(0, 6, (600, columns)).astype(float)  # small range: ties and duplicates
-        order = np.lexsort(tuple(points.T[::-1]) + (groups,))
-        groups, points = groups[order], points[order]
-        keep = _pareto_mask(points, groups, block=16)
-        for g in range(5):
-            rows = np.flatnonzero(groups == g)
-            unique = {tuple(p) for p in points[rows]}
-            front = {p for p in unique if not any(q != p and all(a <= b for a, b in zip(q, p)) for q in unique)}
-            assert sorted(tuple(p) for p in points[rows[keep[rows]]]) == sorted(front)
+    for chunks in (1, 2, 5):
+        count = 400
+        start = np.sort(rng.integers(0, 4, count))
+        columns = rng.integers(0, 4, (4, count)).astype(float)  # small range: ties and duplicates
+        labels = _Labels(start, np.zeros(count, dtype=int), *columns, np.arange(count))
+        corner = labels.total + (chunks - 1) * labels.x + labels.v
+        labels = labels.take(np.lexsort((labels.total, corner, labels.start)))
+        survivors = labels.take(np.flatnonzero(~_led(labels, chunks)))
+        kept = set(survivors.ref[~_dominated(survivors, chunks)].tolist())
+        expected = set()
+        for i in range(count):
+            earlier = np.flatnonzero(labels.start[:i] == labels.start[i])
+            if not _beats(labels, earlier, np.full(len(earlier), i), chunks).any():
+                expected.add(int(labels.ref[i]))
+        assert kept == expected
 
 
-def test_cheapest_cuts_against_sorting_by_hand():
-    from autopipe.solver import _cheapest_cuts
+@pytest.mark.parametrize("seed", range(3))
+def test_completions_bound_every_way_to_finish(seed):
+    """For every split and every cut in it, what the grid says the rest costs at least, added to
+    the plan so far, is no more than the split's time; and its plans are splits."""
+    from autopipe.completion import Completions
+    from autopipe.search import Candidate
+
+    rng = random.Random(seed)
+    for _ in range(12):
+        layers, devices = rng.randint(2, 9), rng.randint(1, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=rng.random() < 0.5)
+        model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)],
+                         rng.choice(["local", "distributed"]))
+        chunks, mode = rng.choice([1, 2, 4, 8]), rng.choice(["never", "except_last", "always"])
+        candidate = Candidate.of(model, chunks, mode, devices)
+        lanes = None if rng.random() < 0.5 else tuple(f * rng.uniform(1.0, 1.5) for f in candidate.floors)
+        grid = Completions.around(candidate, model.speeds[:devices], (math.inf, math.inf), lanes)
+        times = []
+        for bounds in all_splits(layers, devices):
+            evaluation = model.evaluate(bounds, chunks, mode)
+            times.append(evaluation.iteration_ms)
+            for done in range(1, len(bounds) - 1):
+                x, peak, _, total = label_after(evaluation.stages[:done], chunks, mode)
+                cut = bounds[done]
+                least = (total + candidate.copy_forward[done - 1, cut]
+                         + grid.bound(done, np.array([cut]), np.array([x]), np.array([peak]))[0])
+                assert least <= evaluation.iteration_ms * (1 + 1e-12)
+        assert grid.least() <= min(times) * (1 + 1e-12)
+        for bounds in grid.plans(2):
+            assert bounds[0] == 0 and bounds[-1] == layers and all(a < b for a, b in zip(bounds, bounds[1:]))
+
+
+def test_cut_costs_are_the_copies_between_neighbouring_devices():
+    from autopipe.search import _cut_costs
 
     profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=[5, 0, 3, 9, 1, 0],
                            copies={(0, 1): (1.0, 0.1), (1, 0): (2.0, 0.2), (1, 2): (0.5, 0.3), (2, 1): (3.0, 0.1),
                                    (0, 2): (0.0, 0.0), (2, 0): (0.0, 0.0)})
     model = model_of(profile, [1.0] * 3)
-    table = _cheapest_cuts(model, model.at(2), 3)
-    # the cut before layer c copies layer c-1's output (2 samples) at latency 0.5 + 2.0, 0.1 + 0.1 ms/byte
-    cost = {c: 0.0 if n == 0 else 2.5 + 2 * n * 0.2 for c, n in zip(range(1, 6), [5, 0, 3, 9, 1])}
-    for stop in range(7):
-        after = sorted(cost[c] for c in range(stop + 1, 6))
-        expected = [0.0] + [sum(after[:j]) if j <= len(after) else math.inf for j in (1, 2)]
-        assert table[stop].tolist() == pytest.approx(expected)
+    forward, back = _cut_costs(model, model.at(2), 3)
+    # the cut before layer c copies layer c-1's output (2 samples per micro-batch)
+    for device in range(2):
+        for cut, nbytes in zip(range(1, 6), [5, 0, 3, 9, 1]):
+            assert forward[device, cut] == pytest.approx(model.copy_ms(device, device + 1, 2 * nbytes))
+            assert back[device, cut] == pytest.approx(model.copy_ms(device + 1, device, 2 * nbytes))
+    assert not forward[:, [0, 6]].any() and not back[:, [0, 6]].any() and not forward[2].any()
+
+
+def test_range_minima_against_slicing():
+    from autopipe.completion import _RangeMin
+
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        rows, count = rng.integers(1, 5), rng.integers(1, 40)
+        lo = np.broadcast_to(np.arange(count) + 1, (rows, count))
+        hi = np.minimum(lo - 1 + rng.integers(-1, 12, (rows, count)), count)
+        values = rng.normal(size=(rows, count + 1))
+        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)] for r in range(rows)]
+        assert _RangeMin(lo, hi).of(values, np.zeros_like(values)).tolist() == expected
+
+
+def test_min_max_split_against_brute_force():
+    """compare's baseline uses the solver's min-max bisection, with exactly ``parts`` stages."""
+    from autopipe.compare import min_max_split
+
+    rng = random.Random(0)
+    for _ in range(200):
+        count = rng.randint(1, 9)
+        parts = rng.randint(1, count)
+        weights = [rng.choice([0, rng.random() * 10, rng.randint(0, 5)]) for _ in range(count)]
+        bounds = min_max_split(weights, parts)
+        assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == count
+        assert all(a < b for a, b in zip(bounds, bounds[1:]))
+        largest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = min(max(sum(weights[a:b]) for a, b in zip(split, split[1:]))
+                   for cuts in itertools.combinations(range(1, count), parts - 1) for split in [(0, *cuts, count)])
+        assert largest == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_profile_digest_is_cached_until_a_field_is_set():
+    profile = make_profile([1.0, 2.0, 3.0], sizes=(1, 2), devices=2)
+    first = profile.digest
+    assert profile.digest is first  # cached
+    profile.batch_size = 3
+    assert profile.digest != first
+    assert profile.digest == Profile(**profile.__dict__).digest

@@ -1,0 +1,226 @@
+"""What the layers after a cut can still cost, for a grid of caps on the lanes: the lower bound
+of the planner's search, and plans that bound the optimum from above.
+
+For caps ``(x, y)`` on every stage's forward and backward lane, the least lane sum of covering
+layers ``[p, L)`` with stages on devices ``d, d+1, …`` is a min-sum DP, one range minimum per
+device: compute at each device's speed, and at every cut the copies of the main input to the
+next device and of its gradient back — a relaxation of the cost model (memory limits are
+ignored, skips only add copies).  A partial plan with lanes ``X, M`` and lane sum ``S`` whose
+next stage starts at ``p`` on device ``d`` then finishes no faster than
+
+    S + (copy of p's input) + min over cells [rest(cell, d, p) + (m-1)·max(X, x⁻) + w·max(M, y⁻)]
+
+where ``x⁻, y⁻`` are the caps one level below the cell's (a completion whose largest lanes are
+``x' ≤ x`` and ``y' ≤ y`` either has ``x' > x⁻`` and ``y' > y⁻``, or lies in a lower cell) and
+``w = m-1`` (``m-2`` with ``except_last``, as ``V ≥ (m-2)·M``).  Unlike a bound from averages
+this sees that moving cuts to cheap copies unbalances the lanes, and that a plan lagging behind
+needs larger lanes to finish on the devices left.  The bound is as tight as the grid is fine
+where the best plans' lanes are, so :meth:`Completions.around` places the levels densely
+around a known plan.  Walking the DP's minima from the first layer gives a plan per cell.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .search import reach
+
+if TYPE_CHECKING:
+    from .search import Candidate
+
+__all__ = ["Completions"]
+
+# Relative levels, the most wanted first: before a plan is known, above the least possible lane;
+# then around a plan's lanes, densest just around them (where a completion trades a little lane
+# for other copies), and up to the cap (a wide top cell would bound all the plans it holds by
+# its lower edge).
+_FIRST = np.array([0.0, 0.1, 0.03, 0.3])
+_AROUND = np.array([0.0, -1 / 32, 1 / 32, 1 / 4, -1 / 16, 1 / 16, -1 / 64, 1 / 64, 1 / 8, -1 / 8])
+# Most floats a grid may hold (8 bytes each): its table and a few arrays of the same size per device.
+_BUDGET = 8_000_000
+# Levels a lane of the coarse grid, before a plan is known.
+_COARSE = 6
+# Ratio of the levels beyond the last relative one, up to the cap: fine enough for unequal speeds,
+# where moving work to faster devices trades lane sum for larger lanes over a wide range.
+_FAR = 1.2
+
+
+class Completions:
+    """The DP of the module docstring for one :class:`~autopipe.search.Candidate` on a grid
+    of caps ``xs × ys`` (increasing, the last possibly ``inf``)."""
+
+    def __init__(self, candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:
+        self.candidate = candidate
+        self.speeds = speeds
+        floor_x, floor_y = candidate.floors
+        self.lows = np.concatenate(([floor_x], xs[:-1])), np.concatenate(([floor_y], ys[:-1]))
+        self.cap_x, self.cap_y = np.repeat(xs, len(ys)), np.tile(ys, len(xs))
+        self.low_x, self.low_y = np.repeat(self.lows[0], len(ys)), np.tile(self.lows[1], len(xs))
+        self.work = candidate.costs.forward + candidate.back
+        self.windows: dict[float, _RangeMin] = {}
+        self.stage: tuple[tuple[float, np.ndarray, np.ndarray], np.ndarray] | None = None
+        self.rest = self._rest()
+        self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
+
+    @staticmethod
+    def around(candidate: Candidate, speeds: np.ndarray, caps: tuple[float, float],
+               lanes: tuple[float, float] | None) -> "Completions":
+        """A grid from the least possible lanes (``candidate.floors``) to ``caps``: a coarse one
+        (:data:`_COARSE` levels a lane) from :data:`_FIRST` above the floors, or one with as
+        many levels as :data:`_BUDGET` allows from :data:`_AROUND` the lanes ``(X, M)`` of a
+        plan; a lane whose weight is 0 gets only its cap."""
+        layers = len(candidate.back) - 1
+        count = max(int(math.sqrt(_BUDGET / ((len(speeds) + 6) * (layers + 1)))), 1)
+        count = min(count, _COARSE) if lanes is None else count
+        x, y = (_levels(floor, cap, lane, weight, count)
+                for floor, cap, lane, weight in zip(candidate.floors, caps, lanes or (None, None), candidate.weights))
+        return Completions(candidate, speeds, x, y)
+
+    def _rest(self) -> np.ndarray:
+        """``rest[d, cell, p]``: the least lane sum of stages on devices ``d, d+1, …`` covering
+        ``[p, L)`` within the cell's caps (``inf`` if they cannot), device by device from the last."""
+        devices, layers = len(self.speeds), len(self.work) - 1
+        rest = np.empty((devices + 1, len(self.cap_x), layers + 1))
+        rest[devices] = math.inf
+        rest[:, :, layers] = 0.0
+        for device in range(devices - 1, -1, -1):
+            speed = float(self.speeds[device])
+            least = self._window(speed).of(self._stage(device), rest[device + 1])
+            np.subtract(least, self.work[:layers] / speed, out=rest[device, :, :layers])
+        return rest
+
+    def _stage(self, device: int) -> np.ndarray:
+        """Per cell, what a stage on ``device`` ending at each position costs beyond its start:
+        its work to there at the device's speed plus the copies of the cut there to the next
+        device and back, ``inf`` where either copy exceeds the cell's cap (reused while the
+        devices are alike)."""
+        key = (float(self.speeds[device]), self.candidate.copy_forward[device], self.candidate.copy_back[device])
+        if self.stage is None or not (key[0] == self.stage[0][0] and np.array_equal(key[1], self.stage[0][1])
+                                      and np.array_equal(key[2], self.stage[0][2])):
+            speed, forward, back = key
+            self.stage = key, self.work / speed + _cut(forward, back, self.cap_x[:, None], self.cap_y[:, None])
+        return self.stage[1]
+
+    def _window(self, speed: float) -> _RangeMin:
+        """The stops ``(p, reach]`` a stage from each ``p`` may end at on a device of ``speed``."""
+        if speed not in self.windows:
+            candidate = self.candidate
+            starts = np.arange(len(self.work) - 1)
+            last = np.minimum(reach(candidate.costs.forward, starts, self.cap_x[:, None] * speed),
+                              reach(candidate.back, starts, self.cap_y[:, None] * speed))
+            self.windows[speed] = _RangeMin(np.broadcast_to(starts + 1, last.shape), last)
+        return self.windows[speed]
+
+    def least(self) -> float:
+        """A lower bound on the time of every plan within the largest caps."""
+        return float(np.min(self.bound(0, np.zeros(1, dtype=int), np.zeros(1), np.zeros(1))))
+
+    def bound(self, device: int, starts: np.ndarray, x: np.ndarray, peak: np.ndarray) -> np.ndarray:
+        """The least over cells of the module docstring's completion time (without ``S`` and
+        the copy into ``starts``), for partial plans whose next stage runs on ``device``.  With
+        ``a`` the x-levels whose lower cap is at most ``X`` (so ``max(X, x⁻) = X`` in their
+        cells) and ``b`` likewise for ``M``, the cells split into four blocks, each the least
+        of a table over the grid that running minima make once per start, not per plan."""
+        (weight_x, weight_m), (low_x, low_y) = self.candidate.weights, self.lows
+        positions, at = np.unique(starts, return_inverse=True)
+        rest = self.rest[device][:, positions].reshape(len(low_x), len(low_y), -1)
+        by_x, by_y = low_x[:, None, None] * weight_x, low_y[None, :, None] * weight_m
+        below_x, below_y = np.minimum.accumulate(rest, axis=0), np.minimum.accumulate(rest, axis=1)
+        both_below = _padded(np.minimum.accumulate(below_x, axis=1))
+        above_y, above_x = _padded(_suffix_min(below_x + by_y, 1)), _padded(_suffix_min(below_y + by_x, 0))
+        both_above = _padded(_suffix_min(_suffix_min(rest + by_x + by_y, 0), 1))
+        a, b = np.searchsorted(low_x, x, side="right"), np.searchsorted(low_y, peak, side="right")
+        return np.minimum(np.minimum(both_below[a - 1, b - 1, at] + weight_x * x + weight_m * peak,
+                                     above_y[a - 1, b, at] + weight_x * x),
+                          np.minimum(above_x[a, b - 1, at] + weight_m * peak, both_above[a, b, at]))
+
+    def plans(self, count: int) -> list[tuple[int, ...]]:
+        """The stage bounds of the DP's plan in the ``count`` cells whose caps promise the least
+        time at most (``rest + (m-1)·x + w·y``) and the ``count`` of least lower bound."""
+        weight_x, weight_m = self.candidate.weights
+        rest = self.rest[0, :, 0]
+        promise = rest + (weight_x * self.cap_x if weight_x else 0.0) + (weight_m * self.cap_y if weight_m else 0.0)
+        least = rest + weight_x * self.low_x + weight_m * self.low_y
+        cells = dict.fromkeys(int(c) for order in (np.argsort(promise), np.argsort(least)) for c in order[:count]
+                              if math.isfinite(rest[c]))
+        return [self._walk(cell) for cell in cells]
+
+    def _walk(self, cell: int) -> tuple[int, ...]:
+        """Follow the DP's minima of ``cell`` from the first layer on device 0."""
+        layers = len(self.work) - 1
+        bounds = [0]
+        for device, speed in enumerate(self.speeds):
+            start = bounds[-1]
+            if start == layers:
+                break
+            stops = np.arange(start + 1, self._window(float(speed)).hi[cell, start] + 1)
+            cut = _cut(self.candidate.copy_forward[device, stops], self.candidate.copy_back[device, stops],
+                       self.cap_x[cell], self.cap_y[cell])
+            values = self.work[stops] / speed + cut + self.rest[device + 1, cell, stops]
+            bounds.append(int(stops[np.argmin(values)]))
+        return tuple(bounds)
+
+
+def _suffix_min(values: np.ndarray, axis: int) -> np.ndarray:
+    """The least of each entry and those after it along ``axis``."""
+    return np.flip(np.minimum.accumulate(np.flip(values, axis), axis=axis), axis)
+
+
+def _padded(table: np.ndarray) -> np.ndarray:
+    """``table`` with a last row and column of ``inf``: what index ``-1`` and one past the end read."""
+    padded = np.full((table.shape[0] + 1, table.shape[1] + 1, table.shape[2]), math.inf)
+    padded[:-1, :-1] = table
+    return padded
+
+
+def _cut(forward: np.ndarray, back: np.ndarray, cap_x: np.ndarray | float, cap_y: np.ndarray | float) -> np.ndarray:
+    """The copies of a cut both ways, ``inf`` where either exceeds its lane's cap."""
+    return np.where((forward <= cap_x) & (back <= cap_y), forward + back, math.inf)
+
+
+def _levels(floor: float, cap: float, lane: float | None, weight: float, count: int) -> np.ndarray:
+    """At most ``count`` increasing caps ending at ``cap``: the first that lie in ``(floor, cap)``
+    of :data:`_FIRST` above ``floor`` or :data:`_AROUND` ``lane``, its first four followed by
+    levels :data:`_FAR` times the one before up to ``cap``; only ``cap`` for a lane that does
+    not count (``weight`` 0)."""
+    base, relative = (floor, _FIRST) if lane is None else (lane, _AROUND)
+    top = base * (1 + relative.max())
+    far = top * _FAR ** np.arange(1, max(math.ceil(math.log(cap / top, _FAR)), 1) if 0 < top < cap < math.inf else 1)
+    wanted = np.concatenate((base * (1 + relative[:4]), far, base * (1 + relative[4:])))
+    wanted = wanted[(floor < wanted) & (wanted < cap)] if weight > 0 else wanted[:0]
+    first = np.sort(np.unique(wanted, return_index=True)[1])[: count - 1]
+    return np.append(np.sort(wanted[first]), cap)
+
+
+class _RangeMin:
+    """Minima of ``values[row, lo … hi]`` for fixed ranges per ``(row, column)`` (``inf`` when
+    empty), over any ``values``: minima over power-of-two spans, one span length at a time, each
+    range answered as the two (overlapping) spans of the largest length that fits in it."""
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        self.hi = hi
+        width = hi.shape[1] + 2  # a last column of inf, for empty ranges
+        level = np.where(hi < lo, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
+        row = np.arange(hi.shape[0])[:, None] * width
+        left = np.where(hi < lo, row + width - 1, row + lo).ravel()
+        right = np.where(hi < lo, row + width - 1, row + hi - (1 << level) + 1).ravel()
+        order = np.argsort(level, axis=None, kind="stable")
+        ends = np.searchsorted(level.ravel()[order], np.arange(int(level.max(initial=0)) + 2))
+        self.queries = [(order[a:b], left[order[a:b]], right[order[a:b]]) for a, b in zip(ends, ends[1:])]
+        self.spans = np.full((2, hi.shape[0], width), math.inf)  # this span length's minima, and the next
+
+    def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
+        """The range minima of ``values + plus``."""
+        spans, spare = self.spans
+        np.add(values, plus, out=spans[:, :-1])
+        least = np.empty(self.hi.size)
+        for level, (out, left, right) in enumerate(self.queries):
+            if level:
+                half = 1 << (level - 1)
+                np.minimum(spans[:, : -half - 1], spans[:, half:-1], out=spare[:, : -half - 1])
+                spans, spare = spare, spans
+            flat = spans.reshape(-1)
+            least[out] = np.minimum(flat[left], flat[right])
+        return least.reshape(self.hi.shape)

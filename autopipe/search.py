@@ -1,0 +1,555 @@
+"""One exact DP of the planner: the least predicted iteration time over the splits of the layers
+onto the devices in order, for one micro-batch count and checkpoint mode, strictly under an upper
+bound (:mod:`autopipe.solver` runs it over those and supplies the bound).
+
+Why a label-setting DP and not a min-max DP: the iteration time ``S + (m-1)·X + V`` (see
+:mod:`autopipe.cost`) mixes a sum ``S`` that depends on the split (speeds differ, copies come
+and go) with two bottlenecks (forward lane maximum ``X``, backward lanes through ``M`` and ``V``).
+So the DP over (layers covered, stages used) keeps, per state, labels ``(X, M, V, S)``.  Every
+component only ever raises the final time, and the layers after a state add the same lanes to
+all of its labels, so label ``a`` is never worse than ``b`` when
+
+    S_a + (m-1)·(X_a - X_b)⁺ + max((V_a - V_b)⁺, (m-2)·(M_a - M_b)⁺) ≤ S_b
+
+(a later lane ``x`` adds ``(m-1)·max(X, x)``, which grows by at most ``(m-1)·(X_a - X_b)⁺``
+from ``b`` to ``a``; ``V`` by the recurrence of :mod:`autopipe.cost` likewise): ``b`` is
+dropped (:func:`_led` for the likely ``a``, then :func:`_dominated` for all).  This is stronger
+than Pareto dominance — a little more ``X`` can be worth much less ``S`` — and still only drops
+a label that some kept label beats however the plan goes on.  Before that, ``X`` is raised to
+what the later lanes reach anyway, and ``M`` too unless ``except_last``
+(:meth:`Search._raise`): no final time changes, more labels become comparable.
+
+Labels are also cut by a lower bound against the best plan found so far (branch and bound): a
+cheap one from averages (:meth:`Search._bound`), then the grid of lane caps of
+:class:`~autopipe.completion.Completions`, which sees that cheap cuts unbalance the lanes; and a
+stage whose lanes alone would rule out beating the bound (:meth:`Search._caps`) or that
+overflows its device's memory is never formed.  Each stage is a few numpy operations over flat
+arrays: every label of every state × every stop its start allows, then the new labels grouped
+by state and filtered.
+
+Skips whose copy cost depends on the device pair need state: a label's key records, for each skip
+still open, its producer stage and the consumer stage it is committed to (the producer's gradient
+lane is known only with the consumer); a stage that does not pop a skip committed to it is
+invalid.  With one copy fit for every pair the cost depends only on the cut positions and the key
+stays empty.  Relayed skips (``engine="distributed"``) never need it: each hop's copy is
+charged to the neighbours it joins, known from the stage index and the cut positions.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from .cost import CostModel, SizeCosts
+
+if TYPE_CHECKING:
+    from .completion import Completions
+
+__all__ = ["Choice", "Candidate", "Search", "least_largest", "greedy_split", "reach"]
+
+# Key: ((skip index, producer, consumer), ...).
+_Key = tuple
+# Label pairs compared at once by _dominated.
+_PAIRS = 2_000_000
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The best plan the search found: stage bounds, chunks, checkpoint mode and its time."""
+
+    bounds: tuple[int, ...]
+    chunks: int
+    mode: str
+    iteration_ms: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ``(chunks, mode)`` pair and what does not depend on the split: the prefix sums of its
+    forward lane (``costs.forward``) and backward lane with recomputation (``back``); row ``d``
+    of ``copy_forward`` and ``copy_back``: the copy of a cut at each position from device ``d``
+    to ``d + 1`` (its main input) and back (that input's gradient), 0 at both ends; the least
+    possible largest forward and backward compute lanes (``floors``); their weights ``(m-1, w)``
+    in the time; all work at the top speed; and a lower bound on its time."""
+
+    bound: float
+    chunks: int
+    mode: str
+    effective: str
+    costs: SizeCosts
+    back: np.ndarray
+    copy_forward: np.ndarray
+    copy_back: np.ndarray
+    floors: tuple[float, float]
+    weights: tuple[int, int]
+    work: float
+
+    @staticmethod
+    def of(model: CostModel, chunks: int, mode: str, devices: int) -> "Candidate":
+        """``bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the
+        top speed of the first ``k`` devices, the ``k - 1`` cheapest cuts, and
+        ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
+        speed (``M`` likewise), where ``X*``, ``M*`` are the floors (copies only add lanes) and
+        ``w`` is ``m-1``, or ``m-2`` with ``except_last`` (``V ≥ (m-2)·M``)."""
+        costs = model.at(model.micro_batch_size(chunks))
+        effective = "never" if mode == "except_last" and chunks == 1 else mode
+        back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
+        speeds = model.speeds[:devices]
+        floors = least_largest(costs.forward, speeds, 1e-3)[0], least_largest(back, speeds, 1e-3)[0]
+        weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
+        copy_forward, copy_back = _cut_costs(model, costs, devices)
+        count = np.arange(1, min(devices, model.layers) + 1)
+        spread, top = np.cumsum(speeds)[count - 1], np.maximum.accumulate(speeds)[count - 1]
+        cut = np.min(copy_forward[:-1] + copy_back[:-1], axis=0, initial=math.inf)
+        cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
+        total = float(costs.forward[-1] + back[-1])
+        bound = float(np.min(total / top + cheapest[count - 1]
+                             + weights[0] * np.maximum(floors[0], costs.forward[-1] / spread)
+                             + weights[1] * np.maximum(floors[1], back[-1] / spread)))
+        return Candidate(bound, chunks, mode, effective, costs, back, copy_forward, copy_back, floors, weights,
+                         total / float(np.max(speeds)))
+
+    def caps(self, best: float, least_sum: float) -> tuple[float, float]:
+        """Largest forward and backward lane a plan better than ``best`` can have when its lane
+        sum is at least ``least_sum``: ``best > S + (m-1)·X + w·M`` with each maximum at least
+        its floor."""
+        spare = best - least_sum
+        (weight_x, weight_m), (floor_x, floor_m) = self.weights, self.floors
+        return ((spare - weight_m * floor_m) / weight_x if weight_x > 0 else math.inf,
+                (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class _Labels:
+    """The labels after some stage as parallel arrays, sorted by state ``(start, key)``: where
+    the next stage starts, the key's index in :attr:`Search.keys`, forward lane maximum ``X``,
+    backward lane maximum ``M``, ``V``, lane sum ``S`` and the label's index in this stage's
+    trace (``-1`` for the empty start)."""
+
+    start: np.ndarray
+    key: np.ndarray
+    x: np.ndarray
+    peak: np.ndarray
+    v: np.ndarray
+    total: np.ndarray
+    ref: np.ndarray
+
+    def take(self, index: np.ndarray) -> "_Labels":
+        return _Labels(*(getattr(self, f.name)[index] for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """Stages that may follow the labels of a state (``state``: its index among the states),
+    sorted by state: their stop, lanes and the key after them."""
+
+    state: np.ndarray
+    stop: np.ndarray
+    copy_in: np.ndarray
+    forward: np.ndarray
+    back: np.ndarray
+    skipped: np.ndarray
+    copy_grad: np.ndarray
+    key: np.ndarray
+
+    def take(self, index: np.ndarray) -> "_Moves":
+        return _Moves(*(getattr(self, f.name)[index] for f in fields(self)))
+
+
+class Search:
+    """One DP over splits for one :class:`Candidate`, cut by an upper bound ``best`` and the
+    lower bounds of ``completions`` (built with caps no smaller than ``best`` allows)."""
+
+    def __init__(self, model: CostModel, candidate: Candidate, limits: np.ndarray, best: float,
+                 completions: Completions) -> None:
+        self.model = model
+        self.candidate = candidate
+        self.m = candidate.chunks
+        self.mode = candidate.effective
+        self.costs = candidate.costs
+        self.limits = limits
+        self.best = best
+        self.completions = completions
+        self.bounds: tuple[int, ...] | None = None
+        self.devices = len(limits)
+        self.keyed = (bool(model.chain.skips) and not model.relayed
+                      and not _uniform(model.latency, model.per_byte))
+        self.keys: list[_Key] = [()]
+        self.key_index: dict[_Key, int] = {(): 0}
+        speeds = model.speeds[: self.devices]
+        self.rest_forward = self.costs.forward[-1] - self.costs.forward
+        self.rest_back = candidate.back[-1] - candidate.back
+        self.layer_forward = _largest_after(np.diff(self.costs.forward))
+        self.layer_back = _largest_after(np.diff(candidate.back))
+        self.speed_after = np.concatenate((np.cumsum(speeds[::-1])[::-1], [0.0]))
+        self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
+        self.trace: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def run(self) -> Choice | None:
+        """The best split strictly better than ``best``, or ``None``."""
+        one = np.zeros(1, dtype=int)
+        labels = _Labels(one, one, np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros(1), one - 1)
+        for stage in range(self.devices):
+            labels = self._step(stage, labels)
+            if not len(labels.x):
+                break
+        if self.bounds is None:
+            return None
+        return Choice(self.bounds, self.m, self.candidate.mode, self.best)
+
+    def _step(self, stage: int, labels: _Labels) -> _Labels:
+        """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
+        record a finished plan that beats ``best``, return the labels that can still beat it."""
+        state, first = _states(labels.start, labels.key)
+        moves = self._moves(stage, labels.start[first], labels.key[first])
+        label, move = _pairs(state, moves.state, len(first))
+        lanes = moves.take(move)
+        x, peak, v, total = self._grow(labels, label, lanes)
+        parent = labels.ref[label]
+        self._finish(stage, lanes.stop, x, v, total, parent)
+        if stage + 1 >= self.devices:
+            return labels.take(move[:0])
+        going = np.flatnonzero(lanes.stop < self.model.layers)
+        stops = lanes.stop[going]
+        x, peak, v = self._raise(stage, stops, x[going], peak[going], v[going])
+        grown = _Labels(stops, lanes.key[going], x, peak, v, total[going], parent[going])
+        return self._settle(stage, grown.take(np.flatnonzero(self._bound(stage, grown) < self.best)))
+
+    def _caps(self) -> tuple[float, float]:
+        """:meth:`Candidate.caps` with the least lane sum of any plan within the caps the
+        completions were built for (every plan better than ``best`` is)."""
+        return self.candidate.caps(self.best, self.completions.floor)
+
+    def _moves(self, stage: int, starts: np.ndarray, keys: np.ndarray) -> _Moves:
+        """The stages on device ``stage`` from each state ``(starts[i], keys[i])`` whose lanes
+        are within :meth:`_caps` and whose memory fits the device."""
+        model, costs, speed = self.model, self.costs, self.model.speeds[stage]
+        state, stops = self._windows(stage, starts)
+        start = starts[state]
+        forward = costs.sum(costs.forward, start, stops) / speed
+        back = costs.sum(costs.backward, start, stops) / speed
+        if self.mode != "never":
+            back = back + forward
+        forward_cap, backward_cap = self._caps()
+        within = np.flatnonzero((forward <= forward_cap) & (back <= backward_cap))
+        state, stops, start, forward, back = state[within], stops[within], start[within], forward[within], back[within]
+        memory = model.memory(costs, start, stops, self.m, self.mode, model.held_bytes(costs, start, stops))
+        fits = np.flatnonzero(memory <= self.limits[stage])
+        state, stops, start, forward, back = state[fits], stops[fits], start[fits], forward[fits], back[fits]
+        copy_in = self.candidate.copy_forward[stage - 1, start] if stage else np.zeros(len(stops))
+        copy_grad = self.candidate.copy_back[stage, stops]
+        skipped = forward if self.mode == "except_last" else np.zeros(len(stops))
+        moves = _Moves(state, stops, copy_in, forward, back, skipped, copy_grad, np.zeros(len(stops), dtype=int))
+        if self.keyed:
+            return self._commit(stage, starts, keys, moves)
+        self._add_skips(stage, start, stops, copy_in, copy_grad)
+        return moves
+
+    def _windows(self, stage: int, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(state, stop)`` for every stop after each start whose lanes may be within
+        :meth:`_caps` (:func:`reach`, which :meth:`_moves` then checks exactly); only the last
+        layer on the last device."""
+        layers = self.model.layers
+        if stage + 1 >= self.devices:
+            return np.arange(len(starts)), np.full(len(starts), layers)
+        speed = self.model.speeds[stage]
+        forward_cap, backward_cap = self._caps()
+        last = np.minimum(reach(self.costs.forward, starts, forward_cap * speed),
+                          reach(self.candidate.back, starts, backward_cap * speed))
+        counts = np.maximum(last - starts, 0)
+        state = np.repeat(np.arange(len(starts)), counts)
+        return state, starts[state] + 1 + _ragged_arange(counts)
+
+    def _add_skips(self, stage: int, start: np.ndarray, stops: np.ndarray, copy_in: np.ndarray,
+                   copy_grad: np.ndarray) -> None:
+        """Skip copies that depend only on the cuts, in place.  Relayed: every skip crossing the
+        cut before ``start`` comes in from ``stage - 1``, every one crossing ``stop`` sends its
+        gradient back from ``stage + 1``.  Straight, with one copy fit for all pairs: skips
+        received (stash before ``start``, pop before ``stop``) and sent on (stash in the stage,
+        pop at or after ``stop``)."""
+        model = self.model
+        for skip, nbytes in zip(model.chain.skips, self.costs.skip_bytes):
+            crosses_start = (skip.stash < start) & (start <= skip.pop)
+            crosses_stop = (skip.stash < stops) & (stops <= skip.pop)
+            if model.relayed:
+                if stage:
+                    copy_in += model.copy_ms(stage - 1, stage, nbytes) * crosses_start
+                if stage + 1 < self.devices:
+                    copy_grad += model.copy_ms(stage + 1, stage, nbytes) * crosses_stop
+                continue
+            cost = model.copy_ms(0, 1, nbytes) if self.devices > 1 else 0.0
+            copy_in += cost * (crosses_start & (skip.pop < stops))
+            copy_grad += cost * ((start <= skip.stash) & crosses_stop)
+
+    def _commit(self, stage: int, starts: np.ndarray, keys: np.ndarray, moves: _Moves) -> _Moves:
+        """Each move once per way to keep its state's skip commitments (:meth:`_commitments`),
+        with those copies added and the key after."""
+        rows: list[int] = []
+        extra: list[tuple[float, float, int]] = []
+        for row, (state, stop) in enumerate(zip(moves.state.tolist(), moves.stop.tolist())):
+            for copy_in, copy_grad, key in self._commitments(stage, int(starts[state]), stop,
+                                                               self.keys[keys[state]]):
+                rows.append(row)
+                extra.append((copy_in, copy_grad, self._key_id(key)))
+        taken = moves.take(np.asarray(rows, dtype=int))
+        added = np.asarray(extra, dtype=float).reshape(-1, 3)
+        return replace(taken, copy_in=taken.copy_in + added[:, 0], copy_grad=taken.copy_grad + added[:, 1],
+                       key=added[:, 2].astype(int))
+
+    def _key_id(self, key: _Key) -> int:
+        """The index of ``key`` in :attr:`keys` (labels hold indices: arrays, not tuples)."""
+        if key not in self.key_index:
+            self.key_index[key] = len(self.keys)
+            self.keys.append(key)
+        return self.key_index[key]
+
+    def _commitments(self, stage: int, start: int, stop: int, key: _Key) -> Iterator[tuple[float, float, _Key]]:
+        """Skip copies in and out of stage ``[start, stop)`` when they depend on the device pair:
+        one ``(copy in, copy of gradients, key after)`` per choice of consumer stage for each
+        skip the stage sends on; nothing if the stage breaks a commitment in ``key``."""
+        model, skips, nbytes = self.model, self.model.chain.skips, self.costs.skip_bytes
+        copy_in = 0.0
+        kept = []
+        for entry in key:
+            index, producer, consumer = entry
+            if skips[index].pop < stop:
+                if consumer != stage:
+                    return
+                copy_in += model.copy_ms(producer, stage, nbytes[index])
+            elif consumer == stage:
+                return
+            else:
+                kept.append(entry)
+        sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
+        for consumers in itertools.product(range(stage + 1, self.devices), repeat=len(sent)):
+            copy_grad = sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, consumers))
+            yield copy_in, copy_grad, tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
+
+    def _grow(self, labels: _Labels, label: np.ndarray,
+              lanes: _Moves) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``X, M, V, S`` of each label ``label[i]`` followed by stage ``i``'s lanes: forward
+        ``C, F``; backward (reversed, see :mod:`autopipe.cost`) ``W+R, G``."""
+        m2 = self.m - 2
+        x = np.maximum(labels.x[label], np.maximum(lanes.copy_in, lanes.forward))
+        peak = np.maximum(labels.peak[label], lanes.back)
+        v = np.maximum(labels.v[label] - lanes.skipped, lanes.back - lanes.skipped + m2 * peak)
+        peak = np.maximum(peak, lanes.copy_grad)
+        v = np.maximum(v, lanes.copy_grad + m2 * peak)
+        total = labels.total[label] + (lanes.copy_in + lanes.forward + lanes.back + lanes.copy_grad)
+        return x, peak, v, total
+
+    def _finish(self, stage: int, stops: np.ndarray, x: np.ndarray, v: np.ndarray, total: np.ndarray,
+                parent: np.ndarray) -> None:
+        """Record the best plan ending with this stage if it beats ``best``."""
+        done = np.flatnonzero(stops == self.model.layers)
+        if not len(done):
+            return
+        final = total[done] + (self.m - 1) * x[done] + v[done]
+        best = int(np.argmin(final))
+        if final[best] < self.best:
+            self.best = float(final[best])
+            self.bounds = self._bounds(stage, int(parent[done[best]]))
+
+    def _floors(self, stage: int, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What the lanes after each stop (``< L``) reach in every completion — forward: the
+        least for the whole chain, the work left over the devices left, the largest layer left,
+        the copy of the next stage's input; backward likewise without the copy — and that copy."""
+        after = stage + 1
+        spread, top = self.speed_after[after], self.top_after[after]
+        (floor_x, floor_m), next_copy = self.candidate.floors, self.candidate.copy_forward[stage, stops]
+        forward = np.maximum(np.maximum(self.rest_forward[stops] / spread, self.layer_forward[stops] / top),
+                             np.maximum(floor_x, next_copy))
+        back = np.maximum(np.maximum(self.rest_back[stops] / spread, self.layer_back[stops] / top), floor_m)
+        return forward, back, next_copy
+
+    def _raise(self, stage: int, stops: np.ndarray, x: np.ndarray, peak: np.ndarray,
+               v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``X`` raised to :meth:`_floors`, which changes no final time (``X`` enters it only
+        through ``max(X, later lanes)``) but makes more labels comparable; ``M`` likewise, with
+        ``V = (m-1)·M`` along, unless ``except_last`` (whose ``V`` depends on the order of the
+        lanes)."""
+        forward, back, _ = self._floors(stage, stops)
+        x = np.maximum(x, forward)
+        if self.mode == "except_last":
+            return x, peak, v
+        peak = np.maximum(peak, back)
+        return x, peak, np.maximum(v, (self.m - 1) * peak)
+
+    def _bound(self, stage: int, labels: _Labels) -> np.ndarray:
+        """A cheap lower bound on the final time: the work left at the top speed of the devices
+        left and the next stage's input copy add to the sum; each lane maximum is at least its
+        :meth:`_floors`."""
+        stops = labels.start
+        forward, back, next_copy = self._floors(stage, stops)
+        weight_x, weight_m = self.candidate.weights
+        rest = (self.rest_forward[stops] + self.rest_back[stops]) / self.top_after[stage + 1] + next_copy
+        return labels.total + rest + weight_x * np.maximum(labels.x, forward) + weight_m * np.maximum(labels.peak, back)
+
+    def _settle(self, stage: int, labels: _Labels) -> _Labels:
+        """The new labels sorted by state and, within one, by their time if nothing followed
+        (so only an earlier label can dominate, see :func:`_dominated`); without those an
+        earlier leader dominates (cheap), those whose completions cannot beat ``best``, and
+        those any earlier label dominates; recorded as the stage's trace."""
+        corner = labels.total + (self.m - 1) * labels.x + labels.v
+        labels = labels.take(np.lexsort((labels.total, corner, labels.start * len(self.keys) + labels.key)))
+        labels = labels.take(np.flatnonzero(~_led(labels, self.m)))
+        least = (labels.total + self.candidate.copy_forward[stage, labels.start]
+                 + self.completions.bound(stage + 1, labels.start, labels.x, labels.peak))
+        labels = labels.take(np.flatnonzero(least < self.best))
+        labels = labels.take(np.flatnonzero(~_dominated(labels, self.m)))
+        self.trace.append((labels.start, labels.ref))
+        return replace(labels, ref=np.arange(len(labels.x)))
+
+    def _bounds(self, stage: int, ref: int) -> tuple[int, ...]:
+        """Stage bounds of the plan whose last stage ``stage`` follows the label ``ref`` of the
+        stage before, read back through the trace."""
+        stops = [self.model.layers]
+        for past in range(stage - 1, -1, -1):
+            stops.append(int(self.trace[past][0][ref]))
+            ref = int(self.trace[past][1][ref])
+        return (0, *reversed(stops))
+
+
+def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> tuple[float, float]:
+    """The least ``max_s work_s / v_s`` over contiguous splits of the layers (prefix sums
+    ``prefix``) onto the devices in order, a device taking no layer allowed, as ``(low, high)``
+    with ``low`` at most the optimum, the cap ``high`` feasible for :func:`greedy_split` and
+    ``high - low`` within ``tolerance · high``.  Bisection on the cap, 255 caps at a time, from
+    the average to the average plus a largest layer per device (every device then takes at
+    least its share less one layer)."""
+    total, spread = float(prefix[-1]), float(np.sum(speeds))
+    largest = float(np.max(np.diff(prefix), initial=0.0))
+    low = max(total / spread, largest / float(np.max(speeds)))
+    high = (total + len(speeds) * largest) / spread * (1 + 1e-9)
+    while high - low > tolerance * high:
+        caps = np.linspace(low, high, 257)[1:-1]
+        feasible = _greedy(prefix, speeds, caps)[-1] == len(prefix) - 1
+        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
+        low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
+    return low, high
+
+
+def greedy_split(prefix: np.ndarray, speeds: np.ndarray, cap: float) -> list[int]:
+    """The stage end on each device when each in turn takes the most layers whose work fits
+    ``cap · speed``."""
+    return _greedy(prefix, speeds, np.array([cap]))[1:, 0].tolist()
+
+
+def _greedy(prefix: np.ndarray, speeds: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """Stage ends (a row per device after a row of zeros, a column per cap) when each device in
+    turn takes the most layers whose work fits ``cap · speed``."""
+    ends = [np.zeros(len(caps), dtype=int)]
+    for speed in speeds:
+        ends.append(np.searchsorted(prefix, prefix[ends[-1]] + caps * speed, side="right") - 1)
+    return np.array(ends)
+
+
+def _cut_costs(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``d``: the copy of the main input at each position ``c`` (0 … L) from device ``d``
+    to ``d + 1``, and of its gradient back; 0 at both ends, which are no cuts, and on the last
+    device, after which there is none."""
+    nbytes = np.append(costs.input_bytes, 0.0)
+    nbytes[0] = 0.0
+    rows = np.arange(devices - 1)[:, None]
+    forward, back = (np.where(nbytes > 0, model.latency[src, dst] + nbytes * model.per_byte[src, dst], 0.0)
+                     for src, dst in ((rows, rows + 1), (rows + 1, rows)))
+    last = np.zeros((1, len(nbytes)))
+    return np.concatenate((forward, last)), np.concatenate((back, last))
+
+
+def _largest_after(values: np.ndarray) -> np.ndarray:
+    """The largest value at or after each position, and 0 past the end."""
+    return np.concatenate((np.maximum.accumulate(values[::-1])[::-1], [0.0]))
+
+
+def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:
+    """The last stop after each start whose work ``prefix[stop] - prefix[start]`` is within
+    ``budget`` (broadcast against ``starts``), with slack for rounding: never short of it."""
+    limit = (prefix[starts] + np.maximum(budget, 0.0)) * (1 + 1e-9)
+    return np.where(np.asarray(budget) < 0, starts, np.searchsorted(prefix, limit, side="right") - 1)
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """``0 … counts[0]-1, 0 … counts[1]-1, …`` in one array."""
+    ends = np.cumsum(counts)
+    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - counts, counts)
+
+
+def _states(starts: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For arrays sorted by ``(start, key)``: each entry's state index and each state's first entry."""
+    change = np.flatnonzero((starts[1:] != starts[:-1]) | (keys[1:] != keys[:-1])) + 1
+    first = np.concatenate(([0], change)) if len(starts) else change
+    state = np.zeros(len(starts), dtype=int)
+    state[change] = 1
+    return np.cumsum(state), first
+
+
+def _pairs(label_state: np.ndarray, move_state: np.ndarray, states: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(label, move)`` of the same state, as two index arrays (moves sorted by state)."""
+    counts = np.bincount(move_state, minlength=states)
+    repeat = counts[label_state]
+    label = np.repeat(np.arange(len(label_state)), repeat)
+    move = np.repeat((np.cumsum(counts) - counts)[label_state], repeat) + _ragged_arange(repeat)
+    return label, move
+
+
+def _beats(labels: _Labels, a: np.ndarray, b: np.ndarray, chunks: int) -> np.ndarray:
+    """Whether label ``a[i]`` dominates label ``b[i]`` by the module docstring's rule."""
+    return (labels.total[a] + (chunks - 1) * np.maximum(labels.x[a] - labels.x[b], 0)
+            + np.maximum(np.maximum(labels.v[a] - labels.v[b], 0),
+                         (chunks - 2) * np.maximum(labels.peak[a] - labels.peak[b], 0)) <= labels.total[b])
+
+
+def _led(labels: _Labels, chunks: int) -> np.ndarray:
+    """Which labels the first of their state or the earlier one of least sum dominates: most
+    of :func:`_dominated`'s, in a few passes."""
+    state = _states(labels.start, labels.key)[0]
+    later = np.flatnonzero(state[1:] == state[:-1]) + 1
+    first = np.searchsorted(state, state, side="left")
+    cheapest = _prefix_argmin(labels.total, state)
+    led = np.zeros(len(state), dtype=bool)
+    for leader in (first[later], cheapest[later - 1]):
+        led[later] |= _beats(labels, leader, later, chunks)
+    return led
+
+
+def _dominated(labels: _Labels, chunks: int) -> np.ndarray:
+    """Which labels an earlier label of their state dominates, comparing every pair,
+    :data:`_PAIRS` at a time.  Sorted within a state by the time if nothing followed, then the
+    sum: a dominating label has neither larger, so one after ``b`` that dominates it equals it
+    (and the copy before ``b`` dominates it too)."""
+    state = _states(labels.start, labels.key)[0]
+    count = len(state)
+    first = np.searchsorted(state, state, side="left")
+    earlier = np.arange(count) - first
+    ends = np.cumsum(earlier)
+    dominated = np.zeros(count, dtype=bool)
+    lo = 0
+    while lo < count:
+        hi = max(int(np.searchsorted(ends, ends[lo] - earlier[lo] + _PAIRS, side="right")), lo + 1)
+        b = np.repeat(np.arange(lo, hi), earlier[lo:hi])
+        a = np.repeat(first[lo:hi], earlier[lo:hi]) + _ragged_arange(earlier[lo:hi])
+        dominated[lo:hi] = np.bincount(b[_beats(labels, a, b, chunks)] - lo, minlength=hi - lo) > 0
+        lo = hi
+    return dominated
+
+
+def _prefix_argmin(values: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """At each position, the position of the least value so far within its state (the earliest
+    of equals); ``state`` is non-decreasing.  One running minimum over ranks shifted down by
+    ``state · n``, so that no earlier state's rank can be the least."""
+    count = len(values)
+    order = np.argsort(values, kind="stable")
+    rank = np.empty(count, dtype=np.int64)
+    rank[order] = np.arange(count)
+    shift = state.astype(np.int64) * count
+    return order[np.minimum.accumulate(rank - shift) + shift]
+
+
+def _uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
+    """Whether one copy fit serves every pair of distinct devices."""
+    off = ~np.eye(len(latency), dtype=bool)
+    return len(latency) < 2 or (np.ptp(latency[off]) == 0 and np.ptp(per_byte[off]) == 0)
