@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -122,8 +122,15 @@ class Candidate:
                 (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
 
 
+class _Columns:
+    """Parallel arrays of a dataclass, one row per item: :meth:`take` keeps the same rows of each."""
+
+    def take(self, index: np.ndarray) -> Any:
+        return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class _Labels:
+class _Labels(_Columns):
     """The labels after some stage as parallel arrays, sorted by state ``(start, key)``: where
     the next stage starts, the key's index in :attr:`Search.keys`, forward lane maximum ``X``,
     backward lane maximum ``M``, ``V``, lane sum ``S`` and the label's index in this stage's
@@ -137,12 +144,9 @@ class _Labels:
     total: np.ndarray
     ref: np.ndarray
 
-    def take(self, index: np.ndarray) -> "_Labels":
-        return _Labels(*(getattr(self, f.name)[index] for f in fields(self)))
-
 
 @dataclass(frozen=True)
-class _Moves:
+class _Moves(_Columns):
     """Stages that may follow the labels of a state (``state``: its index among the states),
     sorted by state: their stop, lanes and the key after them."""
 
@@ -154,9 +158,6 @@ class _Moves:
     skipped: np.ndarray
     copy_grad: np.ndarray
     key: np.ndarray
-
-    def take(self, index: np.ndarray) -> "_Moves":
-        return _Moves(*(getattr(self, f.name)[index] for f in fields(self)))
 
 
 class Search:
