@@ -77,7 +77,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import build_graph, chain_of
-from .profiles import Profile
+from .profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
            "phase_makespan", "backward_makespan", "MODES", "ENGINES"]
@@ -112,25 +112,29 @@ def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, n
     count = len(devices)
     latency = np.zeros((count, count))
     per_byte = np.zeros((count, count))
+    known = profile.devices
+    by_index: dict[tuple[int, int], CopyFit] = {}
+    by_name: dict[tuple[str, str], CopyFit] = {}
+    for fit in profile.copies:  # the first fit of each pair, as a scan would find
+        by_index.setdefault((fit.src, fit.dst), fit)
+        by_name.setdefault((known[fit.src], known[fit.dst]), fit)
     for i in range(count):
         for j in range(count):
             if i != j:
-                latency[i, j], per_byte[i, j] = _fit_for(profile, devices, i, j)
+                same = max(i, j) < len(known) and known[i] == devices[i] and known[j] == devices[j]
+                fit = by_index.get((i, j)) if same else None
+                latency[i, j], per_byte[i, j] = _fit_for(fit or by_name.get((devices[i], devices[j])),
+                                                         devices[i], devices[j])
     return latency, per_byte
 
 
-def _fit_for(profile: Profile, devices: Sequence[str], i: int, j: int) -> tuple[float, float]:
-    known = profile.devices
-    if max(i, j) < len(known) and known[i] == devices[i] and known[j] == devices[j]:
-        fit = profile.copy_fit(i, j)
-        if fit is not None:
-            return fit.latency_ms, fit.ms_per_byte
-    for fit in profile.copies:
-        if known[fit.src] == devices[i] and known[fit.dst] == devices[j]:
-            return fit.latency_ms, fit.ms_per_byte
-    if devices[i].startswith("cpu") and devices[j].startswith("cpu"):
+def _fit_for(fit: CopyFit | None, src: str, dst: str) -> tuple[float, float]:
+    """Latency and ms/byte of ``fit``; a CPU-to-CPU pair without one costs nothing."""
+    if fit is not None:
+        return fit.latency_ms, fit.ms_per_byte
+    if src.startswith("cpu") and dst.startswith("cpu"):
         return 0.0, 0.0
-    raise ValueError(f"the profile has no copy measurement from {devices[i]} to {devices[j]}; "
+    raise ValueError(f"the profile has no copy measurement from {src} to {dst}; "
                      "profile on these devices (python -m autopipe profile --devices ...)")
 
 

@@ -2,11 +2,13 @@
 count and checkpoint mode, subject to per-device memory limits.
 
 Each ``(chunks, mode)`` pair is a :class:`~autopipe.search.Candidate` with a cheap lower bound
-on its time; they are taken in order of it until it reaches the best time found.  For each, the
-DP over a grid of lane caps (:class:`~autopipe.completion.Completions`) gives a lower bound and
-a few plans, first on a coarse grid and then on one around the best of those plans; if the
-bound is still under the best time, the exact DP (:class:`~autopipe.search.Search`) looks for
-a strictly better plan, pruned by that grid.  So what is left at the end is optimal.
+on its time.  After a first plan (the greedy split of least largest forward lane), candidates
+are taken in order of that bound until it reaches the best time found, and a coarse grid of lane
+caps (:class:`~autopipe.completion.Completions`) gives each a lower bound and a few plans.  Then,
+those with the best plans first, each candidate whose bound is still under the best time gets a
+finer grid around its best plan (a tighter bound, more plans) and, if that bound is still under,
+the exact DP (:class:`~autopipe.search.Search`) looks for a strictly better plan, pruned by that
+grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is optimal.
 """
 from __future__ import annotations
 
