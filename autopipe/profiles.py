@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .fingerprint import digest
 from .jsonio import Fields, read_json, write_json_atomic
@@ -208,21 +207,9 @@ class Profile:
                 return fit
         return None
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        _DIGESTS.pop(id(self), None)
-        super().__setattr__(name, value)
-
     @property
     def digest(self) -> str:
-        """A hash of :meth:`to_json`, which every plan records: a JSON dump of every layer, so
-        it is cached until a field of the profile is assigned.  The layers and copies inside are
-        taken as values — replace them (or the list) to change a profile, do not edit them in
-        place, or the digest stays that of the profile before."""
-        cached = _DIGESTS.get(id(self))
-        if cached is None or cached[0]() is not self:
-            cached = weakref.ref(self, _forget(id(self))), digest(self.to_json())
-            _DIGESTS[id(self)] = cached
-        return cached[1]
+        return digest(self.to_json())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -266,15 +253,6 @@ class Profile:
         )
         _check_consistent(profile, f)
         return profile
-
-
-# Profile.digest by the profile's id, with a weak reference that tells a recycled id apart.
-_DIGESTS: dict[int, tuple[weakref.ref[Profile], str]] = {}
-
-
-def _forget(key: int) -> Callable[[Any], None]:
-    """Drop the cached digest of the profile with id ``key`` once it is collected."""
-    return lambda _: _DIGESTS.pop(key, None)
 
 
 def _batch_size_list(f: Fields) -> list[int]:

@@ -325,11 +325,3 @@ def test_min_max_split_against_brute_force():
                    for cuts in itertools.combinations(range(1, count), parts - 1) for split in [(0, *cuts, count)])
         assert largest == pytest.approx(best, rel=1e-9, abs=1e-12)
 
-
-def test_profile_digest_is_cached_until_a_field_is_set():
-    profile = make_profile([1.0, 2.0, 3.0], sizes=(1, 2), devices=2)
-    first = profile.digest
-    assert profile.digest is first  # cached
-    profile.batch_size = 3
-    assert profile.digest != first
-    assert profile.digest == Profile(**profile.__dict__).digest
