@@ -39,7 +39,8 @@ class Baseline:
 
 
 def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Baseline]:
-    """Our plan first, then each baseline, with its iteration time relative to ours."""
+    """Our plan first (as it predicts itself, interleaved or not), then each baseline (one
+    stage per device), with its iteration time relative to ours."""
     options = plan.options
     devices = list(options.get("devices", plan.devices))
     speeds = options.get("speeds") or [1.0] * len(devices)
@@ -49,13 +50,13 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
     m = chunks or plan.chunks
     parts = min(len(devices), model.layers)
     costs = model.at(model.micro_batch_size(m))
+    rows = [Baseline("ours (autopipe)", plan.balance, plan.chunks, plan.checkpoint,
+                     plan.predicted.iteration_ms, 1.0, True)]
     splits = [
-        ("ours (autopipe)", [0] + [stage.stop for stage in plan.stages], plan.chunks),
         ("equal layers", equal_split(model.layers, parts), m),
         ("parameter-balanced", min_max_split([l.param_bytes for l in profile.layers], parts), m),
         ("time min-max, no copies", min_max_split(np.diff(costs.forward + costs.backward), parts), m),
     ]
-    rows = []
     for name, bounds, count in splits:
         evaluation = model.evaluate(bounds, count, plan.checkpoint)
         fits = all(stage.memory <= limit for stage, limit in zip(evaluation.stages, limits))

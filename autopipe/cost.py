@@ -271,28 +271,36 @@ class CostModel:
 
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
         """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
+        stages = self.stage_lanes(bounds, chunks, mode)
+        forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
+        return Evaluation(stages, forward_ms, backward_ms)
+
+    def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: str,
+                    placement: Sequence[int] | None = None) -> list[StageLanes]:
+        """Every stage's lanes and memory, stage ``s`` on device ``placement[s]`` (default ``s``);
+        a tensor between stages on one device is not copied."""
         costs = self.at(self.micro_batch_size(chunks))
         count = len(bounds) - 1
+        where = list(range(count)) if placement is None else list(placement)
         owner = _owners(bounds, self.layers)
         copy_in = [0.0] * count
         copy_grad = [0.0] * count
         for s in range(1, count):
-            copy_in[s] += self.copy_ms(s - 1, s, costs.input_bytes[bounds[s]])
-            copy_grad[s - 1] += self.copy_ms(s, s - 1, costs.input_bytes[bounds[s]])
+            copy_in[s] += self.copy_ms(where[s - 1], where[s], costs.input_bytes[bounds[s]])
+            copy_grad[s - 1] += self.copy_ms(where[s], where[s - 1], costs.input_bytes[bounds[s]])
         for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
             src, dst = owner[skip.stash], owner[skip.pop]
             for hop_src, hop_dst in self.route(src, dst):
-                copy_in[hop_dst] += self.copy_ms(hop_src, hop_dst, nbytes)
-                copy_grad[hop_src] += self.copy_ms(hop_dst, hop_src, nbytes)
+                copy_in[hop_dst] += self.copy_ms(where[hop_src], where[hop_dst], nbytes)
+                copy_grad[hop_src] += self.copy_ms(where[hop_dst], where[hop_src], nbytes)
         stages = []
         for s in range(count):
-            forward, backward = self.compute(costs, bounds[s], bounds[s + 1], s)
+            forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
             recompute = forward if mode != "never" and not (mode == "except_last" and chunks == 1) else 0.0
             held = self.held_bytes(costs, bounds[s], bounds[s + 1])
             memory = self.memory(costs, bounds[s], bounds[s + 1], chunks, mode, held)
             stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
-        forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
-        return Evaluation(stages, forward_ms, backward_ms)
+        return stages
 
 
 def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:

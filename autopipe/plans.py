@@ -59,8 +59,8 @@ class StagePlan:
 class Prediction:
     """Predicted times of one training iteration (forward phase + backward phase), in ms.
 
-    ``bubble_fraction`` is the share of stage-time (stages × iteration) in which a stage's
-    compute lane is idle.
+    ``bubble_fraction`` is the share of device-time (devices × iteration) in which a device
+    computes nothing.
     """
 
     iteration_ms: float
@@ -87,6 +87,10 @@ class Plan:
     ``micro_batch_size = ceil(batch_size / chunks)``: exact when ``chunks`` divides the batch,
     an upper bound otherwise.  ``options`` records what the planner was asked (devices offered,
     memory limits, speeds, requested checkpoint and chunks).
+
+    ``interleave`` is the number of stages per device: with ``k = len(stages) / interleave``
+    devices, stage ``s`` runs on device ``s % k`` (``devices`` still names one per stage), so
+    each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules.
     """
 
     model: dict[str, Any]
@@ -99,6 +103,17 @@ class Plan:
     stages: list[StagePlan]
     predicted: Prediction
     options: dict[str, Any] = field(default_factory=dict)
+    interleave: int = 1
+
+    @property
+    def device_count(self) -> int:
+        """Devices the plan uses (stages / interleave)."""
+        return len(self.stages) // self.interleave
+
+    @property
+    def placement(self) -> list[int]:
+        """Device index of every stage: stage ``s`` on ``s % device_count``."""
+        return [s % self.device_count for s in range(len(self.stages))]
 
     @property
     def balance(self) -> list[int]:
@@ -126,6 +141,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "checkpoint": self.checkpoint,
             "schedule": self.schedule,
+            "interleave": self.interleave,
             "balance": self.balance,
             "split_points": [{"index": i, "name": n} for i, n in self.split_points],
             "stages": [stage.to_json() for stage in self.stages],
@@ -154,6 +170,7 @@ class Plan:
             stages=f.list_of("stages", StagePlan.from_json),
             predicted=Prediction.from_json(f.get("predicted")),
             options=f.get("options").value if f.has("options") else {},
+            interleave=f.int("interleave", 1) if f.has("interleave") else 1,
         )
         _check_consistent(plan, f)
         return plan
@@ -174,6 +191,12 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
                       f"{plan.micro_batch_size}", "micro_batch_size")
     if len(plan.devices) != len(plan.stages):
         raise f.error(f"{len(plan.devices)} devices for {len(plan.stages)} stages", "devices")
+    if len(plan.stages) % plan.interleave:
+        raise f.error(f"{len(plan.stages)} stages cannot be placed {plan.interleave} per device", "interleave")
+    repeated = [plan.devices[d] for d in plan.placement]
+    if plan.devices != repeated:
+        raise f.error(f"{plan.devices} must repeat the first {plan.device_count} devices for "
+                      f"interleave={plan.interleave}: {repeated}", "devices")
     expected_start = 0
     for index, stage in enumerate(plan.stages):
         if stage.index != index or stage.device != plan.devices[index]:

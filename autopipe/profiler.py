@@ -18,6 +18,12 @@ loop on another thread meanwhile.  Such devices are cores that share caches and 
 bandwidth, and a pipeline's stages run side by side nearly all the time; timed on an idle
 machine, ResNet-18's ``layer4`` backward at micro-batch 4 looked 15-20% faster than it ran
 beside the other stage, which made the planner pick micro-batches too small.
+
+The sizes take turns, pass by pass (and the twin follows), rather than each being timed in one
+stretch: on a shared machine the speed drifts by 10% and more over minutes, and timed one after
+the other, sizes 8 and 16 of ResNet-18 once came out 4% apart per sample where whole training
+steps measured 7-18% in the same hour, leaving the planner a coin toss between 4 and 8
+micro-batches.
 """
 from __future__ import annotations
 
@@ -73,8 +79,9 @@ def profile(
     ``sample_input`` is one full batch (a tensor, or a tuple of tensors passed as the first
     layer's arguments), batch dimension first; its batch is ``Profile.batch_size``.
     ``batch_sizes`` defaults to the powers of two below that batch, and the batch itself.
-    Per size, the chain makes ``warmup`` untimed then ``repeats`` timed training passes, in
-    train mode (forward in order, backward in reverse; each layer timed alone).
+    The chain makes ``warmup`` untimed then ``repeats`` timed training passes per size, in
+    train mode (forward in order, backward in reverse; each layer timed alone), the sizes
+    taking turns pass by pass so that a drift in machine speed hits every size alike.
     ``under_load`` times them while a twin of the chain trains on another thread (default: when
     ``devices`` are two or more CPU devices, which run pipeline stages side by side on shared
     caches); the profile's ``environment["timed_under_load"]`` records which.
@@ -131,14 +138,20 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
     """Measure every size.  With the default sizes, a small size that a layer cannot train at
     (batch norm needs more than one value per channel) is left out rather than failing the
     whole profile; the planner then never chooses micro-batches that small."""
-    by_size: dict[int, list[_Measure]] = {}
+    recorded: dict[int, tuple[list[_LayerRun], list[_Measure]]] = {}
     for b in sizes:
         try:
-            by_size[b] = _profile_size(layers, _first(inputs, b, ops.device), ops, timing, progress)
+            recorded[b] = _record_size(layers, _first(inputs, b, ops.device), ops, progress)
         except ProfileError:
             if not defaulted or b == sizes[-1]:
                 raise
-    return by_size
+    runs = {b: size_runs for b, (size_runs, _) in recorded.items()}
+    with _Load(runs) if timing.under_load else contextlib.nullcontext() as load:
+        timed = _time_passes(runs, timing.warmup, timing.repeats, progress, load)
+    for b, (_, measures) in recorded.items():
+        for measure, forward_ms, backward_ms in zip(measures, *timed[b]):
+            measure.forward, measure.backward = _stat(forward_ms), _stat(backward_ms)
+    return {b: measures for b, (_, measures) in recorded.items()}
 
 
 # --- input checks ---------------------------------------------------------------------------
@@ -231,10 +244,10 @@ class _Measure:
     stashed: dict[SkipKey, Tensor] = field(default_factory=dict)
 
 
-def _profile_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps, timing: _Timing,
-                  progress: Progress) -> list[_Measure]:
+def _record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
+                 progress: Progress) -> tuple[list["_LayerRun"], list[_Measure]]:
     """At one micro-batch size: record each layer once in chain order (its bytes, and the input
-    of the next), then time training passes over the whole chain."""
+    of the next); the runs then time it."""
     size = inputs[0].shape[0]
     args: tuple[Any, ...] = inputs
     skips: dict[SkipKey, Tensor] = {}
@@ -251,27 +264,28 @@ def _profile_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOp
         measure.output, measure.stashed = None, {}
         runs.append(run)
         measures.append(measure)
-    with _Load(runs) if timing.under_load else contextlib.nullcontext():
-        forward, backward = _time_passes(runs, timing.warmup, timing.repeats, progress)
-    for measure, forward_ms, backward_ms in zip(measures, forward, backward):
-        measure.forward, measure.backward = _stat(forward_ms), _stat(backward_ms)
-    return measures
+    return runs, measures
 
 
-def _time_passes(runs: list["_LayerRun"], warmup: int, repeats: int,
-                 progress: Progress) -> tuple[list[list[float]], list[list[float]]]:
-    """Each layer's forward and backward ms in ``repeats`` training passes after ``warmup``."""
-    forward: list[list[float]] = [[] for _ in runs]
-    backward: list[list[float]] = [[] for _ in runs]
-    size = _batch_of(runs)
+_Times = tuple[list[list[float]], list[list[float]]]  # per layer: forward ms, backward ms of each pass
+
+
+def _time_passes(runs: dict[int, list["_LayerRun"]], warmup: int, repeats: int, progress: Progress,
+                 load: "_Load | None") -> dict[int, _Times]:
+    """Per size, each layer's forward and backward ms in ``repeats`` training passes after
+    ``warmup``; each round makes one pass of every size (and sets the load to that size)."""
+    times: dict[int, _Times] = {b: ([[] for _ in chain], [[] for _ in chain]) for b, chain in runs.items()}
     for count in range(warmup + repeats):
-        times = _train_pass(runs, size)
-        if count >= warmup:
-            for index, (forward_ms, backward_ms) in enumerate(times):
-                forward[index].append(forward_ms)
-                backward[index].append(backward_ms)
-        progress.step(f"pass {count + 1} b={size}")
-    return forward, backward
+        for size, chain in runs.items():
+            if load is not None:
+                load.size = size
+            measured = _train_pass(chain, size)
+            if count >= warmup:
+                for index, (forward_ms, backward_ms) in enumerate(measured):
+                    times[size][0][index].append(forward_ms)
+                    times[size][1][index].append(backward_ms)
+            progress.step(f"pass {count + 1} b={size}")
+    return times
 
 
 def _train_pass(runs: list["_LayerRun"], size: int) -> list[tuple[float, float]]:
@@ -291,18 +305,16 @@ def _train_pass(runs: list["_LayerRun"], size: int) -> list[tuple[float, float]]
     return list(zip(forward_ms, backward_ms))
 
 
-def _batch_of(runs: list["_LayerRun"]) -> int:
-    return _tensors(runs[0].leaves)[0].shape[0]
-
-
 class _Load:
     """A twin of the chain (deep copies of the layers, its own input leaves) training in a loop
-    on another thread, for as long as the ``with`` block lasts; its error, if any, is raised
-    on exit rather than lost."""
+    on another thread, for as long as the ``with`` block lasts, at the micro-batch size last set
+    in ``size``; its error, if any, is raised on exit rather than lost."""
 
-    def __init__(self, runs: list["_LayerRun"]) -> None:
-        self.twins = [run.twin() for run in runs]
-        self.size = _batch_of(runs)
+    def __init__(self, runs: dict[int, list["_LayerRun"]]) -> None:
+        first = next(iter(runs.values()))
+        modules = [copy.deepcopy(run.layer.module) for run in first]
+        self.twins = {b: [run.twin(module) for run, module in zip(chain, modules)] for b, chain in runs.items()}
+        self.size = next(iter(runs))
         self.stop = threading.Event()
         self.error: Exception | None = None
         self.thread = threading.Thread(target=self._loop, name="autopipe-profile-load", daemon=True)
@@ -319,9 +331,10 @@ class _Load:
 
     def _loop(self) -> None:
         try:
-            _train_pass(self.twins, self.size)  # at least once, however short the block
+            _train_pass(self.twins[self.size], self.size)  # at least once, however short the block
             while not self.stop.is_set():
-                _train_pass(self.twins, self.size)
+                size = self.size
+                _train_pass(self.twins[size], size)
         except Exception as error:  # handed to the profiling thread by __exit__
             self.error = error
 
@@ -380,10 +393,11 @@ class _LayerRun:
         self.state_storages = {_storage(t)[0] for t in state}
         self.grads: list[Tensor] | None = None
 
-    def twin(self) -> "_LayerRun":
-        """The same layer on a deep copy of its module, with leaves of its own (gradients
-        land in ``.grad`` of the leaves and parameters, so another thread needs its own)."""
-        layer = dataclasses.replace(self.layer, module=copy.deepcopy(self.layer.module))
+    def twin(self, module: nn.Module) -> "_LayerRun":
+        """The same layer on ``module``, a deep copy of its module, with leaves of its own
+        (gradients land in ``.grad`` of the leaves and parameters, so another thread needs its
+        own)."""
+        layer = dataclasses.replace(self.layer, module=module)
         return _LayerRun(layer, self.leaves, self.pop_leaves, self.input_grad, self.ops)
 
     def forward(self, pack: Callable[[Tensor], Any] | None = None) -> _Run:

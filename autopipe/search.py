@@ -58,12 +58,14 @@ _PAIRS = 2_000_000
 
 @dataclass(frozen=True)
 class Choice:
-    """The best plan the search found: stage bounds, chunks, checkpoint mode and its time."""
+    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
+    stages per device (:mod:`autopipe.interleaved`)."""
 
     bounds: tuple[int, ...]
     chunks: int
     mode: str
     iteration_ms: float
+    interleave: int = 1
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import interleaved
 from .completion import Completions
-from .cost import MODES, CostModel, SizeCosts
+from .cost import MODES, CostModel, Evaluation, SizeCosts
 from .plans import SCHEDULES, Plan, Prediction, StagePlan
 from .profiles import Profile
 from .search import Candidate, Choice, Search, greedy_split, least_largest
+from .simulate import simulate
 
 __all__ = ["plan", "solve", "Search", "Choice", "PlanningError", "build_plan", "candidate_chunks", "device_names",
            "memory_limits", "parse_bytes", "smallest_memory"]
@@ -47,6 +49,7 @@ def plan(
     speeds: Sequence[float] | None = None,
     chunks: int | None = None,
     engine: str = "local",
+    interleave: int | str = "auto",
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
@@ -56,17 +59,27 @@ def plan(
     ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
     ``engine`` is what will run the plan: ``"local"`` (the in-process runtime) or
     ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
-    micro-batches only), costed as in :mod:`autopipe.cost`.
+    micro-batches only), costed as in :mod:`autopipe.cost`.  ``interleave`` is the number of
+    stages per device (:mod:`autopipe.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
+    2 where the local engine runs the plan, more than one device is given and the enumeration
+    is within :data:`~autopipe.interleaved.BUDGET` (the plan's options record what was tried).
     """
     names = device_names(profile, devices)
     options = _Options.check(profile, names, batch_size, memory_limit, checkpoint,
-                             optimizer_state_factor, schedule, speeds, chunks, engine)
+                             optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
-    choice = solve(model, options.candidates, options.modes, options.limits)
+    choice = None
+    for factor in options.interleaves:
+        if factor == 1:
+            choice = solve(model, options.candidates, options.modes, options.limits)
+        else:
+            choice = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
+                                        choice) or choice
     if choice is None:
         raise PlanningError(_infeasible(model, options))
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record())
+    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
+                      choice.interleave)
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
@@ -177,12 +190,14 @@ class _Options:
     limits: np.ndarray
     candidates: list[int]
     modes: list[str]
+    interleaves: list[int]
     given: dict[str, Any]
 
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
               checkpoint: str, optimizer_state_factor: float, schedule: str,
-              speeds: Sequence[float] | None, chunks: int | None, engine: str) -> "_Options":
+              speeds: Sequence[float] | None, chunks: int | None, engine: str,
+              interleave: int | str = "auto") -> "_Options":
         # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
         # for it.  A gpipe plan runs on the distributed engine with schedule='1f1b' when chunks ≥
         # stages, holding no more activations than planned (≤ stages - s micro-batches in flight).
@@ -203,12 +218,14 @@ class _Options:
         # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
         # same memory, so it is at least as fast and as small.
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
+        factors = _interleaves(interleave, profile.layers, len(names), engine)
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
                  "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
-                 "speeds": rates, "chunks": chunks, "engine": engine}
+                 "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
+                 "interleaves_searched": factors}
         return _Options(batch, rates, memory_limits(memory_limit, names),
                         candidate_chunks(batch, profile.batch_sizes, chunks, equal=engine == "distributed"),
-                        modes, given)
+                        modes, factors, given)
 
     def record(self) -> dict[str, Any]:
         """The options as JSON for the plan file."""
@@ -216,6 +233,29 @@ class _Options:
         shown = list(limit) if isinstance(limit, (list, tuple)) else limit
         return {**self.given, "memory_limit": shown,
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
+
+
+def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: str) -> list[int]:
+    """The stages-per-device factors to search: ``[asked]``, or for ``"auto"`` 1 and, where it
+    can run and be searched exactly, 2."""
+    if asked == "auto":
+        fits = interleaved.split_count(len(layers), devices, 2) <= interleaved.BUDGET
+        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) and fits else [1]
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise ValueError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
+    if asked > 1:
+        if engine != "local":
+            raise ValueError(f"interleave={asked}: the distributed engine runs one stage per process; "
+                             "use interleave=1 (or 'auto') with engine='distributed'")
+        if devices < 2 or 2 * asked > len(layers):
+            raise ValueError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
+                             f"got {devices} devices and {len(layers)} layers")
+        count = interleaved.split_count(len(layers), devices, asked)
+        if count > interleaved.BUDGET:
+            raise ValueError(f"interleave={asked} would enumerate {count} splits of {len(layers)} layers on "
+                             f"up to {devices} devices, more than {interleaved.BUDGET}; plan fewer "
+                             "devices or use interleave=1")
+    return [asked]
 
 
 def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None = None,
@@ -314,12 +354,18 @@ def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[
 
 
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
-               options: dict[str, Any]) -> Plan:
-    """The :class:`Plan` of one split, costed by ``model``."""
-    evaluation = model.evaluate(bounds, chunks, mode)
+               options: dict[str, Any], interleave: int = 1) -> Plan:
+    """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
+    where = interleaved.placement(len(bounds) - 1, interleave)
+    if interleave == 1:
+        evaluation = model.evaluate(bounds, chunks, mode)
+    else:
+        lanes = model.stage_lanes(bounds, chunks, mode, where)
+        simulation = simulate(lanes, chunks, mode, where)
+        evaluation = Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)
     layers = profile.layers
     stages = [
-        StagePlan(index=s, device=model.devices[s], start=bounds[s], stop=bounds[s + 1],
+        StagePlan(index=s, device=model.devices[where[s]], start=bounds[s], stop=bounds[s + 1],
                   first_layer=layers[bounds[s]].name, last_layer=layers[bounds[s + 1] - 1].name,
                   forward_ms=lanes.forward, backward_ms=lanes.backward, recompute_ms=lanes.recompute,
                   copy_in_ms=lanes.copy_in, copy_grad_ms=lanes.copy_grad,
@@ -328,11 +374,12 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     ]
     recomputed = {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
     busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
-    bubble = 1 - busy / (len(stages) * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
+    used = len(stages) // interleave
+    bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)
-    return Plan(model=profile.model, profile_digest=profile.digest, devices=model.devices[: len(stages)],
+    return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
                 batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule="gpipe",
-                stages=stages, predicted=predicted, options=options)
+                stages=stages, predicted=predicted, options=options, interleave=interleave)
 
 
 def _infeasible(model: CostModel, options: _Options) -> str:

@@ -5,15 +5,19 @@ rounds interleave the configurations, so machine load drifts hit all of them ali
 figures are medians after warm-up.  One intra-op thread, so each stage has one core.
 
 The "fill-drain" column is the iteration time that the stages' own measured compute times
-(the pipeline's last trace, per micro-batch means) give in an ideal fill-drain schedule; the
+(the pipeline's last trace, per micro-batch means) give in an ideal fill-drain schedule
+(simulated, with stages on one device taking turns as the runtime does); the
 "overhead" column is how much slower the pipeline really was, i.e. what the runtime itself
 costs (waits, copies, Python) beyond the schedule's bubbles and the split's imbalance.
 
 Splits come from the planner on the committed profile (``profiles/resnet18-128.json``): for each
 micro-batch count m the planner's best split at that m, and the planner's own choice of split,
-m and checkpointing; each row prints the planner's predicted time next to the measured one.
-``--balance 7,8`` runs a fixed split instead; ``--distributed`` adds the planner's choice run on
-torch.distributed.pipelining (2 processes, 1 thread each) as speedup over its own single-device run.
+m, checkpointing and stages per device (it may interleave two stages on each device), and its
+best plan with one stage per device; each row prints the planner's predicted time next to the
+measured one.
+``--balance 7,8`` runs a fixed split instead; ``--distributed`` adds the planner's choice for
+torch.distributed.pipelining (one stage per process: 2 processes, 1 thread each), run there, as
+speedup over its own single-device run.
 
 Speedups are medians of per-round ratios (each configuration against the plain step of the same
 round), which drifts in machine speed between rounds do not move.  Memory is allocated alike on
@@ -111,16 +115,18 @@ def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, au
     plans = {f"planned m={m}": autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m,
                                               checkpoint=args.checkpoint) for m in chunk_counts}
     plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch)
+    plans["best not interleaved"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, interleave=1)
     predicted["plain"] = autopipe.plan(profile, ["cpu"], batch_size=args.batch, chunks=1).predicted.iteration_ms
     for label, plan in plans.items():
-        name = f"{label} {plan.balance} m={plan.chunks} {plan.checkpoint}"
+        shared = f" x{plan.interleave}/device" if plan.interleave > 1 else ""
+        name = f"{label} {plan.balance}{shared} m={plan.chunks} {plan.checkpoint}"
         nets[name] = autopipe.Pipeline(model, plan)
         predicted[name] = plan.predicted.iteration_ms
     if args.distributed:
-        choice = plans["planner's choice"]
+        choice = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, engine="distributed")
         from autopipe.distributed.bench import bench_distributed
         result = bench_distributed(choice.balance, choice.chunks, batch_size=args.batch, image_size=args.size)
-        print(f"planner's choice on {result.line()}")
+        print(f"planner's choice for it on {result.line()}")
     return nets, predicted
 
 
@@ -167,8 +173,10 @@ def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
     def mean(stage: int, kind: str) -> float:
         return sum(e.duration_ms for e in events if e.stage == stage and e.kind == kind) / chunks
 
-    lanes = [StageLanes(mean(s, "F"), mean(s, "B"), mean(s, "R"), 0.0, 0.0, 0.0) for s in range(len(pipe.stages))]
-    return simulate(lanes, chunks, pipe.checkpoint).iteration_ms
+    stages = len(pipe.stages)
+    lanes = [StageLanes(mean(s, "F"), mean(s, "B"), mean(s, "R"), 0.0, 0.0, 0.0) for s in range(stages)]
+    placement = [s % (stages // pipe.interleave) for s in range(stages)]
+    return simulate(lanes, chunks, pipe.checkpoint, placement).iteration_ms
 
 
 def _interleaved(steps: dict[str, Callable[[], None]], nets: dict[str, autopipe.Pipeline],

@@ -283,20 +283,21 @@ PIPELINES += [("densenet121", 2), ("densenet121", 3)]
 
 
 def _plan(model: nn.Module | list[Layer], x: Tensor, stages: int) -> autopipe.Plan:
-    """The planner's split at 3 micro-batches; if it prefers fewer stages than devices on this
-    tiny model, a per-device memory limit that fewer stages cannot meet makes it use them all."""
+    """The planner's split at 3 micro-batches; if it prefers fewer devices than given on this
+    tiny model, a per-device memory limit that fewer devices cannot meet makes it use them all
+    (its plan may put two stages on each: the pipeline must equal the model either way)."""
     profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=1, repeats=1, quiet=True)
     devices = ["cpu"] * stages
     plan = autopipe.plan(profile, devices, chunks=3)
     whole = sum(stage.memory_bytes for stage in plan.stages)
     for factor in (1.2, 1.5, 2.0):
-        if len(plan.balance) == stages:
+        if plan.device_count == stages:
             break
         try:
             plan = autopipe.plan(profile, devices, chunks=3, memory_limit=whole / stages * factor)
         except PlanningError:  # one layer alone exceeds the limit: try a looser one
             continue
-    assert len(plan.balance) == stages
+    assert plan.device_count == stages
     return plan
 
 

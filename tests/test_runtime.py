@@ -40,7 +40,8 @@ def assert_transparent(model: nn.Module, x: Tensor, balance: Sequence[int], chun
                        checkpoint: str, **options: Any) -> autopipe.Pipeline:
     reference = copy.deepcopy(model)
     x_ref = x.detach().clone().requires_grad_(x.requires_grad)
-    pipe = autopipe.Pipeline(model, balance=list(balance), devices=["cpu"] * len(balance),
+    devices = ["cpu"] * (len(balance) // options.get("interleave", 1))
+    pipe = autopipe.Pipeline(model, balance=list(balance), devices=devices,
                              chunks=chunks, checkpoint=checkpoint, **options)
     out = pipe(x)
     g = torch.randn_like(out)
@@ -79,6 +80,16 @@ def test_mlp(stages: int, chunks: int, checkpoint: str) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("balance, interleave", [([2, 2, 2, 1], 2), ([1, 2, 1, 1, 1, 1], 2), ([2, 2, 2, 1], 4)])
+def test_interleaved_mlp(balance: list[int], interleave: int, chunks: int, checkpoint: str) -> None:
+    """Several stages per device (taking turns on it) change nothing in the results."""
+    x = torch.randn(10, 6, requires_grad=True)
+    assert_transparent(mlp(), x, balance, chunks, checkpoint, interleave=interleave)
+
+
 def test_inplace_layer_first_in_a_stage() -> None:
     # The split right before ReLU(inplace=True): the stage's input must not be a leaf.
     assert_transparent(mlp(), torch.randn(8, 6, requires_grad=True), [3, 4], 2, "never")
@@ -148,6 +159,13 @@ def skip_model() -> nn.Sequential:
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_skips_cross_stages(balance: list[int], checkpoint: str) -> None:
     assert_transparent(skip_model(), torch.randn(9, 8, requires_grad=True), balance, 4, checkpoint)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("balance", [[1, 2, 2, 3], [1, 3, 2, 2]])  # a skip from stage 0 to 2: one device
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_skips_cross_interleaved_stages(balance: list[int], checkpoint: str) -> None:
+    assert_transparent(skip_model(), torch.randn(9, 8, requires_grad=True), balance, 4, checkpoint, interleave=2)
 
 
 def test_skip_routes() -> None:

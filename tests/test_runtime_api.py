@@ -337,6 +337,49 @@ def test_trace_has_every_action_of_the_last_iteration() -> None:
     assert f3.end_ms <= b3.start_ms
 
 
+@pytest.mark.timeout(60)
+def test_stages_on_one_device_take_turns() -> None:
+    """Interleaved stages share a device: their compute never overlaps on it, while the other
+    device's stages run alongside."""
+    pipe = autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], devices=["cpu", "cpu"], interleave=2, chunks=4,
+                             checkpoint="except_last")
+    assert [stage.device for stage in pipe.stages] == [torch.device("cpu")] * 4
+    assert pipe.stages[0].turns is pipe.stages[2].turns is not pipe.stages[1].turns
+    for _ in range(3):
+        pipe(torch.randn(64, 6)).sum().backward()
+    events = [e for e in pipe.last_trace() if e.lane == "compute"]
+    assert {(e.stage, e.kind) for e in events} >= {(s, k) for s in range(4) for k in "FB"}
+    for device in (0, 1):
+        # a recomputation and its backward are one turn: R ends before B starts
+        spans = sorted((e.start_ms, e.end_ms) for e in events if e.stage % 2 == device)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+
+
+def test_interleave_must_divide_the_stages_and_match_the_devices() -> None:
+    with pytest.raises(ValueError, match="interleave=3 must be a positive integer dividing the 4 stages"):
+        autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], interleave=3)
+    with pytest.raises(ValueError, match=r"3 devices for 4 stages; give one device per 2 stages \(interleave=2\)"):
+        autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], devices=["cpu"] * 3, interleave=2)
+
+
+@pytest.mark.timeout(60)
+def test_meta_interleaved_stages_keep_skips_on_their_device() -> None:
+    """Stages 0 and 2 on cpu, 1 and 3 on meta: a skip from stage 0 to 2 stays on cpu, the main
+    path goes back and forth, and nothing is misrouted in forward or backward."""
+    model = nn.Sequential(nn.Linear(4, 4), Stash(), nn.Linear(4, 4), nn.Linear(4, 4), PopAndRecordDevice(), nn.Linear(4, 2))
+    pipe = autopipe.Pipeline(model, balance=[2, 1, 2, 1], devices=["cpu", "meta"], interleave=2, chunks=2,
+                             checkpoint="never")
+    assert [s.device.type for s in pipe.stages] == ["cpu", "meta", "cpu", "meta"]
+    PopAndRecordDevice.seen.clear()
+    x = torch.randn(6, 4, requires_grad=True)
+    out = pipe(x)
+    assert out.device.type == "meta" and out.shape == (6, 2)
+    out.sum().backward()
+    assert PopAndRecordDevice.seen == [torch.device("cpu")] * 2
+    assert x.grad is not None and x.grad.device.type == "cpu"
+    assert [p.grad.device.type for p in pipe.parameters()] == ["cpu", "cpu", "meta", "meta", "cpu", "cpu", "meta", "meta"]
+
+
 class Slice(nn.Module):
     """A captured layer's shape: holds some of the model's modules (and maybe its top-level
     parameters) at their original paths, so its state prefix is ""."""

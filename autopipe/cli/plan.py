@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="local", choices=["local", "distributed"],
                         help="what will run the plan: the in-process runtime (local) or "
                              "torch.distributed.pipelining under torchrun (distributed)")
+    parser.add_argument("--interleave", default="auto",
+                        help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--compare", action="store_true",
                         help="also price equal-layer, parameter-balanced and time-only min-max splits")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
-                  chunks=args.chunks, engine=args.engine)
+                  chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
     print(summary(chosen))
     if args.compare:
         print()
@@ -53,6 +55,12 @@ def _devices(text: str | None) -> int | list[str] | None:
     if text is None:
         return None
     return int(text) if text.isdigit() else [d.strip() for d in text.split(",") if d.strip()]
+
+
+def _interleave(text: str) -> int | str:
+    if text != "auto" and not text.isdigit():
+        raise ValueError(f"--interleave '{text}' must be 'auto' or a positive integer, e.g. 2")
+    return text if text == "auto" else int(text)
 
 
 def _limits(text: str | None) -> str | list[str] | None:
@@ -76,7 +84,9 @@ def summary(chosen: Plan) -> str:
     predicted = chosen.predicted
     split = ", ".join(f"{name} (#{index})" for index, name in chosen.split_points) or "none (one stage)"
     return "\n".join([
-        f"stages:        {len(chosen.stages)} on {', '.join(chosen.devices)}",
+        f"stages:        {len(chosen.stages)} on {', '.join(chosen.devices)}"
+        + (f" ({chosen.interleave} per device: stage s on device s % {chosen.device_count})"
+           if chosen.interleave > 1 else ""),
         f"balance:       {chosen.balance}",
         f"split before:  {split}",
         f"micro-batches: {chosen.chunks} of {chosen.micro_batch_size} (batch {chosen.batch_size})",

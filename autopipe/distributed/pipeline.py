@@ -222,6 +222,12 @@ class RunSettings:
         """Check everything that every rank can check alike, so a mistake fails on all ranks at once."""
         if plan is not None:
             _check_fingerprint(layers, plan)
+            if plan.interleave > 1:
+                raise DistributedError(
+                    f"the plan puts {plan.interleave} stages on each device (interleave={plan.interleave}); "
+                    "this engine runs one stage per process: plan with engine='distributed', which "
+                    "never interleaves"
+                )
         balance = list(balance or (plan.balance if plan else []))
         if not balance:
             raise DistributedError("give a plan or a balance (layers per stage), e.g. balance=[7, 8]")

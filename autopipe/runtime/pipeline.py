@@ -32,6 +32,7 @@ from .run import Run
 from .schedule import FillDrain
 from .skips import skip_routes
 from .stage import Stage
+from .turns import Turns
 from .worker import Worker
 
 __all__ = ["Pipeline", "Engine"]
@@ -80,9 +81,10 @@ class Pipeline(nn.Module):
     """A model run as a pipeline of stages, one worker thread per stage.
 
     Give a :class:`~autopipe.Plan` (its fingerprint must match the model) or the manual form:
-    ``balance`` (layers per stage), ``devices`` (one per stage, default ``"cpu"`` each),
-    ``chunks`` (micro-batches per mini-batch) and ``checkpoint`` (``"never"``,
-    ``"except_last"`` or ``"always"``).  ``model`` is anything :func:`~autopipe.layer_chain`
+    ``balance`` (layers per stage), ``devices`` (one per device, default ``"cpu"`` each),
+    ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
+    ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
+    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.microbatch`
@@ -101,6 +103,8 @@ class Pipeline(nn.Module):
       original as ``__cause__``) once every stage has stopped; the workers live on, so the
       pipeline stays usable.
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
+    * Stages on one device (``interleave > 1``) take turns computing
+      (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
 
     Each stage runs its own backward, so parameters receive their gradients in ``.grad`` (as
     with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
@@ -118,19 +122,21 @@ class Pipeline(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        interleave: int = 1,
     ) -> None:
         super().__init__()
         layers = layer_chain(model)
         if plan is not None:
-            balance, devices, chunks, checkpoint = _from_plan(plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave = _from_plan(plan, layers, balance, devices)
         if balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
-        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * len(balance))
-        _check(layers, list(balance), resolved, chunks, checkpoint)
+        _check(layers, list(balance), chunks, checkpoint, interleave)
+        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (len(balance) // interleave))
+        _check_devices(resolved, len(balance), interleave)
         if deferred_batch_norm:
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
-        self.balance, self.devices = list(balance), resolved
+        self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self._register_state(layers)
         self._engine = Engine(_build_stages(layers, self.balance, resolved))
         self._dummy = torch.ones((), requires_grad=True)
@@ -212,7 +218,8 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
     return any(sub is module for sub in parent.modules())
 
 
-def _from_plan(plan: Plan, layers: list[Layer], balance: object, devices: object) -> tuple[list[int], list[str], int, str]:
+def _from_plan(plan: Plan, layers: list[Layer], balance: object,
+               devices: object) -> tuple[list[int], list[str], int, str, int]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
     difference = first_difference(plan.model, model_fingerprint(layers))
@@ -223,20 +230,27 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object, devices: object
             f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
             "because its caller computes the loss after the forward; plan with schedule='gpipe'"
         )
-    return plan.balance, plan.devices, plan.chunks, plan.checkpoint
+    return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
 
 
-def _check(layers: list[Layer], balance: list[int], devices: list[torch.device], chunks: int, checkpoint: str) -> None:
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int) -> None:
     if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
         raise ValueError(
             f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
         )
-    if len(devices) != len(balance):
-        raise ValueError(f"{len(devices)} devices for {len(balance)} stages; give one device per stage")
+    if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
+        raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
+                         f"{len(balance)} stages of balance {balance}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+
+
+def _check_devices(devices: list[torch.device], stages: int, interleave: int) -> None:
+    if len(devices) * interleave != stages:
+        per = "device per stage" if interleave == 1 else f"device per {interleave} stages (interleave={interleave})"
+        raise ValueError(f"{len(devices)} devices for {stages} stages; give one {per}")
 
 
 def _deferred(layer: Layer) -> Layer:
@@ -247,14 +261,17 @@ def _deferred(layer: Layer) -> Layer:
 
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
+    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns."""
     stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
     routes = skip_routes(layers, stage_of_layer, len(balance))
+    turns = [Turns() for _ in devices]
     stages: list[Stage] = []
     start = 0
-    for index, (count, device) in enumerate(zip(balance, devices)):
+    for index, count in enumerate(balance):
+        device = devices[index % len(devices)]
         chunk = layers[start:start + count]
         for layer in chunk:
             layer.module.to(device)
-        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages))
+        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, turns[index % len(devices)]))
         start += count
     return stages

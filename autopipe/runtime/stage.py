@@ -1,5 +1,8 @@
 """A stage: a slice of the layer chain on one device, with its neighbours and skip routes.
 
+Its compute (a forward, or a recomputation and backward) holds its device's
+:class:`~autopipe.runtime.turns.Turns`, which it shares with the other stages on that device.
+
 The stage knows what to compute and where to send results; the schedule only tells it the
 order.  For micro-batch ``j`` it
 
@@ -32,6 +35,7 @@ from .function import Boundary
 from .run import Aborted, Run, Saved, StageError
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
+from .turns import Turns, priority
 
 __all__ = ["Stage"]
 
@@ -43,8 +47,9 @@ class Stage:
     """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``."""
 
     def __init__(self, index: int, count: int, layers: Sequence[Layer], device: torch.device,
-                 routes: SkipRoutes, neighbours: Sequence["Stage"]) -> None:
+                 routes: SkipRoutes, neighbours: Sequence["Stage"], turns: Turns) -> None:
         self.index, self.count = index, count
+        self.turns = turns  # shared with the other stages on this device
         self.layers = list(layers)
         self.modules = [layer.module for layer in self.layers]
         self.device = device
@@ -93,11 +98,12 @@ class Stage:
     def _forward(self, run: Run, j: int) -> None:
         args, skips = self._receive_inputs(run, j)
         checkpointed = run.checkpointed[j]
-        begin = run.ms()
-        with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
-            with self._random(run) as rng:
-                output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed)
-        run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
+        with self._turn("F"):
+            begin = run.ms()
+            with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
+                with self._random(run) as rng:
+                    output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed)
+            run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips)
         if run.grad_enabled:
             saved = Saved(args, skips, rng=rng)
@@ -181,19 +187,20 @@ class Stage:
         else:
             output_grads = inbox.take(("dy", j))
         skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
-        if saved.output is None:
+        with self._turn("B"):
+            if saved.output is None:
+                begin = run.ms()
+                saved.output, saved.leaving = self._recompute(run, saved)
+                run.events.append(Event(self.index, "compute", "R", j, begin, run.ms()))
+            assert saved.leaving is not None
             begin = run.ms()
-            saved.output, saved.leaving = self._recompute(run, saved)
-            run.events.append(Event(self.index, "compute", "R", j, begin, run.ms()))
-        assert saved.leaving is not None
-        begin = run.ms()
-        pairs = list(zip(tensors_of(saved.output), output_grads))
-        pairs += [(saved.leaving[key], skip_grads[key]) for key in self.routes.leaving]
-        pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
-        if pairs:
-            with self._on_stream():
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
+            pairs = list(zip(tensors_of(saved.output), output_grads))
+            pairs += [(saved.leaving[key], skip_grads[key]) for key in self.routes.leaving]
+            pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
+            if pairs:
+                with self._on_stream():
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
     def _recompute(self, run: Run, saved: Saved) -> tuple[Value, dict[SkipKey, Tensor]]:
@@ -250,6 +257,10 @@ class Stage:
 
     def _on_stream(self) -> contextlib.AbstractContextManager[None]:
         return self.ops.use_stream(self.stream)
+
+    def _turn(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """This stage's turn on its device for a ``kind`` ("F" or "B") task."""
+        return self.turns.hold(priority(self.index, kind))
 
 
 def _leaves(value: Value, flags: list[bool]) -> Value:

@@ -1,0 +1,190 @@
+"""Interleaved plans: the simulator with stages sharing a device, the exact search (brute force),
+its lower bounds, the planner's options and the plan file."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from synthetic import make_profile, random_profile
+from test_runtime import mlp
+from test_solver import model_of
+
+import autopipe
+from autopipe import interleaved
+from autopipe.cost import StageLanes
+from autopipe.distributed.pipeline import DistributedError, RunSettings
+from autopipe.fingerprint import model_fingerprint
+from autopipe.jsonio import FormatError
+from autopipe.runtime.turns import Turns
+from autopipe.simulate import simulate, simulate_plan
+from autopipe.solver import candidate_chunks, plan, solve
+
+
+def lanes(forward: list[float]) -> list[StageLanes]:
+    return [StageLanes(f, 2 * f, 0.0, 0.0, 0.0, 0.0) for f in forward]
+
+
+def test_shared_device_by_hand() -> None:
+    """Stages 0, 2 on device 0 and 1, 3 on device 1; when both of a device's stages are ready,
+    the later stage goes first (so stage 0's third micro-batch waits)."""
+    events = simulate(lanes([1.0, 0.5, 1.0, 1.0]), 3, "never", [0, 1, 0, 1]).events
+    table = {(e.stage, e.micro_batch): (e.start_ms, e.end_ms) for e in events if e.kind == "F"}
+    assert [table[(0, j)] for j in range(3)] == [(0.0, 1.0), (1.0, 2.0), (4.0, 5.0)]
+    assert [table[(2, j)] for j in range(3)] == [(2.0, 3.0), (3.0, 4.0), (5.5, 6.5)]
+    assert [table[(1, j)] for j in range(3)] == [(1.0, 1.5), (2.0, 2.5), (5.0, 5.5)]
+    assert [table[(3, j)] for j in range(3)] == [(3.0, 4.0), (4.0, 5.0), (6.5, 7.5)]
+
+
+def test_a_device_runs_one_task_at_a_time() -> None:
+    rng = random.Random(3)
+    for _ in range(100):
+        devices, per = rng.randint(1, 3), rng.randint(1, 3)
+        stages = [StageLanes(rng.uniform(0, 3), rng.uniform(0, 5), 0.0, rng.choice([0.0, 0.5]), rng.choice([0.0, 0.5]),
+                             0.0) for _ in range(devices * per)]
+        where = [s % devices for s in range(len(stages))]
+        result = simulate(stages, rng.randint(1, 6), "never", where)
+        for device in range(devices):
+            spans = sorted((e.start_ms, e.end_ms) for e in result.events
+                           if e.lane == "compute" and where[e.stage] == device)
+            assert all(end <= start + 1e-12 for (_, end), (start, _) in zip(spans, spans[1:]))
+        busy = sum(e.duration_ms for e in result.events if e.lane == "compute")
+        assert result.iteration_ms * devices >= busy - 1e-9
+
+
+def brute_force(model, chunks, modes, limits, interleave=2):
+    """The least simulated time over every interleaved split, micro-batch count and mode."""
+    best = math.inf
+    for k in range(2, min(len(limits), model.layers // interleave) + 1):
+        for cuts in itertools.combinations(range(1, model.layers), k * interleave - 1):
+            for m in chunks:
+                for mode in modes:
+                    best = min(best, interleaved.time_of(model, (0, *cuts, model.layers), m, mode, interleave, limits))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_against_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(12):
+        layers, devices = rng.randint(4, 8), rng.randint(2, 3)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=rng.random() < 0.5)
+        model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)])
+        chunks = candidate_chunks(profile.batch_size, profile.batch_sizes)
+        modes = rng.choice([["never", "except_last"], ["always"]])
+        limits = np.full(devices, math.inf)
+        if rng.random() < 0.5:
+            limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
+        expected = brute_force(model, chunks, modes, limits)
+        found = interleaved.search(model, chunks, modes, limits, 2, None)
+        if math.isinf(expected):
+            assert found is None
+            continue
+        assert found.iteration_ms == pytest.approx(expected, rel=1e-9)
+        assert found.interleave == 2 and len(found.bounds) - 1 in (4, 6)
+        # given a better plan to beat, it returns nothing unless it beats it
+        contiguous = solve(model, chunks, modes, limits)
+        beaten = interleaved.search(model, chunks, modes, limits, 2, contiguous)
+        if contiguous is not None and contiguous.iteration_ms <= expected:
+            assert beaten is None
+        else:
+            assert beaten.iteration_ms == pytest.approx(expected, rel=1e-9)
+
+
+def test_lower_bounds_never_exceed_the_simulated_time() -> None:
+    """The pruning is sound: every split's bound is at most its simulated time."""
+    rng = random.Random(7)
+    for _ in range(20):
+        layers, devices = rng.randint(4, 9), rng.randint(2, 3)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2))
+        model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)])
+        limits = np.full(devices, math.inf)
+        for k in range(2, min(devices, layers // 2) + 1):
+            splits = interleaved._Splits.of(layers, k, 2)
+            for m in candidate_chunks(profile.batch_size, profile.batch_sizes):
+                for mode in ("never", "except_last", "always"):
+                    lower = interleaved._lower_bounds(model, splits, m, mode, 2)
+                    for bounds, bound in zip(splits.bounds, lower):
+                        ms = interleaved.time_of(model, tuple(bounds), m, mode, 2, limits)
+                        assert bound <= ms + 1e-9
+
+
+def constant_profile():
+    """12 layers of about equal cost on 3 devices: one stage per device leaves long bubbles."""
+    return make_profile([1001.0 + i for i in range(12)], sizes=(1, 2, 4, 8), linear=True, devices=3)
+
+
+def test_planner_interleaves_when_it_predicts_less_time() -> None:
+    profile = constant_profile()
+    auto = plan(profile, chunks=8)
+    single = plan(profile, chunks=8, interleave=1)
+    assert auto.interleave == 2 and len(auto.stages) == 2 * auto.device_count
+    assert auto.predicted.iteration_ms < single.predicted.iteration_ms
+    assert auto.options["interleaves_searched"] == [1, 2] and single.options["interleaves_searched"] == [1]
+    assert auto.placement == [s % auto.device_count for s in range(len(auto.stages))]
+    assert simulate_plan(auto).iteration_ms == pytest.approx(auto.predicted.iteration_ms)
+    assert plan(profile, chunks=8, engine="distributed").interleave == 1
+
+
+def test_planner_interleave_options_are_checked() -> None:
+    profile = constant_profile()
+    with pytest.raises(ValueError, match="distributed engine runs one stage per process"):
+        plan(profile, interleave=2, engine="distributed")
+    with pytest.raises(ValueError, match="must be 'auto' or a positive integer"):
+        plan(profile, interleave=0)
+    with pytest.raises(ValueError, match="needs at least 2 devices"):
+        plan(profile, 1, interleave=2)
+    wide = make_profile([1.0] * 40, devices=4)
+    with pytest.raises(ValueError, match=r"would enumerate \d+ splits of 40 layers"):
+        plan(wide, interleave=2)
+    assert plan(wide).options["interleaves_searched"] == [1]  # auto stays within the budget
+
+
+def test_interleaved_plan_file_round_trip_and_checks(tmp_path) -> None:
+    chosen = plan(constant_profile(), chunks=8)
+    path = chosen.save(tmp_path / "p.json")
+    loaded = autopipe.Plan.load(path)
+    assert loaded == chosen and loaded.interleave == 2
+    document = json.loads(path.read_text())
+    document["devices"][-1] = "cuda:1"
+    document["stages"][-1]["device"] = "cuda:1"
+    path.write_text(json.dumps(document))
+    with pytest.raises(FormatError, match="must repeat the first 3 devices for interleave=2"):
+        autopipe.Plan.load(path)
+
+
+def test_distributed_engine_refuses_an_interleaved_plan() -> None:
+    layers = autopipe.layer_chain(mlp())
+    profile = make_profile([1.0] * len(layers), devices=2)
+    profile.model = model_fingerprint(layers)
+    chosen = plan(profile, chunks=4, interleave=2)
+    with pytest.raises(DistributedError, match="interleave=2"):
+        RunSettings.resolve(layers, chosen)
+
+
+@pytest.mark.timeout(10)
+def test_turns_serve_waiters_by_rank() -> None:
+    turns, served = Turns(), []
+
+    def wait(rank: int) -> None:
+        with turns.hold(rank):
+            served.append(rank)
+
+    threads = [threading.Thread(target=wait, args=(rank,)) for rank in (3, -1, 2)]
+    with turns.hold(0):
+        for thread in threads:
+            thread.start()
+        while len(turns._waiting) < 3:
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join()
+    assert served == [-1, 2, 3]
+    with pytest.raises(RuntimeError), turns.hold(5):  # a failure gives the turn back
+        raise RuntimeError
+    with turns.hold(9):
+        pass
