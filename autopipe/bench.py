@@ -150,18 +150,24 @@ class Times:
         return {f.name: round(getattr(self, f.name), 4) for f in fields(self)}
 
 
-def stage_times(events: Sequence[Event], stages: int, iteration_ms: float) -> list[Times]:
+def stage_times(events: Sequence[Event], stages: int, iteration_ms: float,
+                placement: Sequence[int] | None = None) -> list[Times]:
     """Per stage: forward and backward compute summed over micro-batches, copy-lane time, and
-    the rest of the iteration, when the stage's compute lane was idle (its bubble).
+    the rest of the iteration, when the stage's device computed nothing (its bubble; the
+    device of stage ``s`` is ``placement[s]``, by default its own).
 
     Predicted and measured events go through this same function, so the two compare field by
     field.  Recomputation (``R``) counts as backward, as the planner predicts it.
     """
+    where = list(range(stages)) if placement is None else list(placement)
     totals = [{"F": 0.0, "B": 0.0, "copy": 0.0} for _ in range(stages)]
     for event in events:
         key = "copy" if event.lane == "copy" else ("F" if event.kind == "F" else "B")
         totals[event.stage][key] += event.duration_ms
-    return [Times(t["F"], t["B"], t["copy"], max(iteration_ms - t["F"] - t["B"], 0.0)) for t in totals]
+    busy = [0.0] * (max(where) + 1)
+    for stage, total in enumerate(totals):
+        busy[where[stage]] += total["F"] + total["B"]
+    return [Times(t["F"], t["B"], t["copy"], max(iteration_ms - busy[where[s]], 0.0)) for s, t in enumerate(totals)]
 
 
 @dataclass(frozen=True)
@@ -290,10 +296,12 @@ def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], ch
 
 
 def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:
-    """One row per stage and one for the whole iteration (mean idle per stage, total copy)."""
+    """One row per stage and one for the whole iteration (mean idle per stage, which is its
+    device's, total copy)."""
     count = len(plan.stages)
-    predicted = stage_times(simulation.events, count, simulation.iteration_ms)
-    per_step = [stage_times(trace, count, step.iteration_ms) for trace, step in zip(piped.traces, piped.times)]
+    predicted = stage_times(simulation.events, count, simulation.iteration_ms, plan.placement)
+    per_step = [stage_times(trace, count, step.iteration_ms, plan.placement)
+                for trace, step in zip(piped.traces, piped.times)]
     measured = [medians([step[s] for step in per_step]) for s in range(count)]
     step = medians(piped.times)
     rows = [Row(_stage_name(stage), p, m, simulation.iteration_ms, step.iteration_ms)

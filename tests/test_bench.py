@@ -49,6 +49,9 @@ def test_stage_times_sums_lanes_and_leaves_the_rest_idle() -> None:
     first, second = stage_times(events, 2, iteration_ms=15.0)
     assert first == Times(forward_ms=4.0, backward_ms=3.5, copy_ms=0.5, idle_ms=7.5)
     assert second == Times(forward_ms=2.5, backward_ms=4.0, copy_ms=0.5, idle_ms=8.5)
+    # both stages on one device: each sees the device idle only when neither computes
+    first, second = stage_times(events, 2, iteration_ms=15.0, placement=[0, 0])
+    assert first.idle_ms == second.idle_ms == 15.0 - 7.5 - 6.5
 
 
 def test_errors_are_relative_to_measured_and_skip_tiny_figures() -> None:

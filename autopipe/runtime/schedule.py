@@ -9,6 +9,9 @@ orders each phase separately.  Fill-drain (GPipe) is what the planner models::
     stage 1:     F0 F1 F2 F3          B3 B2 B1 B0
     stage 2:        F0 F1 F2 F3    B3 B2 B1 B0
 
+Stages placed on one device (``interleave``) each keep this order; they take turns on the
+device (:mod:`autopipe.runtime.turns`), which decides who goes first when both are ready.
+
 Interleaving forwards and backwards (1F1B) needs the loss inside the pipeline, because the
 caller's loss exists only after the whole forward phase; it would be a schedule whose phases
 are not separate, and is not offered by this runtime.
