@@ -20,7 +20,9 @@ torch.distributed.pipelining (one stage per process: 2 processes, 1 thread each)
 speedup over its own single-device run.
 
 Speedups are medians of per-round ratios (each configuration against the plain step of the same
-round), which drifts in machine speed between rounds do not move.  Memory is allocated alike on
+round), which drifts in machine speed between rounds do not move; the "of medians" column is
+the plain model's median step over the configuration's, which they do move, printed beside it
+because on a noisy machine the two can differ by several percent.  Memory is allocated alike on
 every thread (:mod:`autopipe.allocator`), so that the plain model (on the main thread) and the
 stages (on worker threads) differ only in what they compute.
 
@@ -77,7 +79,7 @@ def main() -> None:
     times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
     speedups = {name: statistics.median(p / ms for (p, _), (ms, _) in zip(samples["plain"], values))
                 for name, values in samples.items()}
-    print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'error':>7s} "
+    print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'of medians':>10s} {'predicted':>10s} {'error':>7s} "
           f"{'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
         ideal = prediction = ""
@@ -87,7 +89,7 @@ def main() -> None:
             ideal = f"{fill_drain:14.1f} {overhead:+9.1%}"
         if name in predicted:
             prediction = f"{predicted[name]:10.1f} {predicted[name] / ms - 1:+7.1%}"
-        print(f"{name:44s} {ms:10.1f} {speedups[name]:7.2f}x {prediction:>18s} {ideal}")
+        print(f"{name:44s} {ms:10.1f} {speedups[name]:7.2f}x {times['plain'] / ms:9.2f}x {prediction:>18s} {ideal}")
     best = max((speedup, name) for name, speedup in speedups.items() if name in nets and "1 stage" not in name)
     one_stage = 1 / speedups["pipeline 1 stage, m=1"] - 1
     print(f"best: {best[1]} at {best[0]:.2f}x; one-stage pipeline vs plain: {one_stage:+.1%}; "

@@ -33,12 +33,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stage_table(plan: Plan) -> str:
-    """One row per stage: device, layers, per-micro-batch times and predicted memory."""
-    lines = [f"{'stage':>5}  {'device':<8} {'layers':<24} {'F ms':>8} {'B ms':>8} {'R ms':>8} "
+    """One row per stage: device (index:name; stages of an interleaved plan share an index),
+    layers, per-micro-batch times and predicted memory."""
+    lines = [f"{'stage':>5}  {'device':<10} {'layers':<24} {'F ms':>8} {'B ms':>8} {'R ms':>8} "
              f"{'copy in':>8} {'grad in':>8} {'memory':>10}"]
     for s in plan.stages:
         layers = f"{s.start}-{s.stop - 1} {s.first_layer}..{s.last_layer}"
-        lines.append(f"{s.index:>5}  {s.device:<8} {layers[:24]:<24} {s.forward_ms:>8.2f} {s.backward_ms:>8.2f} "
+        device = f"{plan.placement[s.index]}:{s.device}"
+        lines.append(f"{s.index:>5}  {device:<10} {layers[:24]:<24} {s.forward_ms:>8.2f} {s.backward_ms:>8.2f} "
                      f"{s.recompute_ms:>8.2f} {s.copy_in_ms:>8.2f} {s.copy_grad_ms:>8.2f} "
                      f"{s.memory_bytes / 2**20:>7.1f} MiB")
     p = plan.predicted
