@@ -3,6 +3,7 @@
     python -m autopipe plan ... --out plans/resnet18.json      # made by the planner
     python examples/train_with_plan.py --plan plans/resnet18.json
     python examples/train_with_plan.py --balance 7,8 --chunks 4  # without a plan
+    python examples/train_with_plan.py --balance 3,2,4,6 --interleave 2   # two stages per device
 
 Data are synthetic (a few fixed random batches, so the loss visibly falls as the model fits
 them).  The checkpoint is ``torch.save(pipe.state_dict())``: the plain model's own keys.
@@ -31,11 +32,13 @@ def main() -> None:
         batch = plan.batch_size
     else:
         balance = [int(n) for n in args.balance.split(",")]
-        devices = args.devices.split(",") if args.devices else ["cpu"] * len(balance)
+        devices = args.devices.split(",") if args.devices else ["cpu"] * (len(balance) // args.interleave)
         pipe = autopipe.Pipeline(model, balance=balance, devices=devices, chunks=args.chunks,
-                                 checkpoint=args.checkpoint, deferred_batch_norm=args.deferred_batch_norm)
+                                 checkpoint=args.checkpoint, deferred_batch_norm=args.deferred_batch_norm,
+                                 interleave=args.interleave)
         batch = args.batch
-    print(f"{args.model}: stages {pipe.balance} on {[str(d) for d in pipe.devices]}, "
+    print(f"{args.model}: stages {pipe.balance} on {[str(d) for d in pipe.devices]} "
+          f"({pipe.interleave} per device), "
           f"{pipe.chunks} micro-batches, checkpoint={pipe.checkpoint}, batch {batch}")
 
     data = [(torch.randn(batch, 3, args.size, args.size), torch.randint(0, args.classes, (batch,)))
@@ -82,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", help="a plan file from `python -m autopipe plan`")
     parser.add_argument("--model", default="torchvision:resnet18")
     parser.add_argument("--balance", default="7,8", help="layers per stage, without a plan")
-    parser.add_argument("--devices", help="comma-separated, one per stage (default: cpu each)")
+    parser.add_argument("--devices", help="comma-separated, one per device (default: cpu each)")
+    parser.add_argument("--interleave", type=int, default=1,
+                        help="stages per device, without a plan: stage s on device s %% devices")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches, without a plan")
     parser.add_argument("--checkpoint", default="except_last", choices=["never", "except_last", "always"])
     parser.add_argument("--batch", type=int, default=32, help="batch size, without a plan")
