@@ -85,12 +85,18 @@ from .graph import build_graph, chain_of
 from .profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
-           "phase_makespan", "backward_makespan", "MODES", "ENGINES"]
+           "phase_makespan", "backward_makespan", "recomputations", "MODES", "ENGINES"]
 
 #: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
 MODES = ("never", "except_last", "always")
 #: engines a plan can be costed for: the in-process runtime or torch.distributed.pipelining.
 ENGINES = ("local", "distributed")
+
+
+def recomputations(mode: str, chunks: int) -> int:
+    """How many of ``chunks`` micro-batches rerun their forward before their backward in
+    checkpoint ``mode``: none, all but the last, or all."""
+    return {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
 
 
 def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
@@ -301,7 +307,7 @@ class CostModel:
         stages = []
         for s in range(count):
             forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
-            recompute = forward if mode != "never" and not (mode == "except_last" and chunks == 1) else 0.0
+            recompute = forward if recomputations(mode, chunks) else 0.0
             held = self.held_bytes(costs, bounds[s], bounds[s + 1])
             memory = self.memory(costs, bounds[s], bounds[s + 1], chunks, mode, held)
             stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))

@@ -18,9 +18,10 @@ per phase the larger of
 * the chain: one micro-batch through every stage plus ``m - 1`` more on the slowest lane
   (``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might not happen),
 
-and splits are simulated in order of bound (over every micro-batch count and mode at once)
-until the bound reaches the best time found; a split over a device's memory limit (the sum of
-its stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; beyond
+and splits are simulated in order of bound until it reaches the best time found (the
+``(chunks, mode, device count)`` groups themselves taken in order of their least possible
+work per device, see :func:`search`); a split over a device's memory limit (the sum of its
+stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; beyond
 :data:`BUDGET` of them the planner does not interleave (and says so in the plan's options).
 """
 from __future__ import annotations
@@ -32,11 +33,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import CostModel, recomputations
+from .plans import placement
 from .search import Choice
 from .simulate import simulate
 
-__all__ = ["BUDGET", "split_count", "placement", "search", "time_of"]
+__all__ = ["BUDGET", "split_count", "search", "time_of"]
 
 #: splits (over all device counts) that the planner enumerates for one interleave factor.
 BUDGET = 200_000
@@ -45,11 +47,6 @@ BUDGET = 200_000
 def split_count(layers: int, devices: int, interleave: int) -> int:
     """Splits of ``layers`` into ``interleave`` stages on each of 2..``devices`` devices."""
     return sum(math.comb(layers - 1, k * interleave - 1) for k in range(2, devices + 1))
-
-
-def placement(stages: int, interleave: int) -> list[int]:
-    """Stage ``s`` on device ``s % (stages / interleave)``."""
-    return [s % (stages // interleave) for s in range(stages)]
 
 
 def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
@@ -78,8 +75,7 @@ class _Splits:
         stages = devices * interleave
         cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
                            dtype=np.int64).reshape(-1, stages - 1)
-        ends = np.broadcast_to([[0]], (len(cuts), 1)), np.broadcast_to([[layers]], (len(cuts), 1))
-        return _Splits(devices, np.hstack([ends[0], cuts, ends[1]]))
+        return _Splits(devices, np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers))))
 
 
 def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
@@ -112,9 +108,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
 def _work_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:
     """All the work of one iteration over the total speed of ``devices`` devices."""
     costs = model.at(model.micro_batch_size(chunks))
-    effective = "never" if mode == "except_last" and chunks == 1 else mode
-    recomputed = {"never": 0, "except_last": chunks - 1, "always": chunks}[effective]
-    work = chunks * (costs.forward[-1] + costs.backward[-1]) + recomputed * costs.forward[-1]
+    work = chunks * (costs.forward[-1] + costs.backward[-1]) + recomputations(mode, chunks) * costs.forward[-1]
     return float(work / np.sum(model.speeds[:devices]))
 
 
@@ -125,10 +119,9 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
     speeds = model.speeds[np.asarray(placement(bounds.shape[1] - 1, interleave))]
     forward = (costs.forward[bounds[:, 1:]] - costs.forward[bounds[:, :-1]]) / speeds
     backward = (costs.backward[bounds[:, 1:]] - costs.backward[bounds[:, :-1]]) / speeds
-    effective = "never" if mode == "except_last" and chunks == 1 else mode
-    recompute = forward if effective != "never" else np.zeros_like(forward)
-    recomputed = {"never": 0, "except_last": chunks - 1, "always": chunks}[effective]
-    least = backward + (recompute if effective == "always" else 0.0)  # a backward job at the least
+    recomputed = recomputations(mode, chunks)
+    recompute = forward if recomputed else np.zeros_like(forward)
+    least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
     return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
                            splits.devices, chunks, reverse=True))

@@ -8,11 +8,17 @@ from typing import Any
 
 from .jsonio import Fields, read_json, write_json_atomic
 
-__all__ = ["StagePlan", "Prediction", "Plan", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
+__all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
 PLAN_SCHEMA_VERSION = 1
 CHECKPOINT_MODES = ("never", "except_last", "always")
 SCHEDULES = ("gpipe", "1f1b")
+
+
+def placement(stages: int, interleave: int) -> list[int]:
+    """Device index of every stage when each device holds ``interleave`` of them, round-robin:
+    stage ``s`` on device ``s % (stages / interleave)``."""
+    return [s % (stages // interleave) for s in range(stages)]
 
 
 @dataclass
@@ -113,7 +119,7 @@ class Plan:
     @property
     def placement(self) -> list[int]:
         """Device index of every stage: stage ``s`` on ``s % device_count``."""
-        return [s % self.device_count for s in range(len(self.stages))]
+        return placement(len(self.stages), self.interleave)
 
     @property
     def balance(self) -> list[int]:

@@ -22,7 +22,7 @@ beside the other stage, which made the planner pick micro-batches too small.
 The sizes take turns, pass by pass (and the twin follows), rather than each being timed in one
 stretch: on a shared machine the speed drifts by 10% and more over minutes, and timed one after
 the other, sizes 8 and 16 of ResNet-18 once came out 4% apart per sample where whole training
-steps measured 7-18% in the same hour, leaving the planner a coin toss between 4 and 8
+steps measured 7-11% apart in the same hour (18% in the team's field notes), leaving the planner a coin toss between 4 and 8
 micro-batches.
 """
 from __future__ import annotations
@@ -331,10 +331,11 @@ class _Load:
 
     def _loop(self) -> None:
         try:
-            _train_pass(self.twins[self.size], self.size)  # at least once, however short the block
-            while not self.stop.is_set():
+            while True:  # at least one pass, however short the block
                 size = self.size
                 _train_pass(self.twins[size], size)
+                if self.stop.is_set():
+                    break
         except Exception as error:  # handed to the profiling thread by __exit__
             self.error = error
 

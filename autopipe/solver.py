@@ -20,8 +20,8 @@ import numpy as np
 
 from . import interleaved
 from .completion import Completions
-from .cost import MODES, CostModel, Evaluation, SizeCosts
-from .plans import SCHEDULES, Plan, Prediction, StagePlan
+from .cost import MODES, CostModel, Evaluation, SizeCosts, recomputations
+from .plans import SCHEDULES, Plan, Prediction, StagePlan, placement
 from .profiles import Profile
 from .search import Candidate, Choice, Search, greedy_split, least_largest
 from .simulate import simulate
@@ -356,7 +356,7 @@ def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
                options: dict[str, Any], interleave: int = 1) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
-    where = interleaved.placement(len(bounds) - 1, interleave)
+    where = placement(len(bounds) - 1, interleave)
     if interleave == 1:
         evaluation = model.evaluate(bounds, chunks, mode)
     else:
@@ -372,7 +372,7 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
                   memory_bytes=int(math.ceil(lanes.memory)))
         for s, lanes in enumerate(evaluation.stages)
     ]
-    recomputed = {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
+    recomputed = recomputations(mode, chunks)
     busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
     used = len(stages) // interleave
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0

@@ -47,6 +47,7 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.cost import StageLanes  # noqa: E402
+from autopipe.plans import placement  # noqa: E402
 from autopipe.simulate import simulate  # noqa: E402
 
 
@@ -177,8 +178,7 @@ def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
 
     stages = len(pipe.stages)
     lanes = [StageLanes(mean(s, "F"), mean(s, "B"), mean(s, "R"), 0.0, 0.0, 0.0) for s in range(stages)]
-    placement = [s % (stages // pipe.interleave) for s in range(stages)]
-    return simulate(lanes, chunks, pipe.checkpoint, placement).iteration_ms
+    return simulate(lanes, chunks, pipe.checkpoint, placement(stages, pipe.interleave)).iteration_ms
 
 
 def _interleaved(steps: dict[str, Callable[[], None]], nets: dict[str, autopipe.Pipeline],
