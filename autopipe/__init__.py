@@ -16,29 +16,29 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # profile
-    "profile": "profiler",
-    "Profile": "profiles",
-    "LayerProfile": "profiles",
-    "CopyFit": "profiles",
-    "layer_chain": "layers",
-    "Layer": "layers",
-    "chain": "capture",
+    "profile": "profiling",
+    "Profile": "profiling",
+    "LayerProfile": "profiling",
+    "CopyFit": "profiling",
+    "layer_chain": "model",
+    "Layer": "model",
+    "chain": "model",
     # plan
-    "plan": "solver",
-    "Plan": "plans",
-    "partition": "partition",
+    "plan": "planning",
+    "Plan": "planning",
+    "partition": "_partition",
     # run
     "Pipeline": "runtime",
-    "skippable": "skip",
-    "stash": "skip",
-    "pop": "skip",
-    "verify_skippables": "skip",
-    "Namespace": "skip",
-    "is_recomputing": "checkpoint",
-    "DeferredBatchNorm": "batchnorm",
+    "skippable": "model",
+    "stash": "model",
+    "pop": "model",
+    "verify_skippables": "model",
+    "Namespace": "model",
+    "is_recomputing": "runtime",
+    "DeferredBatchNorm": "runtime",
     "DistributedPipeline": "distributed",
     # errors
-    "FormatError": "jsonio",
+    "FormatError": "_jsonio",
     "DeviceError": "device",
 }
 
@@ -59,17 +59,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .batchnorm import DeferredBatchNorm
-    from .capture import chain
-    from .checkpoint import is_recomputing
+    from .runtime.batchnorm import DeferredBatchNorm
+    from .model.capture import chain
+    from .runtime.checkpoint import is_recomputing
     from .device import DeviceError
     from .distributed import DistributedPipeline
-    from .jsonio import FormatError
-    from .layers import Layer, layer_chain
-    from .partition import partition
-    from .plans import Plan
-    from .profiler import profile
-    from .profiles import CopyFit, LayerProfile, Profile
+    from ._jsonio import FormatError
+    from .model import Layer, layer_chain
+    from ._partition import partition
+    from .planning.plans import Plan
+    from .profiling.profiler import profile
+    from .profiling.profiles import CopyFit, LayerProfile, Profile
     from .runtime import Pipeline
-    from .skip import Namespace, pop, skippable, stash, verify_skippables
-    from .solver import plan
+    from .model.skip import Namespace, pop, skippable, stash, verify_skippables
+    from .planning.solver import plan

@@ -1,7 +1,7 @@
 """``python -m autopipe``: the command line, with steady CPU memory for its measurements."""
-from .allocator import steady_memory
+from ._allocator import steady_memory
 
-steady_memory()  # before torch is imported: see autopipe.allocator
+steady_memory()  # before torch is imported: see autopipe._allocator
 
 from .cli import main  # noqa: E402
 

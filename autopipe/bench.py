@@ -10,13 +10,13 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .cost import CostModel
+from .planning.cost import CostModel
 from .device import ops_for
-from .plans import Plan, StagePlan
-from .profiles import Profile
+from .planning.plans import Plan, StagePlan
+from .profiling.profiles import Profile
 from .runtime import Pipeline
-from .simulate import Simulation, simulate_plan
-from .solver import build_plan
+from .planning.simulate import Simulation, simulate_plan
+from .planning.solver import build_plan
 from .timeline import Event
 
 __all__ = [

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from synthetic import random_profile  # noqa: E402
 
-from autopipe.solver import plan  # noqa: E402
+from autopipe.planning.solver import plan  # noqa: E402
 
 DEFAULT = ["100x8", "200x16", "400x32", "1000x64", "10000x8"]
 

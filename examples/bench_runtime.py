@@ -23,7 +23,7 @@ Speedups are medians of per-round ratios (each configuration against the plain s
 round), which drifts in machine speed between rounds do not move; the "of medians" column is
 the plain model's median step over the configuration's, which they do move, printed beside it
 because on a noisy machine the two can differ by several percent.  Memory is allocated alike on
-every thread (:mod:`autopipe.allocator`), so that the plain model (on the main thread) and the
+every thread (:mod:`autopipe._allocator`), so that the plain model (on the main thread) and the
 stages (on worker threads) differ only in what they compute.
 
     python examples/bench_runtime.py [--rounds 7] [--chunks 1,2,4,8] [--balance 7,8] [--distributed]
@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Callable
 
-from autopipe.allocator import steady_memory
+from autopipe._allocator import steady_memory
 
 MEMORY = steady_memory()  # before torch is imported
 
@@ -46,9 +46,9 @@ import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.cost import StageLanes  # noqa: E402
-from autopipe.plans import placement  # noqa: E402
-from autopipe.simulate import simulate  # noqa: E402
+from autopipe.planning.cost import StageLanes  # noqa: E402
+from autopipe.planning.plans import placement  # noqa: E402
+from autopipe.planning.simulate import simulate  # noqa: E402
 
 
 def main() -> None:

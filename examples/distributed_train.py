@@ -16,7 +16,7 @@ import torchvision
 from torch import nn
 
 from autopipe.distributed import DistributedPipeline
-from autopipe.plans import Plan
+from autopipe.planning.plans import Plan
 
 
 def parse_args() -> argparse.Namespace:

@@ -16,8 +16,8 @@ import time
 import torch
 import torchvision
 
-from autopipe.profiler import profile
-from autopipe.profiles import LayerProfile, Profile
+from autopipe.profiling.profiler import profile
+from autopipe.profiling.profiles import LayerProfile, Profile
 
 
 def main() -> None:

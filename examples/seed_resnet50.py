@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopipe.allocator import steady_memory
+from autopipe._allocator import steady_memory
 
 MEMORY = steady_memory()  # before torch is imported
 
@@ -37,10 +37,10 @@ from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.bench import Trainer, interleave, medians, plan_of, synthetic_batch
-from autopipe.cost import interpolate
+from autopipe.planning.cost import interpolate
 from autopipe.device import resolve_devices
-from autopipe.fingerprint import environment_fingerprint, first_difference, model_fingerprint
-from autopipe.jsonio import write_json_atomic
+from autopipe.model.fingerprint import environment_fingerprint, first_difference, model_fingerprint
+from autopipe._jsonio import write_json_atomic
 
 COMMITTED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "resnet50-128.json"
 TUTORIAL_CUT = "layer3.0"  # the tutorial's seq1 = conv1..layer2, seq2 = layer3..fc

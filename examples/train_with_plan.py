@@ -18,7 +18,7 @@ import torchvision
 from torch import nn
 
 import autopipe
-from autopipe.jsonio import write_atomic
+from autopipe._jsonio import write_atomic
 
 
 def main() -> None:

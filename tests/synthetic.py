@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from autopipe.fingerprint import digest
-from autopipe.profiles import CopyFit, LayerProfile, Profile, Stat
+from autopipe._jsonio import digest
+from autopipe.profiling.profiles import CopyFit, LayerProfile, Profile, Stat
 
 __all__ = ["make_profile", "random_profile", "scale"]
 

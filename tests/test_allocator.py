@@ -11,7 +11,7 @@ import pytest
 SCRIPT = """
 import os, sys
 {before}
-from autopipe.allocator import steady_memory
+from autopipe._allocator import steady_memory
 said = steady_memory()
 import torch
 x = torch.ones(2**21)  # 8 MiB: a huge-page allocation when enabled
@@ -41,7 +41,7 @@ def test_after_torch_huge_pages_are_reported_off_with_the_fix() -> None:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_a_pipeline_trains_the_same_under_steady_memory() -> None:
     script = """
-from autopipe.allocator import steady_memory
+from autopipe._allocator import steady_memory
 steady_memory()
 import torch, autopipe
 torch.manual_seed(0)

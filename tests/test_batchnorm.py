@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.batchnorm import DeferredBatchNorm
-from autopipe.microbatch import split_sizes
+from autopipe.runtime.batchnorm import DeferredBatchNorm
+from autopipe.runtime.microbatch import split_sizes
 from test_runtime import assert_close, reference_step
 
 

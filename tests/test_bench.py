@@ -11,7 +11,7 @@ from torch import nn
 import autopipe
 from autopipe.bench import Row, Times, Trainer, interleave, plan_of, stage_times, synthetic_batch
 from autopipe.cli import main
-from autopipe.simulate import simulate_plan
+from autopipe.planning.simulate import simulate_plan
 from autopipe.timeline import Event
 
 FEATURES = 16

@@ -9,10 +9,10 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.capture import CaptureError, CapturedLayer, chain
-from autopipe.layers import Layer, layer_chain
-from autopipe.skip import current_skip_tracker, verify_skippables
-from autopipe.solver import PlanningError
+from autopipe.model.capture import CaptureError, CapturedLayer, chain
+from autopipe.model import Layer, layer_chain
+from autopipe.model.skip import current_skip_tracker, verify_skippables
+from autopipe.planning.solver import PlanningError
 from models import TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.checkpoint import RandomGuard
+from autopipe.runtime.checkpoint import RandomGuard
 
 
 class Record(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from synthetic import make_profile
 
-from autopipe.cost import CostModel, copy_matrix, interpolate
+from autopipe.planning.cost import CostModel, copy_matrix, interpolate
 
 
 def model_of(profile, devices=None, speeds=None, batch=None, factor=2.0, engine="local"):

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed.local import launch_local
-from autopipe.fingerprint import model_fingerprint
-from autopipe.layers import layer_chain
-from autopipe.plans import Plan, Prediction, StagePlan
-from autopipe.skip import pop, skippable, stash
+from autopipe.model.fingerprint import model_fingerprint
+from autopipe.model import layer_chain
+from autopipe.planning.plans import Plan, Prediction, StagePlan
+from autopipe.model.skip import pop, skippable, stash
 
 JOB_TIMEOUT_S = 100.0
 BATCH, CHUNKS = 8, 4
@@ -403,7 +403,7 @@ def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_load
 
 def test_skip_routes_pass_along_every_stage_between() -> None:
     from autopipe.distributed import StageModule, skip_routes
-    from autopipe.layers import layer_chain
+    from autopipe.model import layer_chain
 
     layers = layer_chain(skip_model())
     routes = skip_routes(layers, [3, 3, 3])

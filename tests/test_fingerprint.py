@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopipe.fingerprint import environment_fingerprint, first_difference, model_fingerprint
-from autopipe.layers import layer_chain
+from autopipe.model.fingerprint import environment_fingerprint, first_difference, model_fingerprint
+from autopipe.model import layer_chain
 
 
 def fingerprint(model: nn.Module) -> dict:

@@ -16,14 +16,14 @@ from test_runtime import mlp
 from test_solver import model_of
 
 import autopipe
-from autopipe import interleaved
-from autopipe.cost import StageLanes
+from autopipe.planning import interleaved
+from autopipe.planning.cost import StageLanes
 from autopipe.distributed.pipeline import DistributedError, RunSettings
-from autopipe.fingerprint import model_fingerprint
-from autopipe.jsonio import FormatError
+from autopipe.model.fingerprint import model_fingerprint
+from autopipe._jsonio import FormatError
 from autopipe.runtime.turns import Turns
-from autopipe.simulate import simulate, simulate_plan
-from autopipe.solver import candidate_chunks, plan, solve
+from autopipe.planning.simulate import simulate, simulate_plan
+from autopipe.planning.solver import candidate_chunks, plan, solve
 
 
 def lanes(forward: list[float]) -> list[StageLanes]:

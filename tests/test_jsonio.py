@@ -7,7 +7,7 @@ from typing import IO
 import pytest
 import torch
 
-from autopipe.jsonio import write_atomic
+from autopipe._jsonio import write_atomic
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
-from autopipe.layers import ChainError, layer_chain
-from autopipe.skip import DEFAULT_NAMESPACE, Namespace, SkipKey
+from autopipe.model import ChainError, layer_chain
+from autopipe.model.skip import DEFAULT_NAMESPACE, Namespace, SkipKey
 from models import Add, Save
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from autopipe.microbatch import gather, map_tensors, scatter, split_sizes, tensors_of
+from autopipe.runtime.microbatch import gather, map_tensors, scatter, split_sizes, tensors_of
 
 
 @given(batch=st.integers(1, 200), chunks=st.integers(1, 40))

@@ -1,4 +1,4 @@
-"""``autopipe.partition``: profile → plan → run in one call, against the plain model."""
+"""``autopipe._partition``: profile → plan → run in one call, against the plain model."""
 from __future__ import annotations
 
 import copy

@@ -7,7 +7,7 @@ import pytest
 from synthetic import make_profile
 
 from autopipe.cli import main
-from autopipe.plans import Plan
+from autopipe.planning.plans import Plan
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import json
 import pytest
 from synthetic import make_profile
 
-from autopipe.jsonio import FormatError
-from autopipe.plans import Plan
-from autopipe.solver import plan
+from autopipe._jsonio import FormatError
+from autopipe.planning.plans import Plan
+from autopipe.planning.solver import plan
 
 
 @pytest.fixture

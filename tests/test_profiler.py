@@ -10,10 +10,10 @@ import torchvision
 from torch import Tensor, nn
 
 from autopipe.cli import profile as profile_cli
-from autopipe.layers import layer_chain
-from autopipe.profiler import ProfileError, fit_copy, profile
-from autopipe.profiles import Profile
-from autopipe.skip import skippable, stash
+from autopipe.model import layer_chain
+from autopipe.profiling.profiler import ProfileError, fit_copy, profile
+from autopipe.profiling.profiles import Profile
+from autopipe.model.skip import skippable, stash
 from models import Add
 
 FAST = {"warmup": 0, "repeats": 1, "copy_sizes": (4096, 65536), "quiet": True}

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autopipe.jsonio import FormatError
-from autopipe.profiler import profile
-from autopipe.profiles import PROFILE_SCHEMA_VERSION, Profile, Stat
-from autopipe.skip import pop, skippable, stash
+from autopipe._jsonio import FormatError
+from autopipe.profiling.profiler import profile
+from autopipe.profiling.profiles import PROFILE_SCHEMA_VERSION, Profile, Stat
+from autopipe.model.skip import pop, skippable, stash
 
 
 @skippable(stash=["half"])

@@ -15,7 +15,7 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.microbatch import split_sizes
+from autopipe.runtime.microbatch import split_sizes
 
 
 def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 1e-5) -> None:

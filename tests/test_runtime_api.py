@@ -11,8 +11,8 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.fingerprint import model_fingerprint
-from autopipe.plans import Plan, Prediction, StagePlan
+from autopipe.model.fingerprint import model_fingerprint
+from autopipe.planning.plans import Plan, Prediction, StagePlan
 from autopipe.runtime import StageError
 from test_runtime import assert_close, mlp, reference_step, skip_model
 

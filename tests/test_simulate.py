@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from autopipe.cost import StageLanes, phase_makespan
-from autopipe.simulate import simulate
+from autopipe.planning.cost import StageLanes, phase_makespan
+from autopipe.planning.simulate import simulate
 from autopipe.timeline import render
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from synthetic import make_profile, random_profile
 
-from autopipe.cost import CostModel
-from autopipe.profiles import Profile
-from autopipe.solver import PlanningError, candidate_chunks, plan, solve
+from autopipe.planning.cost import CostModel
+from autopipe.profiling.profiles import Profile
+from autopipe.planning.solver import PlanningError, candidate_chunks, plan, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,7 +186,7 @@ def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
 
 def label_after(lanes, chunks, mode):
     """``(X, M, V, S)`` after the stages ``lanes`` (``cost.StageLanes``), by the recurrences of
-    autopipe.cost, as the search grows its labels."""
+    autopipe.planning.cost, as the search grows its labels."""
     x, peak, v, total = 0.0, 0.0, -math.inf, 0.0
     for stage in lanes:
         back = stage.backward + stage.recompute
@@ -205,7 +205,7 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
     """Two partial plans of two stages that end at the same cut (one copy fit for all pairs, so
     what follows costs the same after either): if the rule says ``a`` dominates ``b``, every
     way of finishing gives ``a`` a time no larger than ``b``."""
-    from autopipe.search import _beats, _Labels
+    from autopipe.planning.search import _beats, _Labels
 
     rng = random.Random(seed)
     profile = random_profile(rng, 10, 4, skips=2, per_pair=False)
@@ -227,7 +227,7 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
 
 
 def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
-    from autopipe.search import _beats, _dominated, _Labels, _led
+    from autopipe.planning.search import _beats, _dominated, _Labels, _led
 
     rng = np.random.default_rng(0)
     for chunks in (1, 2, 5):
@@ -251,8 +251,8 @@ def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
 def test_completions_bound_every_way_to_finish(seed):
     """For every split and every cut in it, what the grid says the rest costs at least, added to
     the plan so far, is no more than the split's time; and its plans are splits."""
-    from autopipe.completion import Completions
-    from autopipe.search import Candidate
+    from autopipe.planning.completion import Completions
+    from autopipe.planning.search import Candidate
 
     rng = random.Random(seed)
     for _ in range(12):
@@ -280,7 +280,7 @@ def test_completions_bound_every_way_to_finish(seed):
 
 
 def test_cut_costs_are_the_copies_between_neighbouring_devices():
-    from autopipe.search import _cut_costs
+    from autopipe.planning.search import _cut_costs
 
     profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=[5, 0, 3, 9, 1, 0],
                            copies={(0, 1): (1.0, 0.1), (1, 0): (2.0, 0.2), (1, 2): (0.5, 0.3), (2, 1): (3.0, 0.1),
@@ -296,7 +296,7 @@ def test_cut_costs_are_the_copies_between_neighbouring_devices():
 
 
 def test_range_minima_against_slicing():
-    from autopipe.completion import _RangeMin
+    from autopipe.planning.completion import _RangeMin
 
     rng = np.random.default_rng(1)
     for _ in range(100):
@@ -310,7 +310,7 @@ def test_range_minima_against_slicing():
 
 def test_min_max_split_against_brute_force():
     """compare's baseline uses the solver's min-max bisection, with exactly ``parts`` stages."""
-    from autopipe.compare import min_max_split
+    from autopipe.planning.compare import min_max_split
 
     rng = random.Random(0)
     for _ in range(200):

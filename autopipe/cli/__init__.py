@@ -9,7 +9,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from ..jsonio import FormatError
+from .._jsonio import FormatError
 
 __all__ = ["main"]
 

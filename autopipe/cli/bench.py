@@ -7,12 +7,12 @@ import torch
 
 from ..bench import BenchResult, bench_plan, format_bench, synthetic_batch
 from ..device import resolve_devices
-from ..fingerprint import environment_fingerprint
-from ..jsonio import write_json_atomic
-from ..plans import Plan
-from ..profiler import profile
-from ..profiles import Profile
-from ..solver import plan as choose_plan
+from ..model.fingerprint import environment_fingerprint
+from .._jsonio import write_json_atomic
+from ..planning.plans import Plan
+from ..profiling.profiler import profile
+from ..profiling.profiles import Profile
+from ..planning.solver import plan as choose_plan
 from ..timeline import render
 from .profile import load_model, parse_ints
 

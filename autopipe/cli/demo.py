@@ -8,9 +8,9 @@ import torch
 
 from ..bench import BenchResult, bench_plan, format_bench, synthetic_batch
 from ..device import resolve_devices
-from ..plans import Plan
-from ..profiler import profile
-from ..solver import plan as choose_plan
+from ..planning.plans import Plan
+from ..profiling.profiler import profile
+from ..planning.solver import plan as choose_plan
 from ..timeline import render
 from .profile import load_model, parse_ints
 from .show import stage_table

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..plans import Plan
-from ..profiles import Profile
+from ..planning.plans import Plan
+from ..profiling.profiles import Profile
 
 __all__ = ["add_arguments", "run", "summary"]
 
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compare import compare, format_comparison
-    from ..solver import plan
+    from ..planning.compare import compare, format_comparison
+    from ..planning.solver import plan
 
     profile = Profile.load(args.profile)
     chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,

@@ -7,8 +7,8 @@ import importlib
 import torch
 from torch import nn
 
-from ..profiler import profile
-from ..profiles import Profile
+from ..profiling.profiler import profile
+from ..profiling.profiles import Profile
 
 __all__ = ["add_arguments", "run", "load_model", "parse_ints"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..plans import Plan
-from ..simulate import simulate_plan
+from ..planning.plans import Plan
+from ..planning.simulate import simulate_plan
 from ..timeline import Event, render
 
 __all__ = ["add_arguments", "run", "stage_table"]

@@ -15,12 +15,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
-from ..checkpoint import recomputing
-from ..fingerprint import first_difference, model_fingerprint
-from ..jsonio import write_atomic
-from ..layers import Layer, layer_chain
-from ..plans import CHECKPOINT_MODES, SCHEDULES, Plan
-from ..skip import SkipKey, SkipTracker, use_skip_tracker
+from ..runtime.checkpoint import recomputing
+from ..model.fingerprint import first_difference, model_fingerprint
+from .._jsonio import write_atomic
+from ..model import Layer, layer_chain
+from ..planning.plans import CHECKPOINT_MODES, SCHEDULES, Plan
+from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
 
 __all__ = [
     "DistributedError",

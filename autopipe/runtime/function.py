@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
-from ..microbatch import gather
+from .microbatch import gather
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 

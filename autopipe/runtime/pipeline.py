@@ -20,12 +20,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
-from ..fingerprint import first_difference, model_fingerprint
-from ..layers import Layer, layer_chain
-from ..microbatch import gather, scatter, tensors_of
-from ..plans import CHECKPOINT_MODES, Plan
+from ..model.fingerprint import first_difference, model_fingerprint
+from ..model import Layer, layer_chain
+from .microbatch import gather, scatter, tensors_of
+from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .function import PipelineTie
 from .run import Run
@@ -87,7 +87,7 @@ class Pipeline(nn.Module):
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
-    * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.microbatch`
+    * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
       describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
       arguments go to every micro-batch; the first layer is called with them all, every later
       layer with the previous layer's value (a tensor or a tuple), as in ``nn.Sequential``.

@@ -13,9 +13,9 @@ from typing import Any, Hashable
 import torch
 from torch import Tensor
 
-from ..checkpoint import RngStates
-from ..microbatch import Value, tensors_of
-from ..skip import SkipKey
+from .checkpoint import RngStates
+from .microbatch import Value, tensors_of
+from ..model.skip import SkipKey
 from ..timeline import Event
 
 __all__ = ["Run", "Saved", "StageError", "Aborted"]

@@ -15,8 +15,8 @@ from typing import Sequence
 
 from torch import Tensor
 
-from ..layers import Layer
-from ..skip import SkipKey, SkipTracker, internal_keys
+from ..model.layers import Layer
+from ..model.skip import SkipKey, SkipTracker, internal_keys
 
 __all__ = ["SkipRoutes", "skip_routes", "StageTracker"]
 

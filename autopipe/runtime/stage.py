@@ -24,12 +24,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..batchnorm import DeferredBatchNorm
-from ..checkpoint import RandomGuard, RngStates
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import RandomGuard, RngStates
 from ..device import DeviceOps, ops_for
-from ..layers import Layer
-from ..microbatch import Value, map_tensors, tensors_of
-from ..skip import SkipKey, use_skip_tracker
+from ..model.layers import Layer
+from .microbatch import Value, map_tensors, tensors_of
+from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
 from .function import Boundary
 from .run import Aborted, Run, Saved, StageError

@@ -5,7 +5,7 @@ An interleaved pipeline puts several stages on one device, each with its own wor
 "device" that would be two threads on one core, on CUDA two streams sharing one GPU, and
 either way the device would not be running the schedule that was planned.  So each compute
 task takes the device's turn first; when the device falls free, the waiting task furthest
-along its phase's chain goes next — the rule :mod:`autopipe.simulate` predicts with::
+along its phase's chain goes next — the rule :mod:`autopipe.planning.simulate` predicts with::
 
     forward  (stage 0 → 3):  later stage first  (a micro-batch reaches the end sooner)
     backward (stage 3 → 0):  earlier stage first

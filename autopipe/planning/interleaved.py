@@ -10,7 +10,7 @@ the pipeline::
     device 1:        [ s1 ]      [ s3 ]
 
 Stages sharing a device take turns, so there is no closed form: a split's time is the
-simulator's (:func:`autopipe.simulate.simulate`, the rule the runtime follows).  The search is
+simulator's (:func:`autopipe.planning.simulate.simulate`, the rule the runtime follows).  The search is
 exact by enumeration with pruning: a lower bound on every split is computed at once with numpy,
 per phase the larger of
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fingerprint import digest
-from .jsonio import Fields, read_json, write_json_atomic
+from .._jsonio import digest
+from .._jsonio import Fields, read_json, write_json_atomic
 
 __all__ = ["Stat", "LayerProfile", "CopyFit", "Profile", "PROFILE_SCHEMA_VERSION"]
 
@@ -181,7 +181,7 @@ class CopyFit:
 class Profile:
     """Everything measured about one model on one machine.
 
-    ``model`` and ``environment`` are the fingerprints of :mod:`autopipe.fingerprint`, so a
+    ``model`` and ``environment`` are the fingerprints of :mod:`autopipe.model.fingerprint`, so a
     plan can refuse a profile of another model or machine.  ``input_shape`` is one sample's
     shape (no batch dimension) of the first input tensor; ``input_bytes`` is one sample's bytes
     over all input tensors.  ``batch_size`` is the sample input's batch, ``batch_sizes`` the

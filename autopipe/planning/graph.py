@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .profiles import Profile
+from ..profiling.profiles import Profile
 
 __all__ = ["Skip", "Chain", "build_graph", "chain_of"]
 

@@ -6,6 +6,7 @@ field (``layers[3].forward_ms``) in its one error when something is missing or o
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
-__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json"]
+__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest"]
 
 T = TypeVar("T")
 
@@ -167,3 +168,9 @@ class Fields:
             lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
             "a list of integers",
         )
+
+
+def digest(document: Any) -> str:
+    """A short, stable hash of a JSON-able value."""
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""``autopipe.partition``: profile → plan → run in one call."""
+"""``autopipe._partition``: profile → plan → run in one call."""
 from __future__ import annotations
 
 import os
@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from .device import resolve_devices
-from .fingerprint import first_difference, model_fingerprint
-from .layers import Layer, layer_chain
-from .profiler import profile as measure
-from .profiles import Profile
+from .model.fingerprint import first_difference, model_fingerprint
+from .model import Layer, layer_chain
+from .profiling.profiler import profile as measure
+from .profiling.profiles import Profile
 from .runtime import Pipeline
-from .solver import plan as choose_plan
+from .planning.solver import plan as choose_plan
 
 __all__ = ["partition"]
 

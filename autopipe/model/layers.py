@@ -7,13 +7,11 @@ Skippable layers carry the keys they stash and pop, which are the skip edges of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 from torch import nn
 
-from .skip import SkipKey, skip_keys, verify_skippables
+from .skip import SkipKey, skip_keys
 
-__all__ = ["Layer", "layer_chain", "ChainError"]
+__all__ = ["Layer", "ChainError", "sequential_layers", "resnet_layers", "is_torchvision_resnet"]
 
 
 class ChainError(TypeError):
@@ -40,45 +38,19 @@ class Layer:
         return self.name if self.prefix is None else self.prefix
 
 
-def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
-    """The layers of ``model`` in forward order.
-
-    A list of :class:`Layer` (e.g. from ``autopipe.chain(model, granularity="finer")``) is taken
-    as it is, so every step accepts a chain made with non-default options.
-
-    Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
-    matching ``model.named_parameters()``) and a torchvision ResNet (its children in forward
-    order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
-    is captured with :func:`autopipe.chain` (torch.fx).
-    """
-    if isinstance(model, (list, tuple)):
-        layers = list(model)
-    elif isinstance(model, nn.Sequential):
-        verify_skippables(model)
-        layers = list(_flatten(model, ""))
-    elif _is_torchvision_resnet(model):
-        layers = list(_resnet_layers(model))
-    else:
-        from .capture import chain  # capture builds on this module, so import it late
-        layers = chain(model)
-    if not layers:
-        raise ChainError(f"{type(model).__name__} has no layers to partition")
-    return layers
-
-
-def _flatten(sequential: nn.Sequential, prefix: str) -> list[Layer]:
+def sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[Layer]:
     layers: list[Layer] = []
     for name, child in sequential.named_children():
         qualified = f"{prefix}{name}"
         stashes, pops = skip_keys(child)
         if isinstance(child, nn.Sequential) and not stashes + pops:
-            layers.extend(_flatten(child, qualified + "."))
+            layers.extend(sequential_layers(child, qualified + "."))
         else:  # a Sequential with skips inside stays one layer, carrying every key declared in it
             layers.append(Layer(qualified, child, stashes, pops))
     return layers
 
 
-def _is_torchvision_resnet(model: nn.Module) -> bool:
+def is_torchvision_resnet(model: nn.Module) -> bool:
     try:
         from torchvision.models import ResNet
     except ImportError:  # pragma: no cover - torchvision is a dependency
@@ -86,13 +58,13 @@ def _is_torchvision_resnet(model: nn.Module) -> bool:
     return isinstance(model, ResNet)
 
 
-def _resnet_layers(model: nn.Module) -> list[Layer]:
+def resnet_layers(model: nn.Module) -> list[Layer]:
     """ResNet.forward: conv1, bn1, relu, maxpool, layer1..4, avgpool, flatten(1), fc."""
     layers: list[Layer] = []
     for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"):
         child = getattr(model, name)
         if isinstance(child, nn.Sequential):
-            layers.extend(_flatten(child, name + "."))
+            layers.extend(sequential_layers(child, name + "."))
         else:
             layers.append(Layer(name, child))
     layers.append(Layer("flatten", nn.Flatten(1)))

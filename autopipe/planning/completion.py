@@ -48,7 +48,7 @@ _FAR = 1.2
 
 
 class Completions:
-    """The DP of the module docstring for one :class:`~autopipe.search.Candidate` on a grid
+    """The DP of the module docstring for one :class:`~autopipe.planning.search.Candidate` on a grid
     of caps ``xs × ys`` (increasing, the last possibly ``inf``)."""
 
     def __init__(self, candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:

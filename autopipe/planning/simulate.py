@@ -10,7 +10,7 @@ furthest along its phase's chain (the runtime's rule, :class:`~autopipe.runtime.
     device 0:  s0 F0  s0 F1  s2 F0  s2 F1        stages 0 and 2 on device 0,
     device 1:         s1 F0  s1 F1  s3 F0 ...    1 and 3 on device 1
 
-With one stage per device this is the permutation flow shop of :mod:`autopipe.cost`, whose
+With one stage per device this is the permutation flow shop of :mod:`autopipe.planning.cost`, whose
 closed form it shares no code with, so tests can hold one against the other.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Sequence
 
 from .cost import StageLanes
 from .plans import Plan
-from .timeline import Event
+from ..timeline import Event
 
 __all__ = ["Simulation", "simulate", "simulate_plan"]
 

@@ -41,12 +41,12 @@ import torch
 from scipy.optimize import nnls
 from torch import Tensor, nn
 
-from .device import DeviceOps, ops_for, resolve_devices
-from .fingerprint import environment_fingerprint, model_fingerprint
-from .layers import Layer, layer_chain
+from ..device import DeviceOps, ops_for, resolve_devices
+from ..model.fingerprint import environment_fingerprint, model_fingerprint
+from ..model import Layer, layer_chain
 from .profiles import CopyFit, LayerProfile, Profile, Stat
-from .progress import Progress
-from .skip import SkipKey, SkipTracker, use_skip_tracker
+from ._progress import Progress
+from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
 
 __all__ = ["profile", "ProfileError", "fit_copy", "measure_copies", "DEFAULT_COPY_SIZES"]
 

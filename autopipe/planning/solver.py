@@ -1,13 +1,13 @@
 """The planner: the exact minimum of the cost model over stage count, split points, micro-batch
 count and checkpoint mode, subject to per-device memory limits.
 
-Each ``(chunks, mode)`` pair is a :class:`~autopipe.search.Candidate` with a cheap lower bound
+Each ``(chunks, mode)`` pair is a :class:`~autopipe.planning.search.Candidate` with a cheap lower bound
 on its time.  After a first plan (the greedy split of least largest forward lane), candidates
 are taken in order of that bound until it reaches the best time found, and a coarse grid of lane
-caps (:class:`~autopipe.completion.Completions`) gives each a lower bound and a few plans.  Then,
+caps (:class:`~autopipe.planning.completion.Completions`) gives each a lower bound and a few plans.  Then,
 those with the best plans first, each candidate whose bound is still under the best time gets a
 finer grid around its best plan (a tighter bound, more plans) and, if that bound is still under,
-the exact DP (:class:`~autopipe.search.Search`) looks for a strictly better plan, pruned by that
+the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned by that
 grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is optimal.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import interleaved
 from .completion import Completions
 from .cost import MODES, CostModel, Evaluation, SizeCosts, recomputations
 from .plans import SCHEDULES, Plan, Prediction, StagePlan, placement
-from .profiles import Profile
+from ..profiling.profiles import Profile
 from .search import Candidate, Choice, Search, greedy_split, least_largest
 from .simulate import simulate
 
@@ -59,10 +59,10 @@ def plan(
     ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
     ``engine`` is what will run the plan: ``"local"`` (the in-process runtime) or
     ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
-    micro-batches only), costed as in :mod:`autopipe.cost`.  ``interleave`` is the number of
-    stages per device (:mod:`autopipe.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
+    micro-batches only), costed as in :mod:`autopipe.planning.cost`.  ``interleave`` is the number of
+    stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
     2 where the local engine runs the plan, more than one device is given and the enumeration
-    is within :data:`~autopipe.interleaved.BUDGET` (the plan's options record what was tried).
+    is within :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
     """
     names = device_names(profile, devices)
     options = _Options.check(profile, names, batch_size, memory_limit, checkpoint,
@@ -324,7 +324,7 @@ def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:
 def _default_limit(name: str) -> float:
     if not name.startswith("cuda"):
         return math.inf
-    from .device import DeviceError, ops_for
+    from ..device import DeviceError, ops_for
 
     try:
         capacity = ops_for(name).capacity()

@@ -1,9 +1,9 @@
 """One exact DP of the planner: the least predicted iteration time over the splits of the layers
 onto the devices in order, for one micro-batch count and checkpoint mode, strictly under an upper
-bound (:mod:`autopipe.solver` runs it over those and supplies the bound).
+bound (:mod:`autopipe.planning.solver` runs it over those and supplies the bound).
 
 Why a label-setting DP and not a min-max DP: the iteration time ``S + (m-1)·X + V`` (see
-:mod:`autopipe.cost`) mixes a sum ``S`` that depends on the split (speeds differ, copies come
+:mod:`autopipe.planning.cost`) mixes a sum ``S`` that depends on the split (speeds differ, copies come
 and go) with two bottlenecks (forward lane maximum ``X``, backward lanes through ``M`` and ``V``).
 So the DP over (layers covered, stages used) keeps, per state, labels ``(X, M, V, S)``.  Every
 component only ever raises the final time, and the layers after a state add the same lanes to
@@ -12,7 +12,7 @@ all of its labels, so label ``a`` is never worse than ``b`` when
     S_a + (m-1)·(X_a - X_b)⁺ + max((V_a - V_b)⁺, (m-2)·(M_a - M_b)⁺) ≤ S_b
 
 (a later lane ``x`` adds ``(m-1)·max(X, x)``, which grows by at most ``(m-1)·(X_a - X_b)⁺``
-from ``b`` to ``a``; ``V`` by the recurrence of :mod:`autopipe.cost` likewise): ``b`` is
+from ``b`` to ``a``; ``V`` by the recurrence of :mod:`autopipe.planning.cost` likewise): ``b`` is
 dropped (:func:`_led` for the likely ``a``, then :func:`_dominated` for all).  This is stronger
 than Pareto dominance — a little more ``X`` can be worth much less ``S`` — and still only drops
 a label that some kept label beats however the plan goes on.  Before that, ``X`` is raised to
@@ -21,7 +21,7 @@ what the later lanes reach anyway, and ``M`` too unless ``except_last``
 
 Labels are also cut by a lower bound against the best plan found so far (branch and bound): a
 cheap one from averages (:meth:`Search._bound`), then the grid of lane caps of
-:class:`~autopipe.completion.Completions`, which sees that cheap cuts unbalance the lanes; and a
+:class:`~autopipe.planning.completion.Completions`, which sees that cheap cuts unbalance the lanes; and a
 stage whose lanes alone would rule out beating the bound (:meth:`Search._caps`) or that
 overflows its device's memory is never formed.  Each stage is a few numpy operations over flat
 arrays: every label of every state × every stop its start allows, then the new labels grouped
@@ -59,7 +59,7 @@ _PAIRS = 2_000_000
 @dataclass(frozen=True)
 class Choice:
     """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
-    stages per device (:mod:`autopipe.interleaved`)."""
+    stages per device (:mod:`autopipe.planning.interleaved`)."""
 
     bounds: tuple[int, ...]
     chunks: int
@@ -334,7 +334,7 @@ class Search:
     def _grow(self, labels: _Labels, label: np.ndarray,
               lanes: _Moves) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``X, M, V, S`` of each label ``label[i]`` followed by stage ``i``'s lanes: forward
-        ``C, F``; backward (reversed, see :mod:`autopipe.cost`) ``W+R, G``."""
+        ``C, F``; backward (reversed, see :mod:`autopipe.planning.cost`) ``W+R, G``."""
         m2 = self.m - 2
         x = np.maximum(labels.x[label], np.maximum(lanes.copy_in, lanes.forward))
         peak = np.maximum(labels.peak[label], lanes.back)

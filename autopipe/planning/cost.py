@@ -42,10 +42,10 @@ orders (which keeps every path) and walking the lanes ``i = 1..n`` as ``B_0, G_0
 (the path runs jobs ``1..m-1`` over lanes ``1..i`` and the unrecomputed job over ``i..n``).  For
 identical jobs ``R = 0`` and ``V_n = (m-1)·max p``, so one recurrence serves every mode.
 
-With several stages on one device (an interleaved plan, :mod:`autopipe.interleaved`) the
+With several stages on one device (an interleaved plan, :mod:`autopipe.planning.interleaved`) the
 stages share that device's compute and there is no closed form: :meth:`CostModel.stage_lanes`
 prices the stages (no copy between stages on one device) and the simulator
-(:mod:`autopipe.simulate`) gives the time.
+(:mod:`autopipe.planning.simulate`) gives the time.
 
 Only this fill-drain (GPipe) schedule is modelled, and the planner refuses ``schedule="1f1b"``
 rather than price 1F1B as fill-drain: that would be no proven bound on 1F1B's time (its phases
@@ -82,7 +82,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import build_graph, chain_of
-from .profiles import CopyFit, Profile
+from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
            "phase_makespan", "backward_makespan", "recomputations", "MODES", "ENGINES"]

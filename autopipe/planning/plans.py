@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .jsonio import Fields, read_json, write_json_atomic
+from .._jsonio import Fields, read_json, write_json_atomic
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
@@ -30,7 +30,7 @@ class StagePlan:
     ``copy_in_ms`` is the forward copy of everything the stage receives (main input and skips,
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
     ``memory_bytes`` is the predicted peak: parameters, gradients, optimizer state, activations
-    of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.cost`.
+    of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.planning.cost`.
     """
 
     index: int

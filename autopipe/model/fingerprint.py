@@ -1,23 +1,16 @@
 """Fingerprints that let a later step refuse a profile or plan made for another model or machine."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 from typing import Any, Sequence
 
 import torch
 
+from .._jsonio import digest
 from .layers import Layer
 
-__all__ = ["model_fingerprint", "environment_fingerprint", "digest", "first_difference"]
-
-
-def digest(document: Any) -> str:
-    """A short, stable hash of a JSON-able value."""
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+__all__ = ["model_fingerprint", "environment_fingerprint", "first_difference"]
 
 
 def model_fingerprint(layers: Sequence[Layer]) -> dict[str, Any]:
