@@ -13,7 +13,6 @@ from torch import Tensor, nn
 import autopipe
 from autopipe.model.fingerprint import model_fingerprint
 from autopipe.planning.plans import Plan, Prediction, StagePlan
-from autopipe.runtime import StageError
 from test_runtime import assert_close, mlp, reference_step, skip_model
 
 
@@ -266,15 +265,14 @@ class _RaiseInBackward(torch.autograd.Function):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("stage", [0, 1])  # a failing stage 0 leaves stage 1 waiting for input
-def test_forward_error_names_the_stage_and_the_pipeline_survives(stage: int) -> None:
+def test_forward_error_keeps_its_type_names_the_stage_and_the_pipeline_survives(stage: int) -> None:
     layers = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
     layers.insert(1 if stage == 0 else 3, FailOn(call=2))
     pipe = autopipe.Pipeline(nn.Sequential(*layers), balance=[2, 2], devices=["cpu", "cpu"], chunks=4)
     names = ["0..1", "2..3"][stage]
-    with pytest.raises(StageError, match=rf"stage {stage} \({names}\) on cpu failed in forward of "
-                                         r"micro-batch 2: ValueError: forward boom") as info:
+    with pytest.raises(ValueError, match="forward boom") as info:
         pipe(torch.randn(8, 4))
-    assert isinstance(info.value.__cause__, ValueError)
+    assert info.value.__notes__ == [f"autopipe: raised by stage {stage} ({names}) on cpu in forward of micro-batch 2"]
     pipe(torch.randn(8, 4)).sum().backward()  # the workers live on
     assert all(worker.alive for worker in pipe._engine.workers)
 
@@ -289,10 +287,9 @@ def test_backward_error_names_the_stage(stage: int, input_grad: bool) -> None:
                              checkpoint="never")
     out = pipe(torch.randn(6, 4, requires_grad=input_grad))
     names = ["0..1", "2..3"][stage]
-    with pytest.raises(StageError, match=rf"stage {stage} \({names}\) on cpu failed in backward of "
-                                         r"micro-batch 1: KeyError") as info:
+    with pytest.raises(KeyError, match="backward boom") as info:
         out.sum().backward()
-    assert isinstance(info.value.__cause__, KeyError)
+    assert info.value.__notes__ == [f"autopipe: raised by stage {stage} ({names}) on cpu in backward of micro-batch 1"]
     pipe(torch.randn(6, 4)).sum().backward()
 
 
@@ -358,8 +355,8 @@ def test_stages_on_one_device_take_turns() -> None:
 def test_interleave_must_divide_the_stages_and_match_the_devices() -> None:
     with pytest.raises(ValueError, match="interleave=3 must be a positive integer dividing the 4 stages"):
         autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], interleave=3)
-    with pytest.raises(ValueError, match=r"3 devices for 4 stages; give one device per 2 stages \(interleave=2\)"):
-        autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], devices=["cpu"] * 3, interleave=2)
+    with pytest.raises(ValueError, match=r"1 devices for 4 stages; give one device per 2 stages \(interleave=2\)"):
+        autopipe.Pipeline(mlp(), balance=[2, 2, 2, 1], devices=["cpu"], interleave=2)
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,10 @@ from torch import nn
 
 from .skip import SkipKey, skip_keys
 
-__all__ = ["Layer", "ChainError", "sequential_layers", "resnet_layers", "is_torchvision_resnet"]
+__all__ = [
+    "Layer", "ChainError", "sequential_layers", "sequential_units", "positions", "resnet_layers",
+    "is_torchvision_resnet",
+]
 
 
 class ChainError(TypeError):
@@ -38,9 +41,18 @@ class Layer:
         return self.name if self.prefix is None else self.prefix
 
 
+def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """Every child of ``sequential`` in call order, a repeated instance at each of its positions.
+
+    ``named_children`` yields a module once however often it is called; ``Sequential.forward``
+    calls it at every position, so the chain must too (the positions share its parameters)."""
+    return [(name, child) for name, child in sequential._modules.items() if child is not None]
+
+
 def sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[Layer]:
+    """The finest layers: nested Sequentials flattened (unless they hold skips)."""
     layers: list[Layer] = []
-    for name, child in sequential.named_children():
+    for name, child in positions(sequential):
         qualified = f"{prefix}{name}"
         stashes, pops = skip_keys(child)
         if isinstance(child, nn.Sequential) and not stashes + pops:
@@ -48,6 +60,11 @@ def sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[Layer
         else:  # a Sequential with skips inside stays one layer, carrying every key declared in it
             layers.append(Layer(qualified, child, stashes, pops))
     return layers
+
+
+def sequential_units(sequential: nn.Sequential) -> list[Layer]:
+    """The top-level children as layers, the units a manual ``balance`` counts (as torchgpipe)."""
+    return [Layer(name, child, *skip_keys(child)) for name, child in positions(sequential)]
 
 
 def is_torchvision_resnet(model: nn.Module) -> bool:

@@ -6,10 +6,10 @@ from typing import Sequence
 from torch import nn
 
 from .capture import chain
-from .layers import ChainError, Layer, is_torchvision_resnet, resnet_layers, sequential_layers
+from .layers import ChainError, Layer, is_torchvision_resnet, resnet_layers, sequential_layers, sequential_units
 from .skip import verify_skippables
 
-__all__ = ["layer_chain"]
+__all__ = ["layer_chain", "balance_units"]
 
 
 def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
@@ -19,7 +19,8 @@ def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
     as it is, so every step accepts a chain made with non-default options.
 
     Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
-    matching ``model.named_parameters()``) and a torchvision ResNet (its children in forward
+    matching ``model.named_parameters()``; a module instance used at several positions is a
+    layer at each, sharing its parameters) and a torchvision ResNet (its children in forward
     order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
     is captured with :func:`autopipe.chain` (torch.fx).
     """
@@ -35,3 +36,14 @@ def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
     if not layers:
         raise ChainError(f"{type(model).__name__} has no layers to partition")
     return layers
+
+
+def balance_units(model: nn.Module | Sequence[Layer]) -> list[Layer]:
+    """The units a manual ``balance`` counts: an ``nn.Sequential``'s top-level children (a
+    nested Sequential is one unit, as in torchgpipe), otherwise :func:`layer_chain`'s layers."""
+    if isinstance(model, nn.Sequential):
+        verify_skippables(model)
+        if not len(model):
+            raise ChainError("the Sequential has no layers to partition")
+        return sequential_units(model)
+    return layer_chain(model)

@@ -255,7 +255,9 @@ def verify_skippables(module: nn.Sequential) -> None:
     open_keys: dict[SkipKey, str] = {}
     seen_stash: set[SkipKey] = set()
     seen_pop: set[SkipKey] = set()
-    for layer_name, layer in module.named_children():
+    for layer_name, layer in module._modules.items():  # a repeated layer stashes at each position
+        if layer is None:
+            continue
         stashes, pops = skip_keys(layer)
         inside = internal_keys(stashes, pops, open_keys)
         stashes = tuple(k for k in stashes if k not in inside)

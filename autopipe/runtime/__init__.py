@@ -8,6 +8,5 @@ to the stage that pops them, and ties the stages into the caller's autograd so t
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import is_recomputing
 from .pipeline import Pipeline
-from .run import StageError
 
-__all__ = ["DeferredBatchNorm", "Pipeline", "StageError", "is_recomputing"]
+__all__ = ["DeferredBatchNorm", "Pipeline", "is_recomputing"]

@@ -47,7 +47,9 @@ class DeferredBatchNorm(_BatchNorm):
         replaced, in place, by a ``DeferredBatchNorm`` sharing its parameters and buffers."""
         if _convertible(module):
             return cls._from(module)  # type: ignore[arg-type]
-        for name, child in module.named_children():
+        for name, child in list(module._modules.items()):  # a repeated child at each position
+            if child is None:
+                continue
             converted = cls.convert(child)
             if converted is not child:
                 setattr(module, name, converted)

@@ -1,22 +1,21 @@
 """Micro-batches: split a call's arguments along dim 0, and join the outputs back.
 
 A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
-argument (also inside tuple and list arguments) is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
+argument (also inside tuple, list and dict arguments, a dict split by key) is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
 (the first ``batch % m`` are one sample larger, the planner's rule); non-tensor arguments are
 passed to every micro-batch unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches
 of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["scatter", "gather", "split_sizes", "map_tensors", "tensors_of"]
+from .._tensors import Value, map_tensors, tensors_of
 
-#: What flows between stages: one tensor, or a tuple or list of tensors and plain values.
-Value = Any
+__all__ = ["scatter", "gather", "split_sizes", "map_tensors", "tensors_of", "Value"]
 
 
 def split_sizes(batch: int, chunks: int) -> list[int]:
@@ -27,7 +26,7 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
 
 
 def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
-    """``args`` as micro-batches: tensors (also inside tuples and lists) split along dim 0,
+    """``args`` as micro-batches: tensors (also inside tuples, lists and dicts) split along dim 0,
     other values repeated."""
     tensors = tensors_of(args)
     if not tensors:
@@ -55,21 +54,3 @@ def gather(outputs: Sequence[Value]) -> Value:
         f"the last stage returned {type(first).__name__}; a pipeline's output must be a tensor or "
         "a tuple of tensors so that micro-batches can be concatenated"
     )
-
-
-def map_tensors(value: Value, fn: Callable[[Tensor], Any]) -> Value:
-    """``value`` with ``fn`` applied to each tensor in it (through nested tuples and lists)."""
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    return value
-
-
-def tensors_of(value: Value) -> list[Tensor]:
-    """The tensors in ``value``, in the order :func:`map_tensors` visits them."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_of(v)]
-    return []

@@ -15,7 +15,7 @@ values are the model's own, so checkpoints load both ways.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import first_difference, model_fingerprint
 from ..model import Layer, layer_chain
+from ..model.reading import balance_units
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
@@ -41,8 +42,9 @@ __all__ = ["Pipeline", "Engine"]
 class Engine:
     """The stages, their workers and the schedule: runs one phase of one call at a time.
 
-    Kept apart from the ``nn.Module``: the worker threads and the finalizer reference only
-    the engine, so a dropped pipeline is collected, and its collection closes the workers.
+    Kept apart from the ``nn.Module``: the pipeline and every output's autograd graph
+    reference the engine, the worker threads only their stages, so the workers stop when the
+    engine is collected -- after the pipeline *and* the last output needing them are gone.
     """
 
     def __init__(self, stages: list[Stage]) -> None:
@@ -51,6 +53,7 @@ class Engine:
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
         self.closed = False
+        weakref.finalize(self, _close_workers, self.workers)
 
     def run_phase(self, run: Run, phase: str) -> None:
         """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
@@ -73,15 +76,21 @@ class Engine:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for worker in self.workers:
-                worker.close()
+            _close_workers(self.workers)
+
+
+def _close_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.close()
 
 
 class Pipeline(nn.Module):
     """A model run as a pipeline of stages, one worker thread per stage.
 
     Give a :class:`~autopipe.Plan` (its fingerprint must match the model) or the manual form:
-    ``balance`` (layers per stage), ``devices`` (one per device, default ``"cpu"`` each),
+    ``balance`` (layers per stage; for an ``nn.Sequential`` these are its top-level children, a
+    nested Sequential counting as one, as in torchgpipe), ``devices`` (one per device, default
+    ``"cpu"`` each; extra devices are ignored, the first ones used, as in torchgpipe),
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
     ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
@@ -98,10 +107,14 @@ class Pipeline(nn.Module):
       layers behave as in eval and nothing is checkpointed, but gradients still flow.
     * Each call's state lives in its own run: several forwards may precede their backwards,
       and a forward whose output is dropped frees its state with the output.
-    * A stage's failure, forward or backward, is raised to the caller as a
-      :class:`~autopipe.runtime.StageError` naming the stage, phase and micro-batch (the
-      original as ``__cause__``) once every stage has stopped; the workers live on, so the
-      pipeline stays usable.
+    * A stage's failure, forward or backward, stops the other stages after their current
+      micro-batch and reaches the caller as the layer's own exception, with a note naming the
+      stage, phase and micro-batch (``KeyboardInterrupt`` and ``SystemExit`` unchanged); the
+      workers live on, so the pipeline stays usable.
+    * A module instance called at several positions (``nn.Sequential(a, act, b, act)``) runs
+      at each, sharing its parameters; positions whose shared parameters or buffers would land
+      on different devices are refused.
+    * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
@@ -125,26 +138,42 @@ class Pipeline(nn.Module):
         interleave: int = 1,
     ) -> None:
         super().__init__()
-        layers = layer_chain(model)
         if plan is not None:
+            layers = layer_chain(model)
             balance, devices, chunks, checkpoint, interleave = _from_plan(plan, layers, balance, devices)
-        if balance is None:
+        elif balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
+        else:
+            layers = balance_units(model)
         _check(layers, list(balance), chunks, checkpoint, interleave)
-        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (len(balance) // interleave))
-        _check_devices(resolved, len(balance), interleave)
+        wanted = len(balance) // interleave
+        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * wanted)
+        resolved = _used_devices(resolved, wanted, interleave)
+        _check_shared(layers, list(balance), resolved)
         if deferred_batch_norm:
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self._register_state(layers)
+        self._layers = [layer.module for layer in layers]
         self._engine = Engine(_build_stages(layers, self.balance, resolved))
         self._dummy = torch.ones((), requires_grad=True)
-        weakref.finalize(self, self._engine.close)
 
     @property
     def stages(self) -> list[Stage]:
         return self._engine.stages
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        """The layer at ``index`` (negative counts from the end), as ``sequential[index]``."""
+        if not -len(self._layers) <= index < len(self._layers):
+            raise IndexError(f"index {index} is out of range for a pipeline of {len(self._layers)} layers")
+        return self._layers[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._layers)
 
     def forward(self, *args: Any) -> Any:
         grad = torch.is_grad_enabled()
@@ -184,7 +213,7 @@ class Pipeline(nn.Module):
         """Register every module that directly holds parameters or buffers at its path in the
         original model, so ``state_dict`` keys (and ``parameters()``) are the model's own."""
         for layer in layers:
-            for name, module in layer.module.named_modules():
+            for name, module in layer.module.named_modules(remove_duplicate=False):
                 path = ".".join(p for p in (layer.state_prefix, name) if p)
                 if not path:  # a captured layer holding the model's top-level tensors itself
                     self._adopt_tensors(module)
@@ -247,10 +276,31 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
 
 
-def _check_devices(devices: list[torch.device], stages: int, interleave: int) -> None:
-    if len(devices) * interleave != stages:
+def _used_devices(devices: list[torch.device], wanted: int, interleave: int) -> list[torch.device]:
+    """The first ``wanted`` devices (extra ones are ignored, as torchgpipe does)."""
+    if len(devices) < wanted:
         per = "device per stage" if interleave == 1 else f"device per {interleave} stages (interleave={interleave})"
-        raise ValueError(f"{len(devices)} devices for {stages} stages; give one {per}")
+        raise ValueError(f"{len(devices)} devices for {wanted * interleave} stages; give one {per}")
+    return devices[:wanted]
+
+
+def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> None:
+    """Refuse a parameter or buffer shared by layers (a module called at several positions)
+    that would have to live on two devices at once."""
+    placed: dict[int, tuple[str, torch.device]] = {}
+    stage = 0
+    for index, layer in enumerate(layers):
+        while index >= sum(balance[: stage + 1]):
+            stage += 1
+        device = devices[stage % len(devices)]
+        for name, tensor in [*layer.module.named_parameters(), *layer.module.named_buffers()]:
+            first, there = placed.setdefault(id(tensor), (layer.name, device))
+            if there != device:
+                raise ValueError(
+                    f"layers '{first}' and '{layer.name}' share '{name}' (one module used at both "
+                    f"positions) but would run on {there} and {device}; a tensor lives on one device: "
+                    "choose a balance that puts both positions on one device, or give each its own module"
+                )
 
 
 def _deferred(layer: Layer) -> Layer:

@@ -18,12 +18,7 @@ from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
 from ..timeline import Event
 
-__all__ = ["Run", "Saved", "StageError", "Aborted"]
-
-
-class StageError(RuntimeError):
-    """A stage failed; the message names the stage, the phase and the micro-batch, and the
-    original exception is the ``__cause__``."""
+__all__ = ["Run", "Saved", "Aborted"]
 
 
 class Aborted(Exception):
@@ -67,9 +62,9 @@ class Saved:
     """
 
     args: tuple[Any, ...]
-    skips: dict[SkipKey, Tensor]
+    skips: dict[SkipKey, Value]
     output: Value | None = None
-    leaving: dict[SkipKey, Tensor] | None = None
+    leaving: dict[SkipKey, Value] | None = None
     rng: RngStates | None = None
 
 
@@ -128,13 +123,20 @@ class Run:
             self._done.notify_all()
 
     def wait_phase(self) -> None:
-        """Block until every stage finished the phase; re-raise the first failure."""
+        """Block until every stage finished the phase; re-raise the first failure.
+
+        An interrupt of the wait itself (``KeyboardInterrupt``) fails the call, so the stages
+        stop after their current micro-batch, and is raised once they have."""
         try:
-            with self._done:
-                while self._pending:
-                    self._done.wait()
-        except BaseException as interrupt:  # e.g. KeyboardInterrupt: stop the stages too
+            self._wait_stages()
+        except BaseException as interrupt:
             self.fail(interrupt)
+            self._wait_stages()
             raise
         if self.error is not None:
             raise self.error
+
+    def _wait_stages(self) -> None:
+        with self._done:
+            while self._pending:
+                self._done.wait()

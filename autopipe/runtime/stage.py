@@ -32,7 +32,8 @@ from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
 from .function import Boundary
-from .run import Aborted, Run, Saved, StageError
+from .run import Aborted, Run, Saved
+from .inplace import InputGuard
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
 from .turns import Turns, priority
@@ -62,6 +63,7 @@ class Stage:
         self.deferred = [m for m in everything if isinstance(m, DeferredBatchNorm)]
         self.batch_norms = [m for m in everything if isinstance(m, _BatchNorm) and m not in self.deferred]
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
+        self.inputs = InputGuard(self.name)
 
     @property
     def is_last(self) -> bool:
@@ -70,25 +72,27 @@ class Stage:
     # -- running a phase ---------------------------------------------------------------
 
     def execute(self, run: Run, actions: list[Action]) -> None:
-        """Run ``actions`` in order; a failure becomes a :class:`StageError` naming the stage."""
+        """Run ``actions`` in order, stopping before the next one once any stage has failed.
+
+        A failure propagates as itself, with a note naming this stage, the phase and the
+        micro-batch (``KeyboardInterrupt`` and ``SystemExit`` without one)."""
         forward = bool(actions) and actions[0].kind == "F"
         if forward:
             for bn in self.deferred:
                 bn.begin_step()
         for action in actions:
+            if run.error is not None:
+                raise Aborted
             try:
                 if action.kind == "F":
                     self._forward(run, action.micro_batch)
                 else:
                     self._backward(run, action.micro_batch)
-            except Aborted:
+            except Exception as error:
+                if not isinstance(error, Aborted):
+                    phase = "forward" if action.kind == "F" else "backward"
+                    error.add_note(f"autopipe: raised by {self.name} in {phase} of micro-batch {action.micro_batch}")
                 raise
-            except BaseException as error:
-                phase = "forward" if action.kind == "F" else "backward"
-                raise StageError(
-                    f"{self.name} failed in {phase} of micro-batch {action.micro_batch}: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
         if forward:
             for bn in self.deferred:
                 bn.end_step()
@@ -102,7 +106,8 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 with self._random(run) as rng:
-                    output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed)
+                    output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed,
+                                                    keep=checkpointed or self.index == 0)
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips)
         if run.grad_enabled:
@@ -116,7 +121,7 @@ class Stage:
             return self.random.forward()
         return contextlib.nullcontext()
 
-    def _receive_inputs(self, run: Run, j: int) -> tuple[tuple[Any, ...], dict[SkipKey, Tensor]]:
+    def _receive_inputs(self, run: Run, j: int) -> tuple[tuple[Any, ...], dict[SkipKey, Value]]:
         inbox = run.inboxes[self.index]
         if self.index == 0:
             given = map_tensors(run.micro_batches[j], lambda t: self._pull(run, j, t, "C"))
@@ -127,15 +132,18 @@ class Stage:
         skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
         return args, skips
 
-    def _compute(self, run: Run, args: tuple[Any, ...], skips: dict[SkipKey, Tensor],
-                 wrap: bool) -> tuple[Value, dict[SkipKey, Tensor]]:
+    def _compute(self, run: Run, args: tuple[Any, ...], skips: dict[SkipKey, Value],
+                 wrap: bool, keep: bool) -> tuple[Value, dict[SkipKey, Value]]:
         """Run the layers on ``args`` under the caller's autocast; ``wrap`` puts
-        grad-requiring leaves behind a Boundary."""
-        if wrap:
-            args = map_tensors(args, _boundary)
-            skips = {key: _boundary(t) for key, t in skips.items()}
-        tracker = StageTracker(skips, self.routes.leaving)
+        grad-requiring leaves behind a Boundary; ``keep`` leaves ``args`` and ``skips`` as they
+        are even if the first layer writes into its input (:mod:`~autopipe.runtime.inplace`)."""
         with contextlib.ExitStack() as stack:
+            if keep:
+                training = any(m.training for m in self.modules)
+                args, skips = stack.enter_context(self.inputs.kept((args, skips), training))
+            if wrap:
+                args, skips = map_tensors((args, skips), _boundary)
+            tracker = StageTracker(skips, self.routes.leaving)
             for kind, dtype in run.autocast:
                 stack.enter_context(torch.autocast(kind, dtype))
             stack.enter_context(use_skip_tracker(tracker))
@@ -144,8 +152,8 @@ class Stage:
                 value = module(value)
         return value, tracker.leaving
 
-    def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Tensor],
-                      checkpointed: bool, args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> None:
+    def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Value],
+                      checkpointed: bool, args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> None:
         if self.is_last:
             run.outputs[j] = output
         else:
@@ -157,7 +165,7 @@ class Stage:
             run.inboxes[consumer].put(("skip", key, j), message)
 
     def _message(self, run: Run, j: int, value: Value, to: int, checkpointed: bool,
-                 args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> Message:
+                 args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> Message:
         """``value`` detached and on stage ``to``'s device, with whether each tensor needs a
         gradient from its receiver.
 
@@ -171,8 +179,8 @@ class Stage:
             flags = [t.requires_grad for t in tensors_of(value)]
         return map_tensors(value, lambda t: self._push(run, j, t.detach(), to, "C")), flags
 
-    def _any_grad(self, args: tuple[Any, ...], skips: dict[SkipKey, Tensor]) -> bool:
-        inputs = tensors_of(args) + list(skips.values())
+    def _any_grad(self, args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> bool:
+        inputs = tensors_of((args, skips))
         return any(t.requires_grad for t in inputs) or any(
             p.requires_grad for m in self.modules for p in m.parameters()
         )
@@ -195,7 +203,8 @@ class Stage:
             assert saved.leaving is not None
             begin = run.ms()
             pairs = list(zip(tensors_of(saved.output), output_grads))
-            pairs += [(saved.leaving[key], skip_grads[key]) for key in self.routes.leaving]
+            for key in self.routes.leaving:
+                pairs += zip(tensors_of(saved.leaving[key]), skip_grads[key])
             pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
             if pairs:
                 with self._on_stream():
@@ -203,9 +212,9 @@ class Stage:
             run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
-    def _recompute(self, run: Run, saved: Saved) -> tuple[Value, dict[SkipKey, Tensor]]:
+    def _recompute(self, run: Run, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
-            return self._compute(run, saved.args, saved.skips, wrap=True)
+            return self._compute(run, saved.args, saved.skips, wrap=True, keep=self.index == 0)
 
     @contextlib.contextmanager
     def _stats_kept(self) -> Iterator[None]:
@@ -226,10 +235,11 @@ class Stage:
         else:
             back = [None if g is None else self._push(run, j, g, self.index - 1, "G") for g in grads]
             run.inboxes[self.index - 1].put(("dy", j), back)
-        for key, leaf in saved.skips.items():
+        for key, value in saved.skips.items():
             producer = self.routes.arriving[key]
-            grad = None if leaf.grad is None else self._push(run, j, leaf.grad, producer, "G")
-            run.inboxes[producer].put(("dskip", key, j), grad)
+            skip_grads = [None if leaf.grad is None else self._push(run, j, leaf.grad, producer, "G")
+                          for leaf in tensors_of(value)]
+            run.inboxes[producer].put(("dskip", key, j), skip_grads)
 
     # -- devices -----------------------------------------------------------------------
 

@@ -1,0 +1,47 @@
+"""Keeping a stage's inputs as they arrived when its first layer writes into them in place.
+
+Two computations must not change the tensors they read: a checkpointed micro-batch's no-grad
+forward (its backward recomputes from the same saved inputs) and stage 0's (its inputs are
+views of the caller's batch).  A first layer such as ``LeakyReLU(inplace=True)``,
+``Dropout(inplace=True)`` or ``x.add_(1)`` does exactly that, so such a stage must compute on
+copies.  Whether it does is measured, not guessed, from the tensors' version counters: the
+first guarded computation in each training mode runs on copies and looks whether they were
+written; if not, later ones run on the originals and are still checked, so a stage that
+writes only on some inputs is reported as an error rather than giving a wrong result.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .._tensors import Value, map_tensors, tensors_of
+
+__all__: list[str] = []
+
+
+class InputGuard:
+    """One stage's knowledge of whether its layers write into their inputs, per training mode."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.writes: dict[bool, bool] = {}
+
+    @contextlib.contextmanager
+    def kept(self, inputs: Value, training: bool) -> Iterator[Value]:
+        """Yield what to compute on instead of ``inputs`` so that ``inputs`` stay unchanged."""
+        known = self.writes.get(training)
+        if known is not False:
+            copies = map_tensors(inputs, lambda t: t.clone())
+            yield copies
+            if known is None:
+                self.writes[training] = any(t._version for t in tensors_of(copies))
+            return
+        before = [t._version for t in tensors_of(inputs)]
+        yield inputs
+        if [t._version for t in tensors_of(inputs)] != before:
+            self.writes[training] = True
+            raise RuntimeError(
+                f"{self.name}: its layers wrote into their input in place on this call but not on "
+                "the first one, so this call's recomputation or the caller's batch would be wrong; "
+                "autopipe now copies this stage's inputs first: run the step again"
+            )
