@@ -14,7 +14,6 @@ values are the model's own, so checkpoints load both ways.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -28,60 +27,14 @@ from ..model.reading import balance_units
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
+from .engine import Engine
 from .function import PipelineTie
 from .run import Run
-from .schedule import FillDrain
 from .skips import skip_routes
 from .stage import Stage
 from .turns import Turns
-from .worker import Worker
 
 __all__ = ["Pipeline", "Engine"]
-
-
-class Engine:
-    """The stages, their workers and the schedule: runs one phase of one call at a time.
-
-    Kept apart from the ``nn.Module``: the pipeline and every output's autograd graph
-    reference the engine, the worker threads only their stages, so the workers stop when the
-    engine is collected -- after the pipeline *and* the last output needing them are gone.
-    """
-
-    def __init__(self, stages: list[Stage]) -> None:
-        self.stages = stages
-        self.schedule = FillDrain()
-        self.workers = [Worker(stage) for stage in stages]
-        self.last: list[Event] = []
-        self.closed = False
-        weakref.finalize(self, _close_workers, self.workers)
-
-    def run_phase(self, run: Run, phase: str) -> None:
-        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
-        first stage failure once every stage has stopped."""
-        self.start_phase(run, phase)
-        self.finish_phase(run, phase)
-
-    def start_phase(self, run: Run, phase: str) -> None:
-        if self.closed:
-            raise RuntimeError("this pipeline was closed; its worker threads are gone")
-        run.begin_phase()
-        for stage, worker in zip(self.stages, self.workers):
-            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
-
-    def finish_phase(self, run: Run, phase: str) -> None:
-        run.wait_phase()
-        if phase == "backward" or not run.grad_enabled:
-            self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            _close_workers(self.workers)
-
-
-def _close_workers(workers: list[Worker]) -> None:
-    for worker in workers:
-        worker.close()
 
 
 class Pipeline(nn.Module):

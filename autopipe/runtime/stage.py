@@ -31,9 +31,9 @@ from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
-from .function import Boundary
-from .run import Aborted, Run, Saved
+from .boundary import Boundary
 from .inplace import InputGuard
+from .run import Aborted, Run, Saved
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
 from .turns import Turns, priority
