@@ -29,8 +29,15 @@ class FormatError(ValueError):
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    if target.is_dir():
+        raise IsADirectoryError(f"cannot write {target}: it is a directory; give a file name such as "
+                                f"{target / 'out.json'}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as error:  # OSError(errno, text) is the errno's subclass (PermissionError, ...)
+        raise OSError(error.errno, f"cannot write {target} ({error.strerror or error}); choose a "
+                                   "writable place") from None
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; a saved file is an ordinary file
         with os.fdopen(fd, "wb") as handle:

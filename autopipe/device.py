@@ -15,11 +15,9 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ._devicenames import DeviceError, check_device_name
+
 __all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
-
-
-class DeviceError(ValueError):
-    """A device that does not exist or cannot be used."""
 
 
 class Timer(ABC):
@@ -227,12 +225,22 @@ def resolve_devices(devices: Sequence[torch.device | str | int] | int | None) ->
     elif isinstance(devices, int):
         resolved = _count_of_devices(devices)
     else:
-        resolved = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices]
+        resolved = [_device(d) for d in devices]
     if not resolved:
         raise DeviceError("no devices given; pass e.g. devices=['cpu', 'cpu'] or devices=['cuda:0', 'cuda:1']")
     for device in resolved:
         ops_for(device)
     return resolved
+
+
+def _device(given: torch.device | str | int) -> torch.device:
+    if isinstance(given, torch.device):
+        return given
+    if isinstance(given, int) and not isinstance(given, bool):
+        if given < 0:
+            raise DeviceError(f"device index {given} is negative; CUDA devices are numbered 0, 1, ...")
+        return torch.device("cuda", given)
+    return torch.device(check_device_name(given))
 
 
 def _count_of_devices(count: int) -> list[torch.device]:

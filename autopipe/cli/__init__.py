@@ -42,6 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (FormatError, ValueError, TypeError, FileNotFoundError) as error:
+    except (FormatError, ValueError, TypeError, OSError) as error:
         print(f"autopipe {args.command}: error: {error}", file=sys.stderr)
         return 2

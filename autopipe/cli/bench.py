@@ -69,6 +69,7 @@ def _plan(args: argparse.Namespace, saved: Plan | None, model: torch.nn.Module, 
         if args.batch_size not in (None, saved.batch_size):
             raise ValueError(f"the plan is for batch size {saved.batch_size}, not {args.batch_size}; "
                              "plan again for another batch")
+        _check_unused(args, saved)
         return saved
     devices = resolve_devices(args.devices.split(",") if args.devices else None)
     batch_size = args.batch_size or 32
@@ -81,6 +82,19 @@ def _plan(args: argparse.Namespace, saved: Plan | None, model: torch.nn.Module, 
     print(f"planned: balance {chosen.balance} on {', '.join(chosen.devices)}, {chosen.chunks} "
           f"micro-batches, checkpoint {chosen.checkpoint}, predicted {chosen.predicted.iteration_ms:.1f} ms")
     return chosen
+
+
+def _check_unused(args: argparse.Namespace, saved: Plan) -> None:
+    """Refuse planning options that a saved plan would silently override."""
+    planned = ",".join(saved.devices[: saved.device_count])
+    asked = {"--devices": args.devices if args.devices and args.devices.replace(" ", "") != planned else None,
+             "--profile": args.profile, "--chunks": args.chunks,
+             "--checkpoint": None if args.checkpoint == "auto" else args.checkpoint}
+    given = [option for option, value in asked.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} would be ignored: the plan fixes its devices ({planned}), "
+                         f"chunks ({saved.chunks}) and checkpointing ({saved.checkpoint}); drop "
+                         f"{'them' if len(given) > 1 else 'it'} or plan again with them")
 
 
 def _document(result: BenchResult, spec: str, shape: list[int]) -> dict[str, object]:

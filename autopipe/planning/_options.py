@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import interleaved
+from .._devicenames import check_device_name
 from ..profiling.profiles import Profile
 from .cost import MODES
 from .plans import SCHEDULES
@@ -131,6 +132,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_bytes(text: str | float | int) -> float:
     """``16GiB``, ``500MB``, ``1e9`` or a number → bytes."""
     if isinstance(text, (int, float)):
+        if math.isnan(text):
+            raise ValueError("memory limit nan is not a size; give bytes (e.g. 16e9) or '16GiB'")
         return float(text)
     stripped = text.strip().lower().replace(" ", "")
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -182,7 +185,7 @@ def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[
             return ["cpu"] * devices
         raise ValueError(f"{devices} devices requested but the profile measured {len(profile.devices)} "
                          f"({', '.join(profile.devices)}); name the devices or profile on all of them")
-    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    names = [f"cuda:{d}" if isinstance(d, int) and d >= 0 else check_device_name(str(d)) for d in devices]
     if not names:
         raise ValueError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
     return names

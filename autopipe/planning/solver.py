@@ -67,6 +67,7 @@ def plan(
     2 where the local engine runs the plan, more than one device is given and the enumeration
     is within :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
     """
+    profile.validate()  # a profile built or edited in memory is checked as a loaded one
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine, interleave)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from .._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
 from ..errors import ProfileError
 from ..model import Layer
@@ -108,7 +109,7 @@ class Run:
     @property
     def results(self) -> list[Tensor]:
         """What backward starts from: the outputs and the tensors stashed for later layers."""
-        return tensors(self.output) + list(self.stashed.values())
+        return tensors_of(self.output) + list(self.stashed.values())
 
 
 class LayerRun:
@@ -129,7 +130,7 @@ class LayerRun:
         self.leaves = map_tensors(args, lambda t: _leaf(t, input_grad))
         self.pop_leaves = {key: _leaf(t, True) for key, t in popped.items()}
         params = [p for p in layer.module.parameters() if p.requires_grad]
-        self.grad_inputs = [t for t in tensors(self.leaves) + list(self.pop_leaves.values())
+        self.grad_inputs = [t for t in tensors_of(self.leaves) + list(self.pop_leaves.values())
                             if t.requires_grad] + params
         state = [*layer.module.parameters(), *layer.module.buffers()]
         self.state_storages = {storage(t)[0] for t in state}
@@ -189,13 +190,13 @@ class LayerRun:
         run = self.forward(pack)
         self.backward(run)
         output, stashed = run.output, run.stashed
-        inputs = {storage(t)[0] for t in tensors(run.args)}
+        inputs = {storage(t)[0] for t in tensors_of(run.args)}
         pops = {storage(t)[0] for t in run.popped.values()}
-        outputs = dict(map(storage, tensors(output)))
+        outputs = dict(map(storage, tensors_of(output)))
         new_outputs = set(outputs) - inputs
         return Measure(
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
-            output_bytes=sum(nbytes(t) for t in tensors(output)),
+            output_bytes=sum(nbytes(t) for t in tensors_of(output)),
             stash_bytes={str(k): nbytes(t) for k, t in stashed.items()},
             internal_saved=sum(n for ptr, n in saved.items()
                                if ptr not in self.state_storages | inputs | pops | set(outputs)),
@@ -210,27 +211,6 @@ class LayerRun:
 
 def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
     return tensor.detach().requires_grad_(requires_grad and tensor.is_floating_point())
-
-
-def tensors(value: Any) -> list[Tensor]:
-    """The tensors in a layer's output or arguments (a tensor, or nested tuples/lists/dicts)."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors(item)]
-    return []
-
-
-def map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(item, fn) for item in value)
-    if isinstance(value, dict):
-        return {key: map_tensors(item, fn) for key, item in value.items()}
-    return value
 
 
 def storage(tensor: Tensor) -> tuple[int, int]:

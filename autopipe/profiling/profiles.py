@@ -228,13 +228,23 @@ class Profile:
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the profile as JSON, atomically."""
+        """Validate (:meth:`validate`) and write the profile as JSON, atomically."""
+        self.validate()
         return write_json_atomic(path, self.to_json())
+
+    def validate(self) -> None:
+        """Check a profile built or changed in memory as :meth:`load` checks a file (finite,
+        non-negative times and sizes, consistent tables); raises :class:`FormatError` naming
+        the field.  Planning calls it, so what is planned is what a file could hold."""
+        Profile._read(Fields(self.to_json(), "in-memory profile", ""))
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> "Profile":
         """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
-        f = read_json(path, "profile", PROFILE_SCHEMA_VERSION)
+        return Profile._read(read_json(path, "profile", PROFILE_SCHEMA_VERSION))
+
+    @staticmethod
+    def _read(f: Fields) -> "Profile":
         model = f.get("model")
         model.str("digest")
         model.get("layers").items()
