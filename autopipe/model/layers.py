@@ -7,13 +7,15 @@ Skippable layers carry the keys they stash and pop, which are the skip edges of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
+
 from torch import nn
 
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Layer", "ChainError", "sequential_layers", "sequential_units", "positions", "resnet_layers",
-    "is_torchvision_resnet",
+    "Layer", "ChainError", "Span", "attach", "merge_shared_state", "sequential_layers", "sequential_units",
+    "positions", "resnet_layers", "is_torchvision_resnet",
 ]
 
 
@@ -65,6 +67,65 @@ def sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[Layer
 def sequential_units(sequential: nn.Sequential) -> list[Layer]:
     """The top-level children as layers, the units a manual ``balance`` counts (as torchgpipe)."""
     return [Layer(name, child, *skip_keys(child)) for name, child in positions(sequential)]
+
+
+def attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` under ``root`` at the dotted ``path``, making empty parents as needed;
+    refuses a path that another module (not containing ``module``) already holds."""
+    *parents, leaf = path.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    existing = node._modules.get(leaf)
+    if existing is None:
+        node.add_module(leaf, module)
+    elif existing is not module and not any(sub is module for sub in existing.modules()):
+        raise ValueError(f"two different modules claim the state path '{path}'")
+
+
+class Span(nn.Module):
+    """Consecutive layers run as one, each module held at its path in the original model (so
+    ``state_dict`` keys are the model's with ``prefix=""``)."""
+
+    def __init__(self, members: Sequence[Layer]) -> None:
+        super().__init__()
+        self.calls = [layer.module for layer in members]  # a plain list: registered by path below
+        for layer in members:
+            attach(self, layer.state_prefix, layer.module)
+
+    def forward(self, *args: Any) -> Any:
+        value = self.calls[0](*args)
+        for module in self.calls[1:]:
+            value = module(value)
+        return value
+
+
+def merge_shared_state(layers: Sequence[Layer]) -> list[Layer]:
+    """Layers that use one parameter or buffer (a module at several positions, tied weights)
+    become one :class:`Span`, with every layer between them, so a plan can never put one
+    tensor on two stages (as :func:`autopipe.chain` does for captured models)."""
+    reach = list(range(len(layers)))  # the last layer each layer shares a tensor with
+    first: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for tensor in [*layer.module.parameters(), *layer.module.buffers()]:
+            start = first.setdefault(id(tensor), index)
+            reach[start] = max(reach[start], index)
+    merged: list[Layer] = []
+    start = 0
+    while start < len(layers):
+        stop, end = start, reach[start]
+        while stop < end:
+            stop += 1
+            end = max(end, reach[stop])
+        group = layers[start:end + 1]
+        merged.append(group[0] if len(group) == 1 else Layer(
+            group[0].name, Span(group), sum((m.stash for m in group), ()), sum((m.pop for m in group), ()), ""))
+        start = end + 1
+    return merged
 
 
 def is_torchvision_resnet(model: nn.Module) -> bool:

@@ -6,7 +6,8 @@ from typing import Sequence
 from torch import nn
 
 from .capture import chain
-from .layers import ChainError, Layer, is_torchvision_resnet, resnet_layers, sequential_layers, sequential_units
+from .layers import (ChainError, Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
+                     sequential_layers, sequential_units)
 from .skip import verify_skippables
 
 __all__ = ["layer_chain", "balance_units"]
@@ -19,8 +20,9 @@ def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
     as it is, so every step accepts a chain made with non-default options.
 
     Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
-    matching ``model.named_parameters()``; a module instance used at several positions is a
-    layer at each, sharing its parameters) and a torchvision ResNet (its children in forward
+    matching ``model.named_parameters()``; a module called at several positions runs at each,
+    and positions sharing a parameter or buffer form one layer with the layers between them, so
+    that no plan puts one tensor on two stages) and a torchvision ResNet (its children in forward
     order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
     is captured with :func:`autopipe.chain` (torch.fx).
     """
@@ -28,7 +30,7 @@ def layer_chain(model: nn.Module | Sequence[Layer]) -> list[Layer]:
         layers = list(model)
     elif isinstance(model, nn.Sequential):
         verify_skippables(model)
-        layers = sequential_layers(model, "")
+        layers = merge_shared_state(sequential_layers(model, ""))
     elif is_torchvision_resnet(model):
         layers = resnet_layers(model)
     else:

@@ -23,6 +23,7 @@ from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import first_difference, model_fingerprint
 from ..model import Layer, layer_chain
+from ..model.layers import attach
 from ..model.reading import balance_units
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
@@ -171,33 +172,13 @@ class Pipeline(nn.Module):
                 if not path:  # a captured layer holding the model's top-level tensors itself
                     self._adopt_tensors(module)
                 elif module._parameters or module._buffers:
-                    _place(self, path, module)
+                    attach(self, path, module)
 
     def _adopt_tensors(self, module: nn.Module) -> None:
         for name, param in module.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buffer in module.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
-
-
-def _place(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, leaf = path.split(".")
-    node = root
-    for part in parents:
-        child = node._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            node.add_module(part, child)
-        node = child
-    existing = node._modules.get(leaf)
-    if existing is None:
-        node.add_module(leaf, module)
-    elif existing is not module and not _contains(existing, module):
-        raise ValueError(f"two different modules claim the state path '{path}'")
-
-
-def _contains(parent: nn.Module, module: nn.Module) -> bool:
-    return any(sub is module for sub in parent.modules())
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
