@@ -455,3 +455,21 @@ def test_concurrent_stage_threads_share_a_reused_module_safely() -> None:
     pipe = autopipe.Pipeline(model, balance=[1, 4], devices=["cpu", "cpu"], chunks=8, checkpoint="never")
     for _ in range(5):
         _assert_like_plain(pipe, model, x, out, grads)
+
+
+@pytest.mark.timeout(60)
+def test_a_reused_batch_norm_is_deferred_at_both_positions() -> None:
+    """The Span holding both positions calls its modules by path, so the deferred batch norms
+    that replaced the original (one per position, sharing its tensors, each updating the running
+    statistics once per step as the plain model's two calls do) are the ones run."""
+    bn = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), bn, nn.Tanh(), bn, nn.Linear(4, 4))
+    pipe = autopipe.Pipeline(layer_chain(model), balance=[1, 2], devices=["cpu", "cpu"], chunks=2,
+                             deferred_batch_norm=True)
+    span = pipe.stages[1].layers[0].module
+    called = [span.get_submodule(path) for path in span.paths]
+    for deferred in (called[0], called[2]):
+        assert isinstance(deferred, autopipe.DeferredBatchNorm)
+        assert deferred.weight is bn.weight and deferred.running_mean is bn.running_mean
+    pipe(torch.randn(8, 4)).sum().backward()
+    assert bn.weight.grad is not None

@@ -93,14 +93,15 @@ class Span(nn.Module):
 
     def __init__(self, members: Sequence[Layer]) -> None:
         super().__init__()
-        self.calls = [layer.module for layer in members]  # a plain list: registered by path below
+        # Called by path, so a module replaced in place (DeferredBatchNorm.convert) is the one run.
+        self.paths = [layer.state_prefix for layer in members]
         for layer in members:
             attach(self, layer.state_prefix, layer.module)
 
     def forward(self, *args: Any) -> Any:
-        value = self.calls[0](*args)
-        for module in self.calls[1:]:
-            value = module(value)
+        value = self.get_submodule(self.paths[0])(*args)
+        for path in self.paths[1:]:
+            value = self.get_submodule(path)(value)
         return value
 
 
