@@ -76,6 +76,17 @@ def test_a_repeated_instance_runs_at_every_position_for_every_balance(make: Call
 
 
 @pytest.mark.timeout(120)
+def test_partition_runs_a_shared_activation_at_both_positions() -> None:
+    model = _shared_activation()
+    x = torch.randn(8, 4)
+    out, grads = _reference(model, x)
+    assert [layer.name for layer in layer_chain(model)] == ["0", "1", "2", "3"]  # stateless: one layer each
+    pipe = autopipe.partition(model, x, ["cpu", "cpu"])
+    assert len(pipe.plan.model["layers"]) == 4
+    _assert_like_plain(pipe, model, x, out, grads)
+
+
+@pytest.mark.timeout(120)
 def test_partition_and_plans_keep_a_reused_module_on_one_stage() -> None:
     model = _reused_linear()
     x = torch.randn(8, 4)

@@ -68,6 +68,10 @@ class Pipeline(nn.Module):
     * A module instance called at several positions (``nn.Sequential(a, act, b, act)``) runs
       at each, sharing its parameters; positions whose shared parameters or buffers would land
       on different devices are refused.
+    * A stage whose first layer writes into its input (``LeakyReLU(inplace=True)``, ``x.add_``)
+      computes on copies where it matters (:mod:`autopipe.runtime.inplace`): a checkpointed
+      micro-batch recomputes from its inputs as they arrived, and the caller's batch is never
+      written.
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
     * Stages on one device (``interleave > 1``) take turns computing
