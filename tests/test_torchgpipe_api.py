@@ -484,3 +484,11 @@ def test_a_reused_batch_norm_is_deferred_at_both_positions() -> None:
         assert deferred.weight is bn.weight and deferred.running_mean is bn.running_mean
     pipe(torch.randn(8, 4)).sum().backward()
     assert bn.weight.grad is not None
+
+
+def test_a_shared_buffer_on_two_stages_is_refused() -> None:
+    bn = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), bn, nn.Tanh(), bn)
+    with pytest.raises(ValueError, match=r"layers '1' and '3' share 'running_mean'.* in stages 0 and 1"):
+        autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"])
+    autopipe.Pipeline(model, balance=[1, 3], devices=["cpu", "cpu"])(torch.randn(4, 4)).sum().backward()

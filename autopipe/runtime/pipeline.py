@@ -66,8 +66,8 @@ class Pipeline(nn.Module):
       stage, phase and micro-batch (``KeyboardInterrupt`` and ``SystemExit`` unchanged); the
       workers live on, so the pipeline stays usable.
     * A module instance called at several positions (``nn.Sequential(a, act, b, act)``) runs
-      at each, sharing its parameters; positions whose shared parameters or buffers would land
-      on different devices are refused.
+      at each, sharing its parameters; refused are shared parameters on two devices and shared
+      buffers (batch norm statistics) on two stages.
     * A stage whose first layer writes into its input (``LeakyReLU(inplace=True)``, ``x.add_``)
       computes on copies where it matters (:mod:`autopipe.runtime.inplace`): a checkpointed
       micro-batch recomputes from its inputs as they arrived, and the caller's batch is never
@@ -223,21 +223,25 @@ def _used_devices(devices: list[torch.device], wanted: int, interleave: int) -> 
 
 
 def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> None:
-    """Refuse a parameter or buffer shared by layers (a module called at several positions)
-    that would have to live on two devices at once."""
-    placed: dict[int, tuple[str, torch.device]] = {}
-    stage = 0
-    for index, layer in enumerate(layers):
-        while index >= sum(balance[: stage + 1]):
-            stage += 1
-        device = devices[stage % len(devices)]
-        for name, tensor in [*layer.module.named_parameters(), *layer.module.named_buffers()]:
-            first, there = placed.setdefault(id(tensor), (layer.name, device))
-            if there != device:
+    """Refuse a tensor shared by layers (a module called at several positions) that exactness
+    cannot allow: a parameter on two devices (a tensor lives on one), or a buffer on two stages
+    (batch norm statistics would be updated in place by two threads at once).  A parameter
+    shared by stages on one device is fine: each stage's backward adds into its ``.grad``."""
+    placed: dict[int, tuple[str, int]] = {}
+    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
+    for layer, stage in zip(layers, stage_of_layer):
+        state = [(name, p, True) for name, p in layer.module.named_parameters()]
+        state += [(name, b, False) for name, b in layer.module.named_buffers()]
+        for name, tensor, is_parameter in state:
+            first, there = placed.setdefault(id(tensor), (layer.name, stage))
+            apart = devices[there % len(devices)] != devices[stage % len(devices)]
+            if apart or (there != stage and not is_parameter):
+                where = (f"on {devices[there % len(devices)]} and {devices[stage % len(devices)]}" if apart
+                         else f"in stages {there} and {stage}, whose threads would update it at once")
                 raise ValueError(
-                    f"layers '{first}' and '{layer.name}' share '{name}' (one module used at both "
-                    f"positions) but would run on {there} and {device}; a tensor lives on one device: "
-                    "choose a balance that puts both positions on one device, or give each its own module"
+                    f"layers '{first}' and '{layer.name}' share '{name}' (one module used at both positions) "
+                    f"but would run {where}; choose a balance that puts both positions in one "
+                    f"{'stage' if not is_parameter else 'device'}, or give each its own module"
                 )
 
 
