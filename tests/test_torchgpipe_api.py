@@ -42,8 +42,8 @@ def _assert_like_plain(pipe: nn.Module, model: nn.Module, x: Any, out: torch.Ten
     torch.testing.assert_close(got, out)
     mine = _grads(model)
     assert mine.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(mine[name], grads[name], msg=name)
+    for name, grad in grads.items():
+        torch.testing.assert_close(mine[name], grad, msg=name)
     model.zero_grad()
 
 

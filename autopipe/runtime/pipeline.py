@@ -230,7 +230,7 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
     placed: dict[int, tuple[str, int]] = {}
     stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
     for layer, stage in zip(layers, stage_of_layer):
-        state = [(name, p, True) for name, p in layer.module.named_parameters()]
+        state: list[tuple[str, torch.Tensor, bool]] = [(name, p, True) for name, p in layer.module.named_parameters()]
         state += [(name, b, False) for name, b in layer.module.named_buffers()]
         for name, tensor, is_parameter in state:
             first, there = placed.setdefault(id(tensor), (layer.name, stage))
