@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import PlanningError
 from ..profiling.profiles import Profile
 from . import interleaved
 from ._assembly import build_plan
@@ -34,10 +35,6 @@ __all__ = ["plan", "solve", "Search", "Choice", "PlanningError", "build_plan", "
 
 # plans taken from each grid of caps, by each of two orders (Completions.plans)
 _PLANS = 3
-
-
-class PlanningError(ValueError):
-    """No plan satisfies the options (memory limits, chunks, batch size)."""
 
 
 def plan(
