@@ -145,14 +145,6 @@ class Fields:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
 
-    def bool(self, key: str) -> bool:
-        return self.typed(key, lambda v: isinstance(v, bool), "true or false")
-
-    def optional(self, key: str, read: Callable[[str], T]) -> T | None:
-        if not self.has(key) or self.value[key] is None:
-            return None
-        return read(key)
-
     def list_of(self, key: str, read: Callable[["Fields"], T]) -> list[T]:
         return [read(item) for item in self.get(key).items()]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .._vocab import CheckpointMode
 from ..profiling.profiles import Profile
 from .cost import CostModel, Evaluation, recomputations
 from .plans import Plan, Prediction, StagePlan, placement
@@ -12,7 +13,7 @@ from .simulate import simulate
 __all__ = ["build_plan"]
 
 
-def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
+def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
                options: dict[str, Any], interleave: int = 1) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
     where = placement(len(bounds) - 1, interleave)

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._vocab import CheckpointMode
 from .cost import CostModel
 from .plans import Plan
 from ..profiling.profiles import Profile
@@ -32,7 +33,7 @@ class Baseline:
     name: str
     balance: list[int]
     chunks: int
-    checkpoint: str
+    checkpoint: CheckpointMode
     iteration_ms: float
     ratio: float
     fits: bool
