@@ -13,6 +13,7 @@ from autopipe.model.capture import CaptureError, CapturedLayer, chain
 from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
+from helpers import untimed
 from models import TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
@@ -286,7 +287,8 @@ def _plan(model: nn.Module | list[Layer], x: Tensor, stages: int) -> autopipe.Pl
     """The planner's split at 3 micro-batches; if it prefers fewer devices than given on this
     tiny model, a per-device memory limit that fewer devices cannot meet makes it use them all
     (its plan may put two stages on each: the pipeline must equal the model either way)."""
-    profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=1, repeats=1, quiet=True)
+    profile = untimed(autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=0, repeats=1,
+                                       quiet=True))
     devices = ["cpu"] * stages
     plan = autopipe.plan(profile, devices, chunks=3)
     whole = sum(stage.memory_bytes for stage in plan.stages)
@@ -336,7 +338,7 @@ def test_resnet50_captured_chain_as_pipeline_equals_model(stages: int) -> None:
 def test_partition_profiles_plans_and_runs_a_captured_model() -> None:
     model = UNet()
     x = torch.randn(4, *VISION)
-    profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, 4], warmup=1, repeats=1, quiet=True)
+    profile = untimed(autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, 4], warmup=0, repeats=1, quiet=True))
     pipe = autopipe.partition(model, x, ["cpu"] * 2, profile=profile, chunks=2)
     try:
         assert pipe.plan.chunks == 2

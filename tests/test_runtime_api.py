@@ -14,7 +14,8 @@ import autopipe
 from autopipe.model.fingerprint import model_fingerprint
 from autopipe.planning.plans import Plan, Prediction, StagePlan
 from autopipe.runtime import StageError
-from test_runtime import assert_close, mlp, reference_step, skip_model
+from helpers import assert_close, mlp, reference_step
+from models import skip_model
 
 
 def resnet() -> nn.Module:

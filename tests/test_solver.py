@@ -8,18 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import model_of
 from synthetic import make_profile, random_profile
 
-from autopipe.planning.cost import CostModel
 from autopipe.profiling.profiles import Profile
 from autopipe.planning.solver import PlanningError, candidate_chunks, plan, solve
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def model_of(profile, speeds, engine="local"):
-    return CostModel(profile, profile.devices, speeds, profile.batch_size, 2.0,
-                     engine)
 
 
 def all_splits(layers, devices):
@@ -210,6 +205,7 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
     rng = random.Random(seed)
     profile = random_profile(rng, 10, 4, skips=2, per_pair=False)
     model = model_of(profile, [1.0, 0.5, 2.0, 1.0], rng.choice(["local", "distributed"]))
+    compared = 0
     for _ in range(40):
         chunks, mode = rng.choice([1, 2, 3, 8]), rng.choice(["never", "except_last", "always"])
         cut = rng.randint(2, 8)
@@ -224,6 +220,8 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
                              np.zeros(2, dtype=int))
             if _beats(labels, np.array([0]), np.array([1]), chunks)[0]:
                 assert a.iteration_ms <= b.iteration_ms * (1 + 1e-12)
+                compared += a_bounds != b_bounds
+    assert compared >= 20  # the rule fired on distinct heads often enough for the check to mean something
 
 
 def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
