@@ -55,7 +55,7 @@ class DeviceOps(ABC):
     def use_stream(self, stream: object | None) -> ContextManager[None]: ...
 
     @abstractmethod
-    def copy_to(self, tensor: Tensor, target: "DeviceOps", stream: object | None) -> Tensor:
+    def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
         """``tensor`` on ``target``'s device, safe to use on ``stream`` of ``target``."""
 
 

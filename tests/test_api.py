@@ -11,7 +11,8 @@ from autopipe.cli import SUBCOMMANDS
 def test_every_exported_name_resolves() -> None:
     missing = [name for name in autopipe.__all__ if getattr(autopipe, name, None) is None]
     assert missing == []
-    assert {"partition", "profile", "plan", "Pipeline", "Plan", "Profile", "chain", "skippable"} <= set(autopipe.__all__)
+    expected = {"partition", "profile", "plan", "Pipeline", "Plan", "Profile", "chain", "skippable"}
+    assert expected <= set(autopipe.__all__)
 
 
 def test_help_lists_every_subcommand() -> None:

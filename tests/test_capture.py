@@ -216,7 +216,8 @@ def test_untraceable_root_forward_points_to_sequential() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.linear(x) if x.mean() > 0 else x
 
-    with pytest.raises(CaptureError, match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
+    with pytest.raises(CaptureError,
+                       match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
         chain(Root())
 
 

@@ -302,7 +302,8 @@ def test_range_minima_against_slicing():
         lo = np.broadcast_to(np.arange(count) + 1, (rows, count))
         hi = np.minimum(lo - 1 + rng.integers(-1, 12, (rows, count)), count)
         values = rng.normal(size=(rows, count + 1))
-        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)] for r in range(rows)]
+        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)]
+                    for r in range(rows)]
         assert _RangeMin(lo, hi).of(values, np.zeros_like(values)).tolist() == expected
 
 

@@ -95,7 +95,8 @@ class DistributedPipeline:
             torch.cuda.set_device(self.device)
         start = sum(self.balance[: self.rank])
         self.stage_layers = self.layers[start : start + self.balance[self.rank]]
-        self.module = StageModule(self.stage_layers, self.rank, self.num_stages, skip_spans(self.layers, stage_of_layer(self.balance)),
+        spans = skip_spans(self.layers, stage_of_layer(self.balance))
+        self.module = StageModule(self.stage_layers, self.rank, self.num_stages, spans,
                                   settings.checkpoint, self.chunks).to(self.device)
         self.stage = Stage(self.module, self.rank, self.num_stages, self.device, group=group)
         self.schedule = SCHEDULE_CLASSES[self.schedule_name](self.stage, self.chunks, loss_fn=loss_fn)

@@ -33,7 +33,7 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
         for s, lanes in enumerate(evaluation.stages)
     ]
     recomputed = recomputations(mode, chunks)
-    busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
+    busy = sum(chunks * (s.forward + s.backward) + recomputed * s.recompute for s in evaluation.stages)
     used = len(stages) // interleave
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)

@@ -55,7 +55,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
                      plan.predicted.iteration_ms, 1.0, True)]
     splits = [
         ("equal layers", equal_split(model.layers, parts), m),
-        ("parameter-balanced", min_max_split([l.param_bytes for l in profile.layers], parts), m),
+        ("parameter-balanced", min_max_split([layer.param_bytes for layer in profile.layers], parts), m),
         ("time min-max, no copies", min_max_split(np.diff(costs.forward + costs.backward), parts), m),
     ]
     for name, bounds, count in splits:

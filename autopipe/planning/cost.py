@@ -235,7 +235,7 @@ class CostModel:
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
         forward, backward, saved = (table @ weights for table in self._per_size)
-        state = [l.param_bytes * (2 + self.optimizer_state_factor) + l.buffer_bytes for l in layers]
+        state = [layer.param_bytes * (2 + self.optimizer_state_factor) + layer.buffer_bytes for layer in layers]
         inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
         return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
                          np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
@@ -319,9 +319,9 @@ class CostModel:
 def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
     """Forward and backward medians and saved bytes as (layers × profiled sizes) matrices."""
     sizes, layers = profile.batch_sizes, profile.layers
-    forward = [[l.forward[s].median_ms for s in sizes] for l in layers]
-    backward = [[l.backward[s].median_ms for s in sizes] for l in layers]
-    saved = [[l.saved_bytes[s] for s in sizes] for l in layers]
+    forward = [[layer.forward[s].median_ms for s in sizes] for layer in layers]
+    backward = [[layer.backward[s].median_ms for s in sizes] for layer in layers]
+    saved = [[layer.saved_bytes[s] for s in sizes] for layer in layers]
     return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved))
 
 

@@ -72,7 +72,7 @@ class _Splits:
     bounds: np.ndarray
 
     @staticmethod
-    def of(layers: int, devices: int, interleave: int) -> "_Splits":
+    def of(layers: int, devices: int, interleave: int) -> _Splits:
         stages = devices * interleave
         cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
                            dtype=np.int64).reshape(-1, stages - 1)

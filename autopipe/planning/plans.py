@@ -49,7 +49,7 @@ class StagePlan:
         return dict(self.__dict__)
 
     @staticmethod
-    def from_json(f: Fields) -> "StagePlan":
+    def from_json(f: Fields) -> StagePlan:
         return StagePlan(
             index=f.int("index", 0), device=f.str("device"), start=f.int("start", 0),
             stop=f.int("stop", 1), first_layer=f.str("first_layer"), last_layer=f.str("last_layer"),
@@ -77,7 +77,7 @@ class Prediction:
         return dict(self.__dict__)
 
     @staticmethod
-    def from_json(f: Fields) -> "Prediction":
+    def from_json(f: Fields) -> Prediction:
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
                           f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0))
 
@@ -159,7 +159,7 @@ class Plan:
         return write_json_atomic(path, self.to_json())
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> "Plan":
+    def load(path: str | os.PathLike[str]) -> Plan:
         """Read and validate a plan file; raises ``FormatError`` naming file and field."""
         f = read_json(path, "plan", PLAN_SCHEMA_VERSION)
         model = f.get("model")

@@ -73,7 +73,8 @@ def _forward_lanes(stages: Sequence[StageLanes], chunks: int, where: list[int]) 
     return lanes
 
 
-def _backward_lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode, where: list[int]) -> list[_Lane]:
+def _backward_lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
+                    where: list[int]) -> list[_Lane]:
     """Backward lanes in execution order; job 0 is the last micro-batch, which ``except_last``
     does not recompute."""
     lanes: list[_Lane] = []

@@ -104,7 +104,8 @@ def plan(
                       choice.interleave)
 
 
-def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode], limits: np.ndarray) -> Choice | None:
+def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
+          limits: np.ndarray) -> Choice | None:
     """The best plan over the micro-batch counts ``candidates`` and ``modes``, or ``None`` if
     none fits in memory.
 

@@ -39,7 +39,7 @@ class Stat:
                 "repeats": self.repeats}
 
     @staticmethod
-    def from_json(f: Fields) -> "Stat":
+    def from_json(f: Fields) -> Stat:
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -110,7 +110,7 @@ class LayerProfile:
         }
 
     @staticmethod
-    def from_json(f: Fields) -> "LayerProfile":
+    def from_json(f: Fields) -> LayerProfile:
         return LayerProfile(
             name=f.str("name"),
             type=f.str("type"),
@@ -160,7 +160,7 @@ class CopyFit:
                 "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
 
     @staticmethod
-    def from_json(f: Fields) -> "CopyFit":
+    def from_json(f: Fields) -> CopyFit:
         points = []
         for point in f.get("points").items():
             value = point.value
@@ -229,7 +229,7 @@ class Profile:
         return write_json_atomic(path, self.to_json())
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> "Profile":
+    def load(path: str | os.PathLike[str]) -> Profile:
         """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
         f = read_json(path, "profile", PROFILE_SCHEMA_VERSION)
         model = f.get("model")

@@ -47,7 +47,8 @@ class Pipeline(nn.Module):
     ``balance`` (layers per stage), ``devices`` (one per device, default ``"cpu"`` each),
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
     ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
-    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
+    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything
+    :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
@@ -147,7 +148,7 @@ class Pipeline(nn.Module):
         """Events of the last completed iteration (forward and backward), sorted by start."""
         return list(self._engine.last)
 
-    def train(self, mode: bool = True) -> "Pipeline":
+    def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
         for stage in self.stages:
             for module in stage.modules:

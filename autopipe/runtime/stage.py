@@ -48,7 +48,7 @@ class Stage:
     """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``."""
 
     def __init__(self, index: int, count: int, layers: Sequence[Layer], device: torch.device,
-                 routes: SkipRoutes, neighbours: Sequence["Stage"], turns: Turns) -> None:
+                 routes: SkipRoutes, neighbours: Sequence[Stage], turns: Turns) -> None:
         self.index, self.count = index, count
         self.turns = turns  # shared with the other stages on this device
         self.layers = list(layers)
