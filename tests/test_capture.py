@@ -281,7 +281,7 @@ def test_layer_chain_captures_other_models_and_keeps_sequentials() -> None:
 
 #: (model, stages): every model on 2 and 3 CPU devices, the slow ones once.
 PIPELINES = [(name, k) for name in ("unet", "two_branch", "transformer", "vit", "mobilenet_v3_small") for k in (2, 3)]
-PIPELINES += [("densenet121", 2), ("densenet121", 3)]
+PIPELINES += [pytest.param("densenet121", k, marks=pytest.mark.slow) for k in (2, 3)]
 
 
 def _plan(model: nn.Module | list[Layer], x: Tensor, stages: int) -> autopipe.Plan:
@@ -322,6 +322,7 @@ def test_pipeline_with_planned_split_equals_model(name: str, stages: int) -> Non
         pipe.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_resnet50_captured_chain_as_pipeline_equals_model(stages: int) -> None:
     """``layer_chain`` reads a ResNet by hand; its captured chain is profiled, planned and run

@@ -124,7 +124,8 @@ def test_cli_listing_loads_no_subcommand_and_no_torch() -> None:
     assert loaded == "[]"
 
 
-@pytest.mark.parametrize("command", ["profile", "show", "demo"])
+@pytest.mark.parametrize("command", [pytest.param("profile", marks=pytest.mark.slow), "show",
+                                     pytest.param("demo", marks=pytest.mark.slow)])
 def test_each_subcommand_still_explains_itself(command: str) -> None:
     result = subprocess.run([sys.executable, "-m", "autopipe", command, "--help"], capture_output=True,
                             text=True, timeout=120, cwd=PACKAGE.parent)

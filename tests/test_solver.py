@@ -168,7 +168,7 @@ def test_plan_records_what_it_predicts():
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
-@pytest.mark.parametrize("name", ["resnet50-128.json", "resnet18-128.json"])
+@pytest.mark.parametrize("name", [pytest.param("resnet50-128.json", marks=pytest.mark.slow), "resnet18-128.json"])
 def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
     path = ROOT / "profiles" / name
     if not path.exists():
