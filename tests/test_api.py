@@ -53,3 +53,18 @@ def test_errors_are_the_ones_the_steps_raise() -> None:
     for error in (FormatError, DeviceError, DistributedError, StageOutputError, CaptureError, PlanningError,
                   ProfileError, StageError):
         assert getattr(autopipe, error.__name__) is error
+
+
+def test_committed_plans_and_profiles_load_and_match() -> None:
+    """Files written before the package was reorganised still load, and each plan names the
+    committed profile it was made from."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plans = sorted((root / "plans").glob("*.json"))
+    assert plans
+    for path in plans:
+        plan = autopipe.Plan.load(path)
+        profile = autopipe.Profile.load(root / "profiles" / path.name)
+        assert plan.profile_digest == profile.digest and plan.model == profile.model
+        assert sum(plan.balance) == len(profile.layers)
