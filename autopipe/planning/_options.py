@@ -8,10 +8,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._vocab import CHECKPOINT_CHOICES, CheckpointChoice, CheckpointMode, EngineName, Schedule
-from . import interleaved
+from .._vocab import CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule
 from ..profiling.profiles import Profile
-from .plans import SCHEDULES
+from . import interleaved
 
 __all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
 
