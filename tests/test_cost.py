@@ -37,7 +37,7 @@ def test_memory_formula_for_each_checkpoint_mode():
     profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
                            saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50)
     model = model_of(profile, factor=3.0)
-    b, m = 2, 2  # batch 4
+    m = 2  # micro-batches of b = 2 samples (batch 4)
     # stage [1, 3): params 50 * (1 + 1 + 3); saved (2000 + 3000) * b; input = layer 0 output 100 * b
     state = 50 * 5
     expected = {"never": state + (10_000 + 200) * m, "always": state + 200 * m + 10_000,

@@ -186,7 +186,8 @@ class AddInPlace(nn.Module):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("first", [lambda: nn.LeakyReLU(0.1, inplace=True), AddInPlace], ids=["leaky_relu", "add_"])
-def test_an_in_place_first_layer_of_a_stage_gives_the_plain_gradients(checkpoint: str, first: Callable[[], nn.Module]) -> None:
+def test_an_in_place_first_layer_of_a_stage_gives_the_plain_gradients(
+        checkpoint: str, first: Callable[[], nn.Module]) -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), first(), nn.Linear(16, 16))
     x = torch.randn(8, 16)
     out, grads = _reference(model, x)

@@ -11,16 +11,13 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
     "Layer", "ChainError", "Span", "attach", "merge_shared_state", "sequential_layers", "sequential_units",
     "positions", "resnet_layers", "is_torchvision_resnet",
 ]
-
-
-class ChainError(TypeError):
-    """The model cannot be read as a chain of layers."""
 
 
 @dataclass(frozen=True, eq=False)

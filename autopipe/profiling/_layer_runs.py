@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .._tensors import map_tensors, tensors_of
+from ..model._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
 from ..errors import ProfileError
 from ..model import Layer

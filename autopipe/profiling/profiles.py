@@ -39,7 +39,7 @@ class Stat:
                 "repeats": self.repeats}
 
     @staticmethod
-    def from_json(f: Fields) -> "Stat":
+    def from_json(f: Fields) -> Stat:
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -110,7 +110,7 @@ class LayerProfile:
         }
 
     @staticmethod
-    def from_json(f: Fields) -> "LayerProfile":
+    def from_json(f: Fields) -> LayerProfile:
         return LayerProfile(
             name=f.str("name"),
             type=f.str("type"),
@@ -155,15 +155,12 @@ class CopyFit:
     ms_per_byte: float
     points: list[tuple[int, float]]
 
-    def time_ms(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_ms + nbytes * self.ms_per_byte
-
     def to_json(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "latency_ms": self.latency_ms,
                 "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
 
     @staticmethod
-    def from_json(f: Fields) -> "CopyFit":
+    def from_json(f: Fields) -> CopyFit:
         points = []
         for point in f.get("points").items():
             value = point.value
@@ -239,12 +236,12 @@ class Profile:
         Profile._read(Fields(self.to_json(), "in-memory profile", ""))
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> "Profile":
+    def load(path: str | os.PathLike[str]) -> Profile:
         """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
         return Profile._read(read_json(path, "profile", PROFILE_SCHEMA_VERSION))
 
     @staticmethod
-    def _read(f: Fields) -> "Profile":
+    def _read(f: Fields) -> Profile:
         model = f.get("model")
         model.str("digest")
         model.get("layers").items()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 
+from .._vocab import Phase
 from ..timeline import Event
 from .run import Run
 from .schedule import FillDrain
@@ -29,20 +30,20 @@ class Engine:
         self.closed = False
         weakref.finalize(self, _close_workers, self.workers)
 
-    def run_phase(self, run: Run, phase: str) -> None:
+    def run_phase(self, run: Run, phase: Phase) -> None:
         """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
         first stage failure once every stage has stopped."""
         self.start_phase(run, phase)
         self.finish_phase(run, phase)
 
-    def start_phase(self, run: Run, phase: str) -> None:
+    def start_phase(self, run: Run, phase: Phase) -> None:
         if self.closed:
             raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
             worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
 
-    def finish_phase(self, run: Run, phase: str) -> None:
+    def finish_phase(self, run: Run, phase: Phase) -> None:
         run.wait_phase()
         if phase == "backward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))

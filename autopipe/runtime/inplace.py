@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from .._tensors import Value, map_tensors, tensors_of
+from ..model._tensors import Value, map_tensors, tensors_of
 
 __all__: list[str] = []
 

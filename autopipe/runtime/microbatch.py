@@ -1,10 +1,10 @@
 """Micro-batches: split a call's arguments along dim 0, and join the outputs back.
 
 A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
-argument (also inside tuple, list and dict arguments, a dict split by key) is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
-(the first ``batch % m`` are one sample larger, the planner's rule); non-tensor arguments are
-passed to every micro-batch unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches
-of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
+argument (also inside tuple, list and dict arguments, a dict split by key) is split with
+:func:`torch.tensor_split`, so micro-batch sizes differ by at most one (the first ``batch % m``
+are one sample larger, the planner's rule); non-tensor arguments are passed to every micro-batch
+unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .._tensors import Value, map_tensors, tensors_of
+from ..model._tensors import Value, map_tensors, tensors_of
 
 __all__ = ["scatter", "gather", "split_sizes", "map_tensors", "tensors_of", "Value"]
 

@@ -28,7 +28,7 @@ class Aborted(Exception):
 class Inbox:
     """Messages addressed to one stage, keyed by what they are and their micro-batch."""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self._run = run
         self._ready = threading.Condition()
         self._items: dict[Hashable, Any] = {}
