@@ -4,7 +4,8 @@ A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: ev
 argument (also inside tuple, list and dict arguments, a dict split by key) is split with
 :func:`torch.tensor_split`, so micro-batch sizes differ by at most one (the first ``batch % m``
 are one sample larger, the planner's rule); non-tensor arguments are passed to every micro-batch
-unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
+unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches of one sample each (never an
+empty micro-batch), so callers must not assume exactly ``m``.
 """
 from __future__ import annotations
 
