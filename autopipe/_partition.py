@@ -13,7 +13,7 @@ from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
 from .runtime import Pipeline
-from .planning.solver import plan as choose_plan
+from .planning.replicas import plan as choose_plan
 
 __all__ = ["partition"]
 
@@ -32,8 +32,9 @@ def partition(
 
     ``sample_input`` is one full training batch (its batch size is what the plan is made for).
     A ``profile`` (object or JSON path) skips measuring; it must have been made for this model.
-    ``plan_options`` go to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``, ``chunks``…);
-    the plan is on ``pipe.plan``.
+    ``plan_options`` go to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``, ``chunks``,
+    ``replicas``…; replicas default to ``"auto"``: data parallel, pipeline or both, whichever
+    is predicted fastest); the plan is on ``pipe.plan``.
     """
     resolved = resolve_devices(devices)
     layers = layer_chain(model)  # once: capturing a non-Sequential model traces it

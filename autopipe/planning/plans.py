@@ -226,11 +226,6 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
     if not 1 <= plan.chunks <= plan.replica_batch_size:
         raise f.error(f"{plan.chunks} micro-batches for a replica's batch of {plan.replica_batch_size}; "
                       "must be 1..batch_size / replicas", "chunks")
-    shapes = [len(d) for d in plan.replica_devices]
-    if len(plan.replica_devices) != plan.replicas or shapes != [len(plan.stages)] * plan.replicas \
-            or plan.replica_devices[0] != plan.devices:
-        raise f.error(f"needs {plan.replicas} lists of {len(plan.stages)} device names, the first equal to "
-                      f"'devices'; found {plan.replica_devices}", "replica_devices")
     if f.has("micro_batch_size") and f.int("micro_batch_size") != plan.micro_batch_size:
         raise f.error(f"{f.int('micro_batch_size')} disagrees with ceil(batch_size / chunks) = "
                       f"{plan.micro_batch_size}", "micro_batch_size")
@@ -256,3 +251,8 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
                       "stages")
     if f.has("balance") and f.int_list("balance") != plan.balance:
         raise f.error(f"{f.int_list('balance')} disagrees with the stages {plan.balance}", "balance")
+    shapes = [len(d) for d in plan.replica_devices]
+    if len(plan.replica_devices) != plan.replicas or shapes != [len(plan.stages)] * plan.replicas \
+            or plan.replica_devices[0] != plan.devices:
+        raise f.error(f"needs {plan.replicas} lists of {len(plan.stages)} device names, the first equal to "
+                      f"'devices'; found {plan.replica_devices}", "replica_devices")

@@ -117,7 +117,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         batch_size: the whole batch, split over the replicas (default: the profile's).
         memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
             a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
-        engine: ``"local"`` or ``"distributed"``, for the pipeline and the reduction costs.
+        engine: ``"local"`` or ``"distributed"`` (which runs one pipeline: ``"auto"`` then means 1).
         **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state_factor``…,
             passed to the pipeline search of each replica.
 
@@ -131,7 +131,10 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     """
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
-    counts = replica_counts(len(names), batch, replicas)
+    if engine == "distributed" and replicas not in ("auto", 1):
+        raise ValueError(f"replicas={replicas!r}: the distributed engine runs one pipeline (replicas=1) "
+                         "for now; use the local engine for replicas, or replicas=1")
+    counts = [1] if engine == "distributed" else replica_counts(len(names), batch, replicas)
     limits = memory_limits(memory_limit, names)
     rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
     if len(rates) != len(names):
@@ -142,7 +145,9 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     for count in counts:
         try:
             candidate = _replicated(profile, names, count, batch, limits, rates, engine, options)
-        except PlanningError as error:
+        except ValueError as error:  # PlanningError, or options that a share of the batch cannot take
+            if not isinstance(error, PlanningError) and (count == 1 or replicas != "auto"):
+                raise
             tried[str(count)] = None
             failures.append(f"{count} replicas: {error}")
             continue

@@ -28,6 +28,7 @@ from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .function import PipelineTie
+from .replicas import Replicas, check_replica_devices
 from .run import Run
 from .schedule import FillDrain
 from .skips import skip_routes
@@ -87,6 +88,11 @@ class Pipeline(nn.Module):
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
+    ``replicas`` (or the plan's) runs that many copies of the pipeline side by side on CPU
+    devices, each on its share of the batch (``devices`` then lists every replica's devices in
+    turn); they share the parameters, so ``.grad`` is the whole batch's and ``parameters()`` is
+    one set (:mod:`autopipe.runtime.replicas`).  Replicas always defer batch norm.
+
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
       describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
       arguments go to every micro-batch; the first layer is called with them all, every later
@@ -123,36 +129,50 @@ class Pipeline(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         interleave: int = 1,
+        replicas: int = 1,
     ) -> None:
         super().__init__()
         layers = layer_chain(model)
         if plan is not None:
-            balance, devices, chunks, checkpoint, interleave = _from_plan(plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave, replicas = _from_plan(plan, layers, balance, devices)
         if balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
-        _check(layers, list(balance), chunks, checkpoint, interleave)
-        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (len(balance) // interleave))
-        _check_devices(resolved, len(balance), interleave)
-        if deferred_batch_norm:
+        _check(layers, list(balance), chunks, checkpoint, interleave, replicas)
+        per_replica = len(balance) // interleave
+        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (per_replica * replicas))
+        _check_devices(resolved, len(balance), interleave, replicas)
+        groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
+        check_replica_devices(groups)
+        if deferred_batch_norm or replicas > 1:
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
+        self.replicas = replicas
         self._register_state(layers)
-        self._engine = Engine(_build_stages(layers, self.balance, resolved))
+        self._engines = [Engine(_build_stages(layers, self.balance, group)) for group in groups]
+        if replicas > 1:
+            for engine in self._engines:
+                for stage in engine.stages:
+                    stage.brackets_batch_norm = False
+        self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
-        weakref.finalize(self, self._engine.close)
+        for engine in self._engines:
+            weakref.finalize(self, engine.close)
 
     @property
     def stages(self) -> list[Stage]:
+        """The stages of the first replica (every replica runs the same modules)."""
         return self._engine.stages
 
     def forward(self, *args: Any) -> Any:
         grad = torch.is_grad_enabled()
-        run = self._new_run(scatter(args, self.chunks), grad)
+        shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
+        runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
+        replicas = Replicas(self._engines[:len(runs)], runs)
         if not grad:
-            self._engine.run_phase(run, "forward")
-            return gather([run.outputs.pop(j) for j in range(run.chunks)])
-        return PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
+            replicas.run_phase("forward")
+            return gather([run.outputs.pop(j) for run in runs for j in range(run.chunks)])
+        return PipelineTie.apply(replicas, self._dummy, *tensors_of(args))
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -178,7 +198,8 @@ class Pipeline(nn.Module):
 
     def close(self) -> None:
         """Stop the worker threads (also done when the pipeline is garbage collected)."""
-        self._engine.close()
+        for engine in self._engines:
+            engine.close()
 
     def _register_state(self, layers: list[Layer]) -> None:
         """Register every module that directly holds parameters or buffers at its path in the
@@ -219,7 +240,7 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, str, int]:
+               devices: object) -> tuple[list[int], list[str], int, str, int, int]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
     difference = first_difference(plan.model, model_fingerprint(layers))
@@ -230,10 +251,12 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
             f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
             "because its caller computes the loss after the forward; plan with schedule='gpipe'"
         )
-    return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
+    devices_used = [name for group in plan.replica_devices for name in group[: plan.device_count]]
+    return plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas
 
 
-def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int) -> None:
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int,
+           replicas: int) -> None:
     if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
         raise ValueError(
             f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
@@ -243,14 +266,17 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str
                          f"{len(balance)} stages of balance {balance}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
 
 
-def _check_devices(devices: list[torch.device], stages: int, interleave: int) -> None:
-    if len(devices) * interleave != stages:
+def _check_devices(devices: list[torch.device], stages: int, interleave: int, replicas: int) -> None:
+    if len(devices) * interleave != stages * replicas:
         per = "device per stage" if interleave == 1 else f"device per {interleave} stages (interleave={interleave})"
-        raise ValueError(f"{len(devices)} devices for {stages} stages; give one {per}")
+        each = "" if replicas == 1 else f" in each of {replicas} replicas"
+        raise ValueError(f"{len(devices)} devices for {stages} stages{each}; give one {per}{each}")
 
 
 def _deferred(layer: Layer) -> Layer:

@@ -61,6 +61,8 @@ class Stage:
         everything = [sub for module in self.modules for sub in module.modules()]
         self.deferred = [m for m in everything if isinstance(m, DeferredBatchNorm)]
         self.batch_norms = [m for m in everything if isinstance(m, _BatchNorm) and m not in self.deferred]
+        # False when the caller brackets the deferred batch norms' steps (replicas share them)
+        self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
 
     @property
@@ -71,8 +73,8 @@ class Stage:
 
     def execute(self, run: Run, actions: list[Action]) -> None:
         """Run ``actions`` in order; a failure becomes a :class:`StageError` naming the stage."""
-        forward = bool(actions) and actions[0].kind == "F"
-        if forward:
+        bracket = bool(actions) and actions[0].kind == "F" and self.brackets_batch_norm
+        if bracket:
             for bn in self.deferred:
                 bn.begin_step()
         for action in actions:
@@ -89,7 +91,7 @@ class Stage:
                     f"{self.name} failed in {phase} of micro-batch {action.micro_batch}: "
                     f"{type(error).__name__}: {error}"
                 ) from error
-        if forward:
+        if bracket:
             for bn in self.deferred:
                 bn.end_step()
 
