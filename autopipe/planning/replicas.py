@@ -24,23 +24,29 @@ and the plan's options say ``"reduction": "estimated from copy fits"``.
 
 The planner (:func:`plan`) runs the exact pipeline search (:func:`autopipe.planning.solver.plan`)
 for every ``R`` that divides ``D`` and takes the least total time, ties to fewer replicas.
-Each replica's pipeline is the one of least ``T``: exact for the total whenever the reduction
-cannot change the order of two splits — always with ``R = 1`` (no reduction) and with one stage
-per replica (one split); with several stages per replica and several replicas a split of
-slightly larger ``T`` but smaller tail could win, and the planner does not look for it.
+With ``R = 1`` there is no reduction, and with one device per replica one split, so the
+pipeline of least ``T`` is the answer.  With several replicas of several stages a split of
+larger ``T`` but shorter tail can win: since the total is at least ``T``, every
+``(split, chunks, mode)`` of ``T`` under the best total found is then priced
+(:func:`_least_total`, one stage per device), as long as there are at most
+:data:`~autopipe.planning.interleaved.BUDGET` splits; beyond that the plan's options say
+``"replica_split": "pipeline-optimal"`` (the total is then not proven least).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ..profiling.profiles import Profile
-from .plans import Plan, Prediction
-from .simulate import simulate_plan
-from .solver import PlanningError, device_names, memory_limits
+from . import interleaved
+from .cost import CostModel
+from .plans import Plan
+from .simulate import Simulation, simulate, simulate_plan
+from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits
 from .solver import plan as plan_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
@@ -83,6 +89,17 @@ def _volume(engine: str, replicas: int) -> float:
     return replicas - 1.0 if engine == "local" else 2.0 * (replicas - 1) / replicas
 
 
+def _tail(profile: Profile, timeline: Simulation, bounds: Sequence[int], replicas: int, engine: str) -> float:
+    """What the reductions add after the pipeline's end: stage ``s`` reduces its parameters from
+    the end of its last backward."""
+    end = timeline.iteration_ms
+    for s in range(len(bounds) - 1):
+        last_backward = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
+        params = sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]])
+        end = max(end, last_backward + reduction_time(profile, engine, replicas, params)[0])
+    return end - timeline.iteration_ms
+
+
 def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[str]], batch: int,
                    engine: str) -> Plan:
     """``pipeline`` (one replica's plan) as a plan of ``len(replica_devices)`` replicas on a
@@ -90,15 +107,10 @@ def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[
     replicas = len(replica_devices)
     if replicas == 1:
         return replace(pipeline, batch_size=batch)
-    simulation = simulate_plan(pipeline)
-    total = simulation.iteration_ms
-    end = total
-    for stage in pipeline.stages:
-        last_backward = max(e.end_ms for e in simulation.events if e.stage == stage.index and e.kind == "B")
-        params = sum(layer.param_bytes for layer in profile.layers[stage.start:stage.stop])
-        end = max(end, last_backward + reduction_time(profile, engine, replicas, params)[0])
-    predicted = replace(pipeline.predicted, iteration_ms=pipeline.predicted.iteration_ms + (end - total),
-                        reduction_ms=end - total)
+    bounds = [stage.start for stage in pipeline.stages] + [pipeline.stages[-1].stop]
+    tail = _tail(profile, simulate_plan(pipeline), bounds, replicas, engine)
+    predicted = replace(pipeline.predicted, iteration_ms=pipeline.predicted.iteration_ms + tail,
+                        reduction_ms=tail)
     return replace(pipeline, batch_size=batch, predicted=predicted,
                    replicas=replicas, replica_devices=replica_devices)
 
@@ -178,8 +190,53 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     pipeline = plan_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
                              speeds=[float(v) for v in speed], engine=engine, **options)
+    if count > 1 and per > 1:
+        pipeline = _least_total(profile, pipeline, count, engine)
     replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
     return with_reduction(profile, pipeline, replica_devices, batch, engine)
+
+
+def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> Plan:
+    """The replica pipeline of least total time (pipeline + reduction tail), starting from
+    ``pipeline``, the one of least pipeline time: every one-stage-per-device
+    ``(split, chunks, mode)`` whose pipeline time is under the best total is priced."""
+    options = pipeline.options
+    devices, share = options["devices"], pipeline.batch_size
+    model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
+    layers = model.layers
+    if interleaved.split_count(layers, len(devices), 1) + 1 > interleaved.BUDGET:
+        options["replica_split"] = "pipeline-optimal"
+        return pipeline
+    limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]
+    chunks = candidate_chunks(share, profile.batch_sizes, options["chunks"])
+    asked = options["checkpoint"]
+    modes = ["never", "except_last"] if asked == "auto" else [asked]
+    first = [stage.start for stage in pipeline.stages] + [layers]
+    best = pipeline.predicted.iteration_ms + _tail(profile, simulate_plan(pipeline), first, replicas, engine)
+    found = None
+    for bounds in _splits(layers, len(devices)):
+        for m in chunks:
+            for mode in modes:
+                evaluation = model.evaluate(bounds, m, mode)
+                if evaluation.iteration_ms >= best or any(
+                        stage.memory > limit for stage, limit in zip(evaluation.stages, limits)):
+                    continue
+                timeline = simulate(evaluation.stages, m, mode)
+                total = evaluation.iteration_ms + _tail(profile, timeline, bounds, replicas, engine)
+                if total < best:
+                    best, found = total, (bounds, m, mode)
+    options["replica_split"] = "least total"
+    if found is None:
+        return pipeline
+    bounds, m, mode = found
+    return build_plan(profile, model, bounds, m, mode, options)
+
+
+def _splits(layers: int, devices: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``layers`` into 1..``devices`` stages, as bounds."""
+    for stages in range(1, min(devices, layers) + 1):
+        for cuts in itertools.combinations(range(1, layers), stages - 1):
+            yield (0, *cuts, layers)
 
 
 def pure_data_parallel(profile: Profile, devices: Sequence[Any] | int | None = None, **options: Any) -> Plan:
