@@ -14,16 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
+from .errors import FormatError
+
 __all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest"]
 
 T = TypeVar("T")
 
 _UMASK = os.umask(0)  # read once at import (os.umask can only be read by setting it) ...
 os.umask(_UMASK)  # ... and put back at once
-
-
-class FormatError(ValueError):
-    """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:

@@ -15,11 +15,9 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from .errors import DeviceError
+
 __all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
-
-
-class DeviceError(ValueError):
-    """A device that does not exist or cannot be used."""
 
 
 class Timer(ABC):

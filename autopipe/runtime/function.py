@@ -1,10 +1,4 @@
-"""The two autograd functions of the runtime: a stage's input boundary and the caller's tie.
-
-``Boundary`` makes a received tensor a non-leaf, so a stage may start with an in-place layer
-(``ReLU(inplace=True)`` right after a split point works, as in the plain model)::
-
-    leaf (requires_grad, .grad collects the input gradient)
-      └─ Boundary ─▶ x (non-leaf alias of the leaf) ─▶ stage layers
+"""The autograd function that ties the caller's graph to the pipeline.
 
 ``PipelineTie`` connects the caller's autograd graph to the pipeline (or to its replicas, which
 run side by side on their shares of the batch).  Its forward runs the
@@ -27,32 +21,18 @@ CUDA outputs that case is unverified and may deadlock if a stage shares the outp
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
 from .microbatch import gather
+from .replicas import Replicas
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 
-if TYPE_CHECKING:
-    from .replicas import Replicas
-
-__all__ = ["Boundary", "PipelineTie"]
-
-
-class Boundary(torch.autograd.Function):
-    """Identity whose output is a fresh non-leaf alias of its input."""
-
-    @staticmethod
-    def forward(ctx: Any, leaf: Tensor) -> Tensor:  # type: ignore[override]
-        return leaf.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad
+__all__ = ["PipelineTie"]
 
 
 class PipelineTie(torch.autograd.Function):

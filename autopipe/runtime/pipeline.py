@@ -27,55 +27,15 @@ from ..model import Layer, layer_chain
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
+from .engine import Engine
 from .function import PipelineTie
 from .replicas import Replicas, check_replica_devices
 from .run import Run
-from .schedule import FillDrain
 from .skips import skip_routes
 from .stage import Stage
 from .turns import Turns
-from .worker import Worker
 
 __all__ = ["Pipeline", "Engine"]
-
-
-class Engine:
-    """The stages, their workers and the schedule: runs one phase of one call at a time.
-
-    Kept apart from the ``nn.Module``: the worker threads and the finalizer reference only
-    the engine, so a dropped pipeline is collected, and its collection closes the workers.
-    """
-
-    def __init__(self, stages: list[Stage]) -> None:
-        self.stages = stages
-        self.schedule = FillDrain()
-        self.workers = [Worker(stage) for stage in stages]
-        self.last: list[Event] = []
-        self.closed = False
-
-    def run_phase(self, run: Run, phase: str) -> None:
-        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
-        first stage failure once every stage has stopped."""
-        self.start_phase(run, phase)
-        self.finish_phase(run, phase)
-
-    def start_phase(self, run: Run, phase: str) -> None:
-        if self.closed:
-            raise RuntimeError("this pipeline was closed; its worker threads are gone")
-        run.begin_phase()
-        for stage, worker in zip(self.stages, self.workers):
-            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
-
-    def finish_phase(self, run: Run, phase: str) -> None:
-        run.wait_phase()
-        if phase == "backward" or not run.grad_enabled:
-            self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            for worker in self.workers:
-                worker.close()
 
 
 class Pipeline(nn.Module):

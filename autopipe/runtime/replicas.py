@@ -29,7 +29,7 @@ import torch
 from .batchnorm import DeferredBatchNorm
 
 if TYPE_CHECKING:
-    from .pipeline import Engine
+    from .engine import Engine
     from .run import Run
 
 __all__ = ["Replicas", "check_replica_devices"]
