@@ -29,7 +29,8 @@ class StagePlan:
     checkpointed micro-batch reruns before it (0 with ``checkpoint="never"``).
     ``copy_in_ms`` is the forward copy of everything the stage receives (main input and skips,
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
-    ``memory_bytes`` is the predicted peak: parameters, gradients, optimizer state, activations
+    ``reduce_ms`` is the reduction of its gradients across replicas, started when its last
+    backward ends (0 with one replica).  ``memory_bytes`` is the predicted peak: parameters, gradients, optimizer state, activations
     of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.planning.cost`.
     """
 
@@ -45,6 +46,7 @@ class StagePlan:
     copy_in_ms: float
     copy_grad_ms: float
     memory_bytes: int
+    reduce_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -58,6 +60,7 @@ class StagePlan:
             recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0),
             copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
+            reduce_ms=f.float("reduce_ms", 0.0) if f.has("reduce_ms") else 0.0,
         )
 
 

@@ -42,6 +42,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..profiling.profiles import Profile
+from ..timeline import Event
 from . import interleaved
 from .cost import CostModel
 from .plans import Plan
@@ -50,7 +51,7 @@ from .solver import PlanningError, build_plan, candidate_chunks, device_names, m
 from .solver import plan as plan_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
-           "best_pipeline"]
+           "best_pipeline", "parallelism", "reduction_events"]
 
 
 def replica_counts(devices: int, batch_size: int, replicas: int | str) -> list[int]:
@@ -89,15 +90,27 @@ def _volume(engine: str, replicas: int) -> float:
     return replicas - 1.0 if engine == "local" else 2.0 * (replicas - 1) / replicas
 
 
-def _tail(profile: Profile, timeline: Simulation, bounds: Sequence[int], replicas: int, engine: str) -> float:
-    """What the reductions add after the pipeline's end: stage ``s`` reduces its parameters from
-    the end of its last backward."""
-    end = timeline.iteration_ms
-    for s in range(len(bounds) - 1):
-        last_backward = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
-        params = sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]])
-        end = max(end, last_backward + reduction_time(profile, engine, replicas, params)[0])
-    return end - timeline.iteration_ms
+def _reductions(profile: Profile, bounds: Sequence[int], replicas: int, engine: str) -> list[float]:
+    """Each stage's gradient reduction time (ms)."""
+    return [reduction_time(profile, engine, replicas,
+                           sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]]))[0]
+            for s in range(len(bounds) - 1)]
+
+
+def reduction_events(timeline: Simulation, reductions: Sequence[float]) -> list[Event]:
+    """Stage ``s``'s reduction on its own lane, from the end of its last backward."""
+    events = []
+    for s, ms in enumerate(reductions):
+        if ms > 0:
+            start = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
+            events.append(Event(s, "reduce", "A", 0, start, start + ms))
+    return events
+
+
+def _tail(timeline: Simulation, reductions: Sequence[float]) -> float:
+    """What the reductions add after the pipeline's end."""
+    ends = [e.end_ms for e in reduction_events(timeline, reductions)]
+    return max([timeline.iteration_ms, *ends]) - timeline.iteration_ms
 
 
 def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[str]], batch: int,
@@ -108,10 +121,12 @@ def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[
     if replicas == 1:
         return replace(pipeline, batch_size=batch)
     bounds = [stage.start for stage in pipeline.stages] + [pipeline.stages[-1].stop]
-    tail = _tail(profile, simulate_plan(pipeline), bounds, replicas, engine)
+    reductions = _reductions(profile, bounds, replicas, engine)
+    tail = _tail(simulate_plan(pipeline), reductions)
+    stages = [replace(stage, reduce_ms=ms) for stage, ms in zip(pipeline.stages, reductions)]
     predicted = replace(pipeline.predicted, iteration_ms=pipeline.predicted.iteration_ms + tail,
                         reduction_ms=tail)
-    return replace(pipeline, batch_size=batch, predicted=predicted,
+    return replace(pipeline, batch_size=batch, predicted=predicted, stages=stages,
                    replicas=replicas, replica_devices=replica_devices)
 
 
@@ -212,7 +227,8 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -
     asked = options["checkpoint"]
     modes = ["never", "except_last"] if asked == "auto" else [asked]
     first = [stage.start for stage in pipeline.stages] + [layers]
-    best = pipeline.predicted.iteration_ms + _tail(profile, simulate_plan(pipeline), first, replicas, engine)
+    best = pipeline.predicted.iteration_ms + _tail(simulate_plan(pipeline),
+                                                   _reductions(profile, first, replicas, engine))
     found = None
     for bounds in _splits(layers, len(devices)):
         for m in chunks:
@@ -222,7 +238,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -
                         stage.memory > limit for stage, limit in zip(evaluation.stages, limits)):
                     continue
                 timeline = simulate(evaluation.stages, m, mode)
-                total = evaluation.iteration_ms + _tail(profile, timeline, bounds, replicas, engine)
+                total = evaluation.iteration_ms + _tail(timeline, _reductions(profile, bounds, replicas, engine))
                 if total < best:
                     best, found = total, (bounds, m, mode)
     options["replica_split"] = "least total"
@@ -248,3 +264,25 @@ def pure_data_parallel(profile: Profile, devices: Sequence[Any] | int | None = N
 def best_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None, **options: Any) -> Plan:
     """The best plan of one replica (a pipeline over the devices, or one device)."""
     return plan(profile, devices, replicas=1, **options)
+
+
+def parallelism(profile: Profile, chosen: Plan, devices: Sequence[Any] | int | None, **options: Any) -> str:
+    """A table: the chosen plan, pure data parallelism and the best pipeline-only plan on the
+    same devices and options, each with its predicted time and ratio to the choice."""
+    rows: list[tuple[str, Plan | str]] = [("ours (autopipe)", chosen)]
+    for name, make in (("pure data parallel", pure_data_parallel), ("best pipeline only", best_pipeline)):
+        try:
+            rows.append((name, make(profile, devices, **options)))
+        except ValueError as error:  # PlanningError included: say why the row is missing
+            rows.append((name, str(error).split(";")[0]))
+    lines = [f"{'parallelism':<20} {'iteration':>12} {'vs ours':>8}  {'R':>2}  {'m':>3}  balance",
+             f"{'-' * 20} {'-' * 12} {'-' * 8}  {'-' * 2}  {'-' * 3}  {'-' * 7}"]
+    for name, row in rows:
+        if isinstance(row, str):
+            lines.append(f"{name:<20} {'-':>12} {'-':>8}  ({row})")
+            continue
+        ms = row.predicted.iteration_ms
+        lines.append(f"{name:<20} {ms:>9.2f} ms {ms / chosen.predicted.iteration_ms:>7.2f}x  {row.replicas:>2}  "
+                     f"{row.chunks:>3}  [{','.join(map(str, row.balance))}]"
+                     + (f" x{row.interleave}/device" if row.interleave > 1 else ""))
+    return "\n".join(lines)
