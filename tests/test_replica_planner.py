@@ -138,3 +138,28 @@ def test_memory_limit_just_under_a_replica_forces_a_pipeline() -> None:
     limited = plan(profile, 2, memory_limit=need - 1)
     assert limited.replicas == 1 and limited.device_count == 2
     assert np.all([stage.memory_bytes < need for stage in limited.stages])
+
+
+def test_cli_plan_replicas_compare_and_show(tmp_path, capsys) -> None:
+    from autopipe.cli import main
+
+    profile = make_profile([1.0] * 6, devices=2, param_bytes=100_000, saved_bytes=10)
+    profile.reductions = [ReductionFit("local", 2, 0.5, 1e-6, [])]
+    path = profile.save(tmp_path / "p.json")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--compare", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    chosen = Plan.load(out)
+    assert chosen.replicas == 2 and "replicas:      2 (data parallel)" in text
+    assert "(cost measured)" in text
+    rows = {line.split("  ")[0]: line for line in text.splitlines()
+            if line.startswith(("ours", "pure data parallel", "best pipeline only"))}
+    assert set(rows) == {"ours (autopipe)", "pure data parallel", "best pipeline only"}
+    assert " 1.00x" in rows["pure data parallel"] and rows["best pipeline only"].split()[6] == "1"
+    assert main(["show", str(out), "--width", "30"]) == 0
+    shown = capsys.readouterr().out
+    assert "replica 1: stages on cpu" in shown and "stage 0  reduce" in shown
+    assert main(["plan", str(path), "--replicas", "3"]) != 0
+    assert "replicas=3 does not divide the 2 devices" in capsys.readouterr().err
+    assert main(["plan", str(path), "--replicas", "1", "-o", str(out)]) == 0
+    assert Plan.load(out).replicas == 1
