@@ -90,8 +90,10 @@ def test_replicas_must_divide_the_devices_and_fit_the_batch() -> None:
         plan(profile, 4, replicas=0)
     with pytest.raises(ValueError, match="more than the batch of 2 samples"):
         plan(profile, 4, replicas=4, batch_size=2)
-    with pytest.raises(ValueError, match="distributed engine runs one pipeline"):
-        plan(profile, 4, replicas=2, engine="distributed")
+    with pytest.raises(ValueError, match="replicas=2 does not divide the batch of 7, and the distributed engine"):
+        plan(profile, 4, replicas=2, engine="distributed", batch_size=7)
+    distributed = plan(profile, 4, replicas=2, engine="distributed")
+    assert distributed.replicas == 2 and distributed.replica_batch_size * 2 == distributed.batch_size
 
 
 def test_hybrid_plan_layout_prediction_and_file(tmp_path) -> None:

@@ -54,11 +54,12 @@ __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_d
            "best_pipeline", "parallelism", "reduction_events"]
 
 
-def replica_counts(devices: int, batch_size: int, replicas: int | str) -> list[int]:
-    """The replica counts to search: every divisor of ``devices`` up to the batch size for
-    ``"auto"``, else ``[replicas]`` after checking it divides ``devices``."""
+def replica_counts(devices: int, batch_size: int, replicas: int | str, equal: bool = False) -> list[int]:
+    """The replica counts to search: every divisor of ``devices`` up to the batch size (that
+    also divides the batch, with ``equal``) for ``"auto"``, else ``[replicas]`` after checking it."""
     if replicas == "auto":
-        return [r for r in range(1, devices + 1) if devices % r == 0 and r <= batch_size]
+        return [r for r in range(1, devices + 1)
+                if devices % r == 0 and r <= batch_size and not (equal and batch_size % r)]
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
         raise ValueError(f"replicas must be 'auto' or a positive integer, got {replicas!r}")
     if devices % replicas:
@@ -67,6 +68,9 @@ def replica_counts(devices: int, batch_size: int, replicas: int | str) -> list[i
                          f"same number of devices); use one of {divisors} or 'auto'")
     if replicas > batch_size:
         raise ValueError(f"replicas={replicas} is more than the batch of {batch_size} samples; use fewer replicas")
+    if equal and batch_size % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the batch of {batch_size}, and the distributed engine "
+                         "needs equal shares; choose a batch size divisible by the replicas")
     return [replicas]
 
 
@@ -144,7 +148,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         batch_size: the whole batch, split over the replicas (default: the profile's).
         memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
             a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
-        engine: ``"local"`` or ``"distributed"`` (which runs one pipeline: ``"auto"`` then means 1).
+        engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
         **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state_factor``…,
             passed to the pipeline search of each replica.
 
@@ -158,10 +162,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     """
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
-    if engine == "distributed" and replicas not in ("auto", 1):
-        raise ValueError(f"replicas={replicas!r}: the distributed engine runs one pipeline (replicas=1) "
-                         "for now; use the local engine for replicas, or replicas=1")
-    counts = [1] if engine == "distributed" else replica_counts(len(names), batch, replicas)
+    counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
     limits = memory_limits(memory_limit, names)
     rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
     if len(rates) != len(names):
