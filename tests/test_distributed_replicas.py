@@ -16,7 +16,7 @@ from autopipe.distributed.local import launch_local
 from autopipe.planning.plans import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed import BATCH, batch, inplace_model, plan_for  # noqa: E402
+from test_distributed import batch, inplace_model, plan_for  # noqa: E402
 
 JOB_TIMEOUT_S = 150.0
 CHUNKS = 2
@@ -129,3 +129,24 @@ def test_pure_data_parallel_and_a_job_of_the_wrong_size(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+
+
+@pytest.mark.slow
+def test_all_reduce_profiled_into_the_profile(tmp_path: Path) -> None:
+    from synthetic import make_profile
+
+    from autopipe.distributed.reduction import main
+    from autopipe.planning.replicas import plan
+    from autopipe.profiling.profiles import Profile
+
+    path = make_profile([1.0] * 4, devices=2, param_bytes=10**6, batch_size=8).save(tmp_path / "p.json")
+    assert plan(Profile.load(path), 2, replicas=2, engine="distributed").options["reduction"] == \
+        "estimated from copy fits"
+    assert main([str(path), "--processes", "2"]) == 0
+    profile = Profile.load(path)
+    fit = profile.reduction_fit("distributed")
+    assert fit is not None and fit.replicas == 2 and len(fit.points) == 4 * 5
+    assert fit.time_ms(10**6) > 0
+    chosen = plan(profile, 2, replicas=2, engine="distributed")
+    assert chosen.options["reduction"] == "measured"
+    assert chosen.predicted.reduction_ms == pytest.approx(fit.time_ms(4 * 10**6), rel=1e-9)

@@ -30,7 +30,7 @@ def measure_reduction(devices: Sequence[torch.device], sizes: Sequence[int] = DE
     or a device is not a CPU."""
     if len(devices) < 2 or any(d.type != "cpu" for d in devices):
         return []
-    points = []
+    points: list[tuple[int, float]] = []
     for nbytes in sizes:
         points.extend((nbytes, ms) for ms in _time_adds(devices[0], nbytes, len(devices) - 1, repeats, warmup))
         if progress is not None:
