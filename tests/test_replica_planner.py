@@ -92,10 +92,6 @@ def test_replicas_must_divide_the_devices_and_fit_the_batch() -> None:
         plan(profile, 4, replicas=4, batch_size=2)
     with pytest.raises(ValueError, match="replicas=2 does not divide the batch of 7, and the distributed engine"):
         plan(profile, 4, replicas=2, engine="distributed", batch_size=7)
-    with pytest.raises(ValueError, match="runs replicas on CPU devices only; use engine='distributed'"):
-        plan(profile, ["cuda:0", "cuda:1"], replicas=2, memory_limit="1GiB")
-    gpus = make_profile([1.0] * 4, devices=["cuda:0", "cuda:1"], param_bytes=1000)
-    assert plan(gpus, memory_limit="1GiB").replicas == 1
     distributed = plan(profile, 4, replicas=2, engine="distributed")
     assert distributed.replicas == 2 and distributed.replica_batch_size * 2 == distributed.batch_size
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 import autopipe
 from autopipe.runtime.microbatch import split_sizes
-from autopipe.runtime.replicas import check_replica_devices
+import autopipe.runtime.pipeline
 
 
 def mlp() -> nn.Sequential:
@@ -139,14 +139,11 @@ def test_planned_replicas_run_from_the_plan(tmp_path) -> None:
         assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
 
 
-def test_bad_replica_counts_and_devices_are_refused() -> None:
+def test_bad_replica_counts_are_refused() -> None:
     with pytest.raises(ValueError, match=r"4 devices for 2 stages in each of 3 replicas; give one device per stage"):
         autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu"] * 4, replicas=3)
     with pytest.raises(ValueError, match="replicas must be a positive integer"):
         autopipe.Pipeline(mlp(), balance=[7], replicas=0)
-    with pytest.raises(ValueError, match="replicas on CPU devices only .* plan with replicas=1"):
-        check_replica_devices([[torch.device("cuda", 0)], [torch.device("cuda", 1)]])
-    check_replica_devices([[torch.device("cuda", 0)]])  # one replica: any device
 
 
 def test_a_failing_replica_is_reported_and_the_pipeline_lives_on() -> None:
@@ -162,3 +159,54 @@ def test_a_failing_replica_is_reported_and_the_pipeline_lives_on() -> None:
         pipe(torch.randn(3, 4))  # shares of 2 and 1 samples: the second replica fails
     assert isinstance(error.value.__cause__, KeyError)
     assert pipe(torch.randn(4, 4)).shape == (4, 4)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas on copies of the modules (what CUDA devices get), run on CPU devices."""
+    monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_copied_replicas_reduce_into_one_parameter_set(copies: None, checkpoint: str) -> None:
+    pipe = assert_replicas_transparent(mlp(), torch.randn(14, 8), [3, 4], replicas=2, chunks=3,
+                                       checkpoint=checkpoint, steps=2)
+    assert pipe._copies is not None
+    first = {id(p) for s in pipe._engines[0].stages for m in s.modules for p in m.parameters()}
+    second = [p for s in pipe._engines[1].stages for m in s.modules for p in m.parameters()]
+    assert first == {id(p) for p in pipe.parameters()} and not first & {id(p) for p in second}
+    assert all(p.grad is None for p in second)  # reduced into the first replica's
+
+
+def test_copied_replicas_with_skips(copies: None) -> None:
+    torch.manual_seed(1)
+    model = UNet()
+    layers = autopipe.layer_chain(model)
+    x = torch.randn(8, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(layers, balance=[4, len(layers) - 4], devices=["cpu"] * 4, chunks=2, replicas=2)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x.clone(), g, 2, 2)
+    (out * g).sum().backward()
+    assert_close(out, expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_replicas_equal_the_plain_model() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(12, 8)
+    pipe = autopipe.Pipeline(model, balance=[7], devices=["cuda:0", "cuda:1"], chunks=2, replicas=2)
+    out = pipe(x.cuda(0))
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x, g.cpu(), 2, 2)
+    (out * g).sum().backward()
+    assert_close(out.cpu(), expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad.cpu(), expected_params[name].grad, f"{name}.grad")

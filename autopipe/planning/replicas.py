@@ -154,8 +154,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         batch_size: the whole batch, split over the replicas (default: the profile's).
         memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
             a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
-        engine: ``"local"`` (whose replicas need CPU devices: ``"auto"`` means 1 on others) or
-            ``"distributed"`` (whose replicas need equal shares of the batch).
+        engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
         **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state_factor``…,
             passed to the pipeline search of each replica.
 
@@ -170,12 +169,6 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
-    if engine == "local" and any(not name.startswith("cpu") for name in names):
-        # the in-process runtime shares parameters between replicas, which needs CPU devices
-        if replicas not in ("auto", 1):
-            raise ValueError(f"replicas={replicas} on {names}: the in-process runtime runs replicas on CPU devices "
-                             "only; use engine='distributed' (one process per stage) or replicas=1")
-        counts = [1]
     limits = memory_limits(memory_limit, names)
     rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
     if len(rates) != len(names):

@@ -29,7 +29,7 @@ from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .engine import Engine
 from .function import PipelineTie
-from .replicas import Replicas, check_replica_devices
+from .replicas import Copies, Replicas, copied_layers, shares_parameters
 from .run import Run
 from .skips import skip_routes
 from .stage import Stage
@@ -48,10 +48,10 @@ class Pipeline(nn.Module):
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
-    ``replicas`` (or the plan's) runs that many copies of the pipeline side by side on CPU
-    devices, each on its share of the batch (``devices`` then lists every replica's devices in
-    turn); they share the parameters, so ``.grad`` is the whole batch's and ``parameters()`` is
-    one set (:mod:`autopipe.runtime.replicas`).  Replicas always defer batch norm.
+    ``replicas`` (or the plan's) runs that many copies of the pipeline side by side, each on its
+    share of the batch (``devices`` then lists every replica's devices in turn): ``.grad`` is the
+    whole batch's and ``parameters()`` is one set (:mod:`autopipe.runtime.replicas`: shared on
+    CPU, copied and reduced elsewhere).  Replicas always defer batch norm.
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
       describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
@@ -102,14 +102,16 @@ class Pipeline(nn.Module):
         resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (per_replica * replicas))
         _check_devices(resolved, len(balance), interleave, replicas)
         groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
-        check_replica_devices(groups)
         if deferred_batch_norm or replicas > 1:
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
         self._register_state(layers)
-        self._engines = [Engine(_build_stages(layers, self.balance, group)) for group in groups]
+        shared = shares_parameters(groups)
+        chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
+        self._engines = [Engine(_build_stages(chain, self.balance, group)) for chain, group in zip(chains, groups)]
+        self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
             for engine in self._engines:
                 for stage in engine.stages:
@@ -128,7 +130,7 @@ class Pipeline(nn.Module):
         grad = torch.is_grad_enabled()
         shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
-        replicas = Replicas(self._engines[:len(runs)], runs)
+        replicas = Replicas(self._engines[:len(runs)], runs, self._copies)
         if not grad:
             replicas.run_phase("forward")
             return gather([run.outputs.pop(j) for run in runs for j in range(run.chunks)])
@@ -151,9 +153,10 @@ class Pipeline(nn.Module):
 
     def train(self, mode: bool = True) -> "Pipeline":
         super().train(mode)
-        for stage in self.stages:
-            for module in stage.modules:
-                module.train(mode)
+        for engine in self._engines:
+            for stage in engine.stages:
+                for module in stage.modules:
+                    module.train(mode)
         return self
 
     def close(self) -> None:
