@@ -130,13 +130,13 @@ def _describe(plan: autopipe.Plan) -> str:
 def _table(samples: dict[str, list[float]], predicted: dict[str, float], memory: dict[str, int],
            described: dict[str, str], names: list[str], limit: int | None = None) -> str:
     plain = samples["plain model"]
-    lines = [f"{'row':26s} {'plan':38s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'pred. x':>8s} "
+    lines = [f"{'row':26s} {'plan':44s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'pred. x':>8s} "
              f"{'error':>7s} {'memory MiB':>10s}" + (" fits" if limit else "")]
     for name in names:
         ms = statistics.median(samples[name])
         speedup = statistics.median(p / t for p, t in zip(plain, samples[name]))
         fits = "" if limit is None else ("  yes" if memory[name] <= limit else "   no")
-        lines.append(f"{name:26s} {described[name]:38s} {ms:10.1f} {speedup:7.2f}x {predicted[name]:10.1f} "
+        lines.append(f"{name:26s} {described[name]:44s} {ms:10.1f} {speedup:7.2f}x {predicted[name]:10.1f} "
                      f"{predicted['plain model'] / predicted[name]:7.2f}x {predicted[name] / ms - 1:+7.1%} "
                      f"{memory[name] / 2**20:10.1f}{fits}")
     return "\n".join(lines)
@@ -175,7 +175,7 @@ def _ddp_line(args: argparse.Namespace) -> str:
         launch_local(command, 2, Path(directory), timeout_s=1800)
         times = json.loads(out.read_text())
     ratio = statistics.median(p / d for p, d in zip(times["plain"], times["ddp"]))
-    return (f"{'torch DDP, 2 processes':26s} {'gloo, batch ' + str(args.batch // 2) + ' each':38s} "
+    return (f"{'torch DDP, 2 processes':26s} {'gloo, batch ' + str(args.batch // 2) + ' each':44s} "
             f"{statistics.median(times['ddp']):10.1f} {ratio:7.2f}x   (against the plain step in that job: "
             f"{statistics.median(times['plain']):.1f} ms)")
 
