@@ -11,8 +11,8 @@ from test_runtime import assert_close
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.runtime.microbatch import split_sizes
 import autopipe.runtime.pipeline
+from autopipe.runtime.microbatch import split_sizes
 
 
 def mlp() -> nn.Sequential:
