@@ -81,4 +81,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .profiling.profiles import CopyFit, LayerProfile, Profile
     from .runtime import Pipeline
     from .model.skip import Namespace, pop, skippable, stash, verify_skippables
-    from .planning.solver import plan
+    from .planning.replicas import plan

@@ -13,7 +13,7 @@ from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
 from .runtime import Pipeline
-from .planning.solver import plan as choose_plan
+from .planning.replicas import plan as choose_plan
 
 __all__ = ["partition"]
 
@@ -40,7 +40,8 @@ def partition(
         deferred_batch_norm: swap batch norms for :class:`~autopipe.DeferredBatchNorm`.
         quiet: no progress bar while profiling.
         **plan_options: passed to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``,
-            ``chunks``, ...).
+            ``chunks``, ``replicas``, ...); replicas default to ``"auto"``: data parallel,
+            pipeline or both, whichever is predicted fastest.
 
     Returns:
         The pipeline; the plan it runs is ``pipe.plan``.

@@ -17,9 +17,10 @@ __all__ = ["Event", "render"]
 class Event:
     """One interval on one lane of one stage.
 
-    ``lane`` is ``"compute"`` or ``"copy"``; ``kind`` is ``"F"`` (forward), ``"B"`` (backward,
+    ``lane`` is ``"compute"``, ``"copy"`` or ``"reduce"``; ``kind`` is ``"F"`` (forward), ``"B"`` (backward,
     including any recomputation), ``"R"`` (recomputation alone, where it is traced apart),
-    ``"C"`` (forward copy into the stage) or ``"G"`` (gradient copy into the stage).  Times are
+    ``"C"`` (forward copy into the stage), ``"G"`` (gradient copy into the stage) or ``"A"``
+    (the stage's gradient reduction across replicas).  Times are
     in ms from the start of the iteration.
     """
 
@@ -39,7 +40,8 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     """A text timeline: one row per stage lane, one column per ``total / width`` ms.
 
     A cell shows the event covering most of it — ``F`` forward, ``B`` backward (with any
-    recomputation), ``R`` recomputation, ``C`` forward copy, ``G`` gradient copy, in upper case
+    recomputation), ``R`` recomputation, ``C`` forward copy, ``G`` gradient copy, ``A`` gradient
+    reduction across replicas, in upper case
     for even micro-batches and lower case for odd ones so micro-batches stay apart — or ``.``
     when the lane is idle for most of it, so bubbles show as runs of dots.
     """
@@ -49,7 +51,7 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     step = end / width if end > 0 else 1.0
     rows = []
     for stage in sorted({event.stage for event in events}):
-        for lane in ("compute", "copy"):
+        for lane in ("compute", "copy", "reduce"):
             mine = [e for e in events if e.stage == stage and e.lane == lane]
             if mine or lane == "compute":
                 rows.append(f"stage {stage:<2} {lane:<7} |{_row(mine, width, step)}|")

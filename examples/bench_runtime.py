@@ -10,6 +10,7 @@ The "fill-drain" column is the iteration time that the stages' own measured comp
 "overhead" column is how much slower the pipeline really was, i.e. what the runtime itself
 costs (waits, copies, Python) beyond the schedule's bubbles and the split's imbalance.
 
+Pipelines only (``replicas=1``; ``bench_parallelism.py`` puts them next to data parallelism).
 Splits come from the planner on the committed profile (``profiles/resnet18-128.json``): for each
 micro-batch count m the planner's best split at that m, and the planner's own choice of split,
 m, checkpointing and stages per device (it may interleave two stages on each device), and its
@@ -117,9 +118,10 @@ def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, au
         return nets, predicted
     profile = autopipe.Profile.load(args.profile)
     plans = {f"planned m={m}": autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m,
-                                              checkpoint=args.checkpoint) for m in chunk_counts}
-    plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch)
-    plans["best not interleaved"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, interleave=1)
+                                              checkpoint=args.checkpoint, replicas=1) for m in chunk_counts}
+    plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, replicas=1)
+    plans["best not interleaved"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, interleave=1,
+                                                  replicas=1)
     predicted["plain"] = autopipe.plan(profile, ["cpu"], batch_size=args.batch, chunks=1).predicted.iteration_ms
     for label, plan in plans.items():
         shared = f" x{plan.interleave}/device" if plan.interleave > 1 else ""

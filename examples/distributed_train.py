@@ -1,4 +1,5 @@
-"""Train with a saved plan on torch.distributed.pipelining, one stage per torchrun process.
+"""Train with a saved plan on torch.distributed.pipelining, one stage per torchrun process
+(replicas × stages processes for a plan with replicas).
 
     torchrun --nproc-per-node 2 examples/distributed_train.py --plan plans/resnet18.json
     torchrun --nproc-per-node 2 examples/distributed_train.py --balance 7,8 --chunks 4 --image-size 64
@@ -50,17 +51,19 @@ def main() -> None:
     )
     optimizer = torch.optim.SGD(runner.parameters(), lr=args.lr, momentum=0.9)
     generator = torch.Generator().manual_seed(1)
-    images = torch.randn(runner.batch_size, 3, args.image_size, args.image_size, generator=generator)
-    labels = torch.randint(0, 1000, (runner.batch_size,), generator=generator)
-    rank = runner.rank
-    if rank == 0:
-        print(f"{runner.num_stages} stages, balance {runner.balance}, {runner.schedule_name} with "
+    whole = runner.batch_size * runner.replicas  # each replica trains on its share of the batch
+    images = torch.randn(whole, 3, args.image_size, args.image_size, generator=generator)
+    labels = torch.randint(0, 1000, (whole,), generator=generator)
+    images, labels = runner.shard(images), runner.shard(labels)
+    first = runner.rank == 0 and runner.replica == 0
+    if first:
+        print(f"{runner.replicas} x {runner.num_stages} stages, balance {runner.balance}, {runner.schedule_name} with "
               f"{runner.chunks} micro-batches of {runner.batch_size // runner.chunks}", flush=True)
     for step in range(args.steps):
         optimizer.zero_grad()
         loss = runner.broadcast_loss(runner.step(images, target=labels))
         optimizer.step()
-        if rank == 0:
+        if first:
             print(f"step {step}: loss {loss:.4f}", flush=True)
     path = runner.save_checkpoint(args.save)
     if path is not None:

@@ -28,27 +28,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch.distributed.pipelining under torchrun (distributed)")
     parser.add_argument("--interleave", default="auto",
                         help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
+    parser.add_argument("--replicas", default="auto",
+                        help="copies of the pipeline trained side by side (data parallel): auto (chosen among "
+                             "the divisors of the device count) or a count dividing it; 1 = pipeline only")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--compare", action="store_true",
-                        help="also price equal-layer, parameter-balanced and time-only min-max splits")
+                        help="also price pure data parallel, the best pipeline-only plan and equal-layer, "
+                             "parameter-balanced and time-only min-max splits")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..planning.compare import compare, format_comparison
-    from ..planning.solver import plan
+    from ..planning.replicas import parallelism, plan
 
     profile = Profile.load(args.profile)
-    chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
-                  memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
-                  optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
-                  chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
+    options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
+                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
+                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
+    devices = _devices(args.devices)
+    chosen = plan(profile, devices, replicas=_replicas(args.replicas), **options)
     print(summary(chosen))
     if args.compare:
         print()
-        print(format_comparison(compare(profile, chosen, args.chunks)))
+        print(parallelism(profile, chosen, devices, **options))
+        if chosen.replicas == 1:
+            print()
+            print(format_comparison(compare(profile, chosen, args.chunks)))
     if args.output:
         print(f"\nplan written to {chosen.save(Path(args.output))}")
     return 0
+
+
+def _replicas(text: str) -> int | str:
+    if text != "auto" and not text.isdigit():
+        raise ValueError(f"--replicas '{text}' must be 'auto' or a positive integer, e.g. 2")
+    return text if text == "auto" else int(text)
 
 
 def _devices(text: str | None) -> int | list[str] | None:
@@ -83,13 +97,19 @@ def summary(chosen: Plan) -> str:
     """What was chosen and what it predicts, in a few lines."""
     predicted = chosen.predicted
     split = ", ".join(f"{name} (#{index})" for index, name in chosen.split_points) or "none (one stage)"
-    return "\n".join([
+    reduction = chosen.options.get("reduction", "estimated from copy fits")
+    first = ", ".join(chosen.devices[:chosen.device_count])
+    replicas = ([f"replicas:      {chosen.replicas} (data parallel), each on {first} with "
+                 f"{chosen.replica_batch_size} of the batch; gradient reduction adds "
+                 f"{predicted.reduction_ms:.2f} ms (cost {reduction})"] if chosen.replicas > 1 else [])
+    return "\n".join(replicas + [
         f"stages:        {len(chosen.stages)} on {', '.join(chosen.devices)}"
         + (f" ({chosen.interleave} per device: stage s on device s % {chosen.device_count})"
            if chosen.interleave > 1 else ""),
         f"balance:       {chosen.balance}",
         f"split before:  {split}",
-        f"micro-batches: {chosen.chunks} of {chosen.micro_batch_size} (batch {chosen.batch_size})",
+        f"micro-batches: {chosen.chunks} of {chosen.micro_batch_size} (batch {chosen.batch_size}"
+        + (f", {chosen.replica_batch_size} per replica)" if chosen.replicas > 1 else ")"),
         f"checkpoint:    {chosen.checkpoint}   schedule: {chosen.schedule}   "
         f"engine: {chosen.options.get('engine', 'local')}",
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "

@@ -5,6 +5,7 @@ import argparse
 from typing import Any
 
 from ..planning.plans import Plan
+from ..planning.replicas import reduction_events
 from ..planning.simulate import simulate_plan
 from ..timeline import Event, render
 
@@ -21,20 +22,22 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     pyplot = _pyplot() if args.png else None
     simulation = simulate_plan(plan)
+    events = simulation.events + reduction_events(simulation, [s.reduce_ms for s in plan.stages])
     print(stage_table(plan))
     print()
-    print(f"timeline of one iteration ({plan.chunks} micro-batches, checkpoint={plan.checkpoint}; "
-          "F/f forward, B/b backward, C/c copy in, G/g gradient copy, . idle):")
-    print(render(simulation.events, args.width))
+    each = f" of each replica, all {plan.replicas} at once" if plan.replicas > 1 else ""
+    print(f"timeline of one iteration{each} ({plan.chunks} micro-batches, checkpoint={plan.checkpoint}; "
+          "F/f forward, B/b backward, C/c copy in, G/g gradient copy, A reduction, . idle):")
+    print(render(events, args.width))
     if pyplot is not None:
-        draw_png(pyplot, simulation.events, args.png)
+        draw_png(pyplot, events, args.png)
         print(f"\ntimeline drawn to {args.png}")
     return 0
 
 
 def stage_table(plan: Plan) -> str:
     """One row per stage: device (index:name; stages of an interleaved plan share an index),
-    layers, per-micro-batch times and predicted memory."""
+    layers, per-micro-batch times and predicted memory; then each replica's devices."""
     lines = [f"{'stage':>5}  {'device':<10} {'layers':<24} {'F ms':>8} {'B ms':>8} {'R ms':>8} "
              f"{'copy in':>8} {'grad in':>8} {'memory':>10}"]
     for s in plan.stages:
@@ -46,7 +49,12 @@ def stage_table(plan: Plan) -> str:
     p = plan.predicted
     lines.append(f"predicted iteration {p.iteration_ms:.2f} ms (forward {p.forward_ms:.2f} + backward "
                  f"{p.backward_ms:.2f}), bubble {100 * p.bubble_fraction:.1f}%, "
-                 f"{plan.chunks} x {plan.micro_batch_size} samples")
+                 f"{plan.chunks} x {plan.micro_batch_size} samples"
+                 + (f" per replica, reduction +{p.reduction_ms:.2f} ms" if plan.replicas > 1 else ""))
+    if plan.replicas > 1:
+        lines.append(f"{plan.replicas} replicas (data parallel), {plan.replica_batch_size} samples each; "
+                     "stage s of every replica reduces its gradients with the others' (A lane):")
+        lines += [f"  replica {r}: stages on {', '.join(group)}" for r, group in enumerate(plan.replica_devices)]
     return "\n".join(lines)
 
 
@@ -64,7 +72,8 @@ def _pyplot() -> Any:
 
 def draw_png(plt: Any, events: list[Event], path: str) -> None:
     """Draw the timeline as horizontal bars, one row per stage lane."""
-    colours = {"F": "tab:blue", "B": "tab:orange", "R": "tab:red", "C": "tab:green", "G": "tab:purple"}
+    colours = {"F": "tab:blue", "B": "tab:orange", "R": "tab:red", "C": "tab:green", "G": "tab:purple",
+               "A": "tab:brown"}
     rows = sorted({(e.stage, e.lane) for e in events})
     figure, axes = plt.subplots(figsize=(12, 0.5 * len(rows) + 1))
     for y, (stage, lane) in enumerate(rows):

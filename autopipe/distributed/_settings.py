@@ -1,5 +1,5 @@
 """Checks every rank makes alike before running: the plan's fit to the model, balance, schedule,
-checkpoint mode, micro-batch split and world size; and the process group from torchrun."""
+checkpoint mode, micro-batch split and replicas; and the process group from torchrun."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ from ..model.fingerprint import check_made_for
 from ..planning.plans import Plan
 from ..runtime.balance import check_balance
 
-__all__ = ["RunSettings", "check_divisible", "check_world", "init_distributed", "plan_device"]
+__all__ = ["RunSettings", "check_divisible", "init_distributed", "plan_device"]
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
@@ -43,11 +43,12 @@ class RunSettings:
     checkpoint: CheckpointMode
     batch_size: int | None
     devices: list[str]
+    replicas: int = 1
 
     @staticmethod
     def resolve(layers: Sequence[Layer], plan: Plan | None, balance: Sequence[int] | None = None,
                 chunks: int | None = None, schedule: Schedule | None = None, checkpoint: CheckpointMode | None = None,
-                batch_size: int | None = None) -> RunSettings:
+                batch_size: int | None = None, replicas: int | None = None) -> RunSettings:
         """Check everything that every rank can check alike, so a mistake fails on all ranks at once."""
         if plan is not None:
             check_made_for(plan.model, layers, "plan", "make a plan for this model", DistributedError)
@@ -66,9 +67,16 @@ class RunSettings:
             chunks=chunks or (plan.chunks if plan else 1),
             schedule=schedule or (plan.schedule if plan else "gpipe"),
             checkpoint=checkpoint or (plan.checkpoint if plan else "never"),
-            batch_size=batch_size or (plan.batch_size if plan else None),
+            batch_size=batch_size or (plan.replica_batch_size if plan else None),
             devices=plan.devices if plan is not None and plan.balance == balance else ["cpu"] * len(balance),
+            replicas=replicas or (plan.replicas if plan else 1),
         )
+        if not isinstance(settings.replicas, int) or settings.replicas < 1:
+            raise DistributedError(f"replicas must be a positive integer, got {settings.replicas!r}")
+        if plan is not None and plan.replicas > 1 and plan.batch_size % plan.replicas:
+            raise DistributedError(
+                f"the plan's batch of {plan.batch_size} does not split into {plan.replicas} equal replica "
+                "shares, which the engine's averaged gradients need; plan a batch size divisible by the replicas")
         check_schedule(settings.schedule, settings.chunks, len(balance), settings.checkpoint)
         if settings.batch_size is not None:
             check_divisible(settings.batch_size, settings.chunks)
@@ -103,14 +111,3 @@ def check_divisible(batch_size: int, chunks: int) -> None:
             "torch.distributed.pipelining needs one micro-batch shape. Fix: use a batch size "
             f"divisible by chunks (e.g. {batch_size - batch_size % chunks or chunks}) or other chunks"
         )
-
-
-def check_world(num_stages: int, group: dist.ProcessGroup | None) -> int:
-    world = dist.get_world_size(group)
-    if world != num_stages:
-        raise DistributedError(
-            f"the plan has {num_stages} stages but the job has {world} ranks; this engine runs one "
-            f"stage per rank: launch with torchrun --nproc-per-node {num_stages} (or nodes × "
-            f"processes = {num_stages})"
-        )
-    return dist.get_rank(group)

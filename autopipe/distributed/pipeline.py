@@ -18,8 +18,9 @@ from ..model import Layer, layer_chain
 from ..planning.plans import Plan
 from ..runtime.balance import stage_of_layer
 from ..runtime.skips import skip_spans
+from ._replicas import data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
-from ._settings import RunSettings, check_divisible, check_world, init_distributed, plan_device
+from ._settings import RunSettings, check_divisible, init_distributed, plan_device
 from ._stage import StageModule
 from ._state import merge_state_dicts, state_prefix
 
@@ -47,6 +48,12 @@ class DistributedPipeline:
     too (the plan's, ``batch_size``, or the first step's): another one raises
     :class:`DistributedError`; build a new pipeline on every rank for a new batch size.
 
+    With ``replicas`` (or the plan's) ``R > 1`` the job has ``R × stages`` ranks: rank
+    ``r·S + s`` runs stage ``s`` of replica ``r`` (:mod:`autopipe.distributed._replicas`), its
+    stage module in ``DistributedDataParallel`` across the replicas.  Each replica trains on its
+    own share of the batch, as with DDP: its first and last ranks pass that share to
+    :meth:`step` (:meth:`shard` cuts it from the whole batch); ``batch_size`` is the share's.
+
     Args:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers; the same
             (same initial weights) on every rank.
@@ -59,11 +66,12 @@ class DistributedPipeline:
         batch_size: the fixed batch size (default: the plan's, else the first step's).
         device: this rank's device, instead of the plan's.
         group: the process group (default: the world).
+        replicas: pipeline replicas (default: the plan's, else 1); the job has replicas × stages ranks.
 
     Raises:
         DistributedError: no process group and no torchrun environment; the plan was made for
             another model or interleaves stages; a balance, schedule, checkpoint mode, chunk
-            count or world size that this engine cannot run.
+            count or world size (other than replicas × stages) that this engine cannot run.
         ChainError: the model cannot be read as a chain of layers.
     """
 
@@ -80,16 +88,17 @@ class DistributedPipeline:
         batch_size: int | None = None,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
+        replicas: int | None = None,
     ) -> None:
         self.layers = layer_chain(model)
-        settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size)
+        settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size, replicas)
         self.balance, self.chunks, self.schedule_name = settings.balance, settings.chunks, settings.schedule
         self.batch_size = settings.batch_size
         kinds = [torch.device(device).type] if device is not None else [torch.device(d).type for d in settings.devices]
         init_distributed("nccl" if "cuda" in kinds else "gloo")
-        self.group = group
         self.num_stages = len(self.balance)
-        self.rank = check_world(self.num_stages, group)
+        self.layout = layout(settings.replicas, self.num_stages, "cuda" if "cuda" in kinds else "cpu", group)
+        self.group, self.rank, self.replica = self.layout.pipeline_group, self.layout.stage, self.layout.replica
         self.device = torch.device(device) if device is not None else plan_device(settings.devices[self.rank])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -98,8 +107,17 @@ class DistributedPipeline:
         spans = skip_spans(self.layers, stage_of_layer(self.balance))
         self.module = StageModule(self.stage_layers, self.rank, self.num_stages, spans,
                                   settings.checkpoint, self.chunks).to(self.device)
-        self.stage = Stage(self.module, self.rank, self.num_stages, self.device, group=group)
+        self.stage = Stage(data_parallel(self.module, self.layout, self.device), self.rank, self.num_stages,
+                           self.device, group=self.group)
         self.schedule = SCHEDULE_CLASSES[self.schedule_name](self.stage, self.chunks, loss_fn=loss_fn)
+
+    @property
+    def replicas(self) -> int:
+        return self.layout.replicas
+
+    def shard(self, tensor: Tensor) -> Tensor:
+        """This replica's share of a whole batch: ``torch.tensor_split(tensor, replicas)[replica]``."""
+        return torch.tensor_split(tensor, self.replicas)[self.replica]
 
     @property
     def is_first(self) -> bool:
@@ -139,11 +157,15 @@ class DistributedPipeline:
         return torch.stack(losses).detach().mean() if self.is_last else None
 
     def broadcast_loss(self, loss: Tensor | None) -> float:
-        """Collective: the last rank's loss as a float on every rank (so rank 0 can print it)."""
+        """Collective: the last rank's loss as a float on every rank (so rank 0 can print it),
+        averaged over the replicas."""
         value = torch.zeros(1, device=self.device)
         if self.is_last and loss is not None:
             value = loss.detach().reshape(1).to(self.device)
         dist.broadcast(value, src=self._global_rank(self.num_stages - 1), group=self.group)
+        if self.replicas > 1:
+            dist.all_reduce(value, group=self.layout.data_group)
+            value /= self.replicas
         return float(value.item())
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -158,8 +180,11 @@ class DistributedPipeline:
 
         Gathering through the process group (not a shared directory) works across nodes; the
         file is written atomically and loads into the plain model with ``strict=True``.
-        Returns the path on rank 0, ``None`` elsewhere.
+        Returns the path on rank 0, ``None`` elsewhere.  Replicas hold the same weights, so only
+        the first replica's ranks take part.
         """
+        if self.replica != 0:
+            return None
         local = {key: value.detach().cpu() for key, value in self.state_dict().items()}
         parts: list[dict[str, Tensor]] | None = [{} for _ in range(self.num_stages)] if self.rank == 0 else None
         dist.gather_object(local, parts, dst=self._global_rank(0), group=self.group)

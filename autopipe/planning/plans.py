@@ -28,8 +28,9 @@ class StagePlan:
     checkpointed micro-batch reruns before it (0 with ``checkpoint="never"``).
     ``copy_in_ms`` is the forward copy of everything the stage receives (main input and skips,
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
-    ``memory_bytes`` is the predicted peak: parameters, gradients, optimizer state, activations
-    of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.planning.cost`.
+    ``reduce_ms`` is the reduction of its gradients across replicas, started when its last
+    backward ends (0 with one replica).  ``memory_bytes`` is the predicted peak: parameters,
+    gradients, optimizer state, activations of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.planning.cost`.
     """
 
     index: int
@@ -44,6 +45,7 @@ class StagePlan:
     copy_in_ms: float
     copy_grad_ms: float
     memory_bytes: int
+    reduce_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -57,6 +59,7 @@ class StagePlan:
             recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0),
             copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
+            reduce_ms=f.float("reduce_ms", 0.0) if f.has("reduce_ms") else 0.0,
         )
 
 
@@ -65,13 +68,15 @@ class Prediction:
     """Predicted times of one training iteration (forward phase + backward phase), in ms.
 
     ``bubble_fraction`` is the share of device-time (devices × iteration) in which a device
-    computes nothing.
+    computes nothing.  ``reduction_ms`` is how much the gradient reduction between replicas
+    adds after the backward phase (0 with one replica); ``iteration_ms`` includes it.
     """
 
     iteration_ms: float
     forward_ms: float
     backward_ms: float
     bubble_fraction: float
+    reduction_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -79,7 +84,8 @@ class Prediction:
     @staticmethod
     def from_json(f: Fields) -> Prediction:
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
-                          f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0))
+                          f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0),
+                          f.float("reduction_ms", 0.0) if f.has("reduction_ms") else 0.0)
 
 
 @dataclass
@@ -96,6 +102,12 @@ class Plan:
     ``interleave`` is the number of stages per device: with ``k = len(stages) / interleave``
     devices, stage ``s`` runs on device ``s % k`` (``devices`` still names one per stage), so
     each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules.
+
+    ``replicas`` copies of this pipeline train side by side (data parallel), replica ``r`` on
+    ``replica_devices[r]`` (one device per stage, like ``devices``, which is replica 0's), each
+    on its share of the batch: ``torch.tensor_split(batch, replicas)``, so the first
+    ``batch_size % replicas`` replicas have one sample more.  ``chunks``, ``micro_batch_size``
+    and the stages' predicted costs are per replica; gradients are summed over the replicas.
     """
 
     model: dict[str, Any]
@@ -109,6 +121,17 @@ class Plan:
     predicted: Prediction
     options: dict[str, Any] = field(default_factory=dict)
     interleave: int = 1
+    replicas: int = 1
+    replica_devices: list[list[str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.replica_devices:
+            self.replica_devices = [list(self.devices)]
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples of the largest replica's share of the batch."""
+        return -(-self.batch_size // self.replicas)
 
     @property
     def device_count(self) -> int:
@@ -127,7 +150,7 @@ class Plan:
 
     @property
     def micro_batch_size(self) -> int:
-        return -(-self.batch_size // self.chunks)
+        return -(-self.replica_batch_size // self.chunks)
 
     @property
     def split_points(self) -> list[tuple[int, str]]:
@@ -147,6 +170,8 @@ class Plan:
             "checkpoint": self.checkpoint,
             "schedule": self.schedule,
             "interleave": self.interleave,
+            "replicas": self.replicas,
+            "replica_devices": self.replica_devices,
             "balance": self.balance,
             "split_points": [{"index": i, "name": n} for i, n in self.split_points],
             "stages": [stage.to_json() for stage in self.stages],
@@ -176,9 +201,18 @@ class Plan:
             predicted=Prediction.from_json(f.get("predicted")),
             options=f.get("options").value if f.has("options") else {},
             interleave=f.int("interleave", 1) if f.has("interleave") else 1,
+            replicas=f.int("replicas", 1) if f.has("replicas") else 1,
+            replica_devices=([_names(item) for item in f.get("replica_devices").items()]
+                             if f.has("replica_devices") else []),
         )
         _check_consistent(plan, f)
         return plan
+
+
+def _names(f: Fields) -> list[str]:
+    if not all(isinstance(v, str) for v in f.items() and f.value):
+        raise f.error("expected a list of device names")
+    return list(f.value)
 
 
 def _check_consistent(plan: Plan, f: Fields) -> None:
@@ -188,9 +222,12 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
         raise f.error(f"'{plan.schedule}' is not one of {list(SCHEDULES)}", "schedule")
     if not plan.stages:
         raise f.error("a plan needs at least one stage", "stages")
-    if not 1 <= plan.chunks <= plan.batch_size:
-        raise f.error(f"{plan.chunks} micro-batches for a batch of {plan.batch_size}; must be 1..batch_size",
-                      "chunks")
+    if not 1 <= plan.replicas <= plan.batch_size:
+        raise f.error(f"{plan.replicas} replicas for a batch of {plan.batch_size}; must be 1..batch_size",
+                      "replicas")
+    if not 1 <= plan.chunks <= plan.replica_batch_size:
+        raise f.error(f"{plan.chunks} micro-batches for a replica's batch of {plan.replica_batch_size}; "
+                      "must be 1..batch_size / replicas", "chunks")
     if f.has("micro_batch_size") and f.int("micro_batch_size") != plan.micro_batch_size:
         raise f.error(f"{f.int('micro_batch_size')} disagrees with ceil(batch_size / chunks) = "
                       f"{plan.micro_batch_size}", "micro_batch_size")
@@ -216,3 +253,8 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
                       "stages")
     if f.has("balance") and f.int_list("balance") != plan.balance:
         raise f.error(f"{f.int_list('balance')} disagrees with the stages {plan.balance}", "balance")
+    shapes = [len(d) for d in plan.replica_devices]
+    if len(plan.replica_devices) != plan.replicas or shapes != [len(plan.stages)] * plan.replicas \
+            or plan.replica_devices[0] != plan.devices:
+        raise f.error(f"needs {plan.replicas} lists of {len(plan.stages)} device names, the first equal to "
+                      f"'devices'; found {plan.replica_devices}", "replica_devices")

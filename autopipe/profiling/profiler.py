@@ -37,6 +37,7 @@ from ._copies import DEFAULT_COPY_SIZES, fit_copy, measure_copies
 from ._layer_runs import LayerRun, Measure, nbytes, record_size
 from ._load import Load, time_passes
 from ._progress import Progress
+from ._reduction import measure_reduction
 from .profiles import Profile, Stat
 
 __all__ = ["profile", "ProfileError", "fit_copy", "measure_copies", "DEFAULT_COPY_SIZES"]
@@ -54,8 +55,8 @@ def profile(
     quiet: bool = False,
     under_load: bool | None = None,
 ) -> Profile:
-    """Profile ``model``'s layer chain (or a given list of layers) on ``devices[0]`` and the
-    copies between ``devices``.
+    """Profile ``model``'s layer chain (or a given list of layers) on ``devices[0]``, the
+    copies between ``devices`` and the gradient reduction between replicas on them.
 
     The chain makes ``warmup`` untimed then ``repeats`` timed training passes per size, in
     train mode (forward in order, backward in reverse; each layer timed alone), the sizes
@@ -107,6 +108,7 @@ def profile(
             by_size = _profile_sizes(layers, inputs, sizes, batch_sizes is None, ops,
                                      _Timing(warmup, repeats, under_load), progress)
         copies = measure_copies(resolved, copy_sizes, repeats, warmup, progress)
+        reductions = measure_reduction(resolved, repeats=repeats, warmup=warmup)
     finally:
         progress.close()
     saved = {b: attribute(measures) for b, measures in by_size.items()}
@@ -121,6 +123,7 @@ def profile(
         batch_sizes=list(by_size),
         layers=[layer_profile(layer, i, by_size, saved) for i, layer in enumerate(layers)],
         copies=copies,
+        reductions=reductions,
     )
 
 

@@ -16,7 +16,10 @@ from typing import Any
 from .._jsonio import digest
 from .._jsonio import Fields, read_json, write_json_atomic
 
-__all__ = ["Stat", "LayerProfile", "CopyFit", "Profile", "PROFILE_SCHEMA_VERSION"]
+__all__ = ["Stat", "LayerProfile", "CopyFit", "ReductionFit", "Profile", "PROFILE_SCHEMA_VERSION", "REDUCTION_ENGINES"]
+
+#: where gradients are reduced: between replicas in one process, or by a process group's all_reduce.
+REDUCTION_ENGINES = ("local", "distributed")
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -171,7 +174,49 @@ class CopyFit:
                                   f"number), found {json.dumps(value)[:60]}")
             points.append((value[0], float(value[1])))
         return CopyFit(f.int("src", 0), f.int("dst", 0), f.float("latency_ms", 0.0),
-                       f.float("ms_per_byte", 0.0), points)
+                       f.float("ms_per_byte", 0.0), _points(f))
+
+
+def _points(f: Fields) -> list[tuple[int, float]]:
+    points = []
+    for point in f.get("points").items():
+        value = point.value
+        if not (isinstance(value, list) and len(value) == 2 and _is_count(value[0])
+                and isinstance(value[1], (int, float)) and not isinstance(value[1], bool)
+                and math.isfinite(value[1])):
+            raise point.error(f"expected [bytes, ms] (a non-negative integer and a finite "
+                              f"number), found {json.dumps(value)[:60]}")
+        points.append((value[0], float(value[1])))
+    return points
+
+
+@dataclass(frozen=True)
+class ReductionFit:
+    """Time to reduce ``bytes`` of gradients across ``replicas`` replicas on the profile's devices
+    with ``engine`` (``"local"``: the in-process runtime's reduction; ``"distributed"``: the
+    process group's ``all_reduce``): ``latency_ms + bytes * ms_per_byte``, fit to the measured
+    ``(bytes, ms)`` points."""
+
+    engine: str
+    replicas: int
+    latency_ms: float
+    ms_per_byte: float
+    points: list[tuple[int, float]]
+
+    def time_ms(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_ms + nbytes * self.ms_per_byte
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "replicas": self.replicas, "latency_ms": self.latency_ms,
+                "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
+
+    @staticmethod
+    def from_json(f: Fields) -> ReductionFit:
+        engine = f.str("engine")
+        if engine not in REDUCTION_ENGINES:
+            raise f.error(f"'{engine}' is not one of {list(REDUCTION_ENGINES)}", "engine")
+        return ReductionFit(engine, f.int("replicas", 2), f.float("latency_ms", 0.0),
+                            f.float("ms_per_byte", 0.0), _points(f))
 
 
 @dataclass
@@ -183,7 +228,9 @@ class Profile:
     shape (no batch dimension) of the first input tensor; ``input_bytes`` is one sample's bytes
     over all input tensors.  ``batch_size`` is the sample input's batch, ``batch_sizes`` the
     micro-batch sizes every layer was measured at.  ``copies`` holds one fit per ordered pair
-    of distinct entries of ``devices``.
+    of distinct entries of ``devices``.  ``reductions`` holds the gradient-reduction fits
+    measured (none in profiles made before they were: the cost model then estimates them from
+    the copy fits, :func:`autopipe.planning.replicas.reduction_time`).
     """
 
     model: dict[str, Any]
@@ -196,6 +243,11 @@ class Profile:
     batch_sizes: list[int]
     layers: list[LayerProfile]
     copies: list[CopyFit]
+    reductions: list[ReductionFit] = field(default_factory=list)
+
+    def reduction_fit(self, engine: str) -> ReductionFit | None:
+        """The measured reduction fit for ``engine``, ``None`` if this profile has none."""
+        return next((fit for fit in self.reductions if fit.engine == engine), None)
 
     def copy_fit(self, src: int, dst: int) -> CopyFit | None:
         """The fit for devices ``src`` → ``dst``, ``None`` for the same device index."""
@@ -222,6 +274,8 @@ class Profile:
             "batch_sizes": self.batch_sizes,
             "layers": [layer.to_json() for layer in self.layers],
             "copies": [fit.to_json() for fit in self.copies],
+            # written only when measured, so that an old profile's digest (named by its plans) stays
+            **({"reductions": [fit.to_json() for fit in self.reductions]} if self.reductions else {}),
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -257,6 +311,7 @@ class Profile:
             batch_sizes=_batch_size_list(f),
             layers=f.list_of("layers", LayerProfile.from_json),
             copies=f.list_of("copies", CopyFit.from_json),
+            reductions=f.list_of("reductions", ReductionFit.from_json) if f.has("reductions") else [],
         )
         _check_consistent(profile, f)
         return profile

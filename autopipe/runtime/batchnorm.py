@@ -9,11 +9,14 @@ micro-batch and merges each micro-batch's mean and variance into the step's stat
 **unbiased** ``running_var`` once, exactly as ``nn.BatchNorm`` would on the whole mini-batch.
 
 The pipeline brackets a step with :meth:`begin_step` and :meth:`end_step` (after the last
-micro-batch that actually ran: a small batch may give fewer than ``chunks``).  Recomputation
+micro-batch that actually ran: a small batch may give fewer than ``chunks``); with replicas,
+whose threads merge into one module at once, the call brackets all of them once.  Recomputation
 for checkpointing is skipped (:func:`~autopipe.is_recomputing`).  Outside a step (the layer
 used on its own) it behaves exactly like ``nn.BatchNorm``.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .checkpoint import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
+
+# Replicas of a pipeline run one module's micro-batches on several threads at once.
+_MERGING = threading.Lock()
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -106,6 +112,10 @@ class DeferredBatchNorm(_BatchNorm):
         return F.batch_norm(input, mean, variance, self.weight, self.bias, True, 1.0, self.eps)
 
     def _merge(self, count: float, mean: Tensor, variance: Tensor) -> None:
+        with _MERGING:
+            self._merge_locked(count, mean, variance)
+
+    def _merge_locked(self, count: float, mean: Tensor, variance: Tensor) -> None:
         m2 = variance * max(count - 1.0, 0.0)
         if self._step is None:
             self._step = (count, mean, m2)

@@ -1,6 +1,7 @@
 """The autograd function that ties the caller's graph to the pipeline.
 
-``PipelineTie`` connects the caller's autograd graph to the pipeline.  Its forward runs the
+``PipelineTie`` connects the caller's autograd graph to the pipeline (or to its replicas, which
+run side by side on their shares of the batch).  Its forward runs the
 pipeline's forward phase on the stage workers and returns the gathered output; its backward,
 called from the caller's ``loss.backward()``, hands the output gradient to the last stage, runs
 the backward phase on the workers (each stage calls ``torch.autograd.backward`` on its own
@@ -26,9 +27,8 @@ import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
-from .engine import Engine
 from .microbatch import gather
-from .run import Run
+from .replicas import Replicas
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 
@@ -36,31 +36,37 @@ __all__ = ["PipelineTie"]
 
 
 class PipelineTie(torch.autograd.Function):
-    """``out = PipelineTie.apply(engine, run, dummy, *input_tensors)``."""
+    """``out = PipelineTie.apply(replicas, dummy, *input_tensors)``: ``replicas`` pairs each
+    replica's engine with its run (one pair for a plain pipeline); their phases run at once and
+    their outputs are joined in order along dim 0."""
 
     @staticmethod
-    def forward(ctx: Any, engine: Engine, run: Run, dummy: Tensor, *inputs: Tensor) -> Any:  # type: ignore[override]
-        ctx.engine, ctx.run = engine, run
+    def forward(ctx: Any, replicas: Replicas, dummy: Tensor, *inputs: Tensor) -> Any:  # type: ignore[override]
+        ctx.replicas = replicas
         ctx.input_devices = [t.device for t in inputs]
-        engine.run_phase(run, "forward")
-        return gather([run.outputs.pop(j) for j in range(run.chunks)])
+        replicas.run_phase("forward")
+        return gather([run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        run: Run = ctx.run
-        if run.output_grads:
+        replicas: Replicas = ctx.replicas
+        runs = replicas.runs
+        if any(run.output_grads for run in runs):
             raise RuntimeError("backward through a pipeline output twice is not supported "
                                "(the pipeline frees its saved state after the first backward)")
-        run.output_grads = [list(parts) for parts in zip(*(torch.split(g, run.sizes) for g in grads))]
-        if not any(ctx.needs_input_grad[3:]):
+        sizes = [size for run in runs for size in run.sizes]
+        parts = [list(micro) for micro in zip(*(torch.split(g, sizes) for g in grads))]
+        for run in runs:
+            run.output_grads, parts = parts[:run.chunks], parts[run.chunks:]
+        if not any(ctx.needs_input_grad[2:]):
             # Nothing to return: let the caller's backward go on and wait at its very end.
-            ctx.engine.start_phase(run, "backward")
-            _execution_engine.queue_callback(lambda: ctx.engine.finish_phase(run, "backward"))
-            return (None,) * (3 + len(ctx.input_devices))
-        ctx.engine.run_phase(run, "backward")
-        per_input = zip(*(run.input_grads.pop(j) for j in range(run.chunks)))
-        joined = (_join(parts, run.sizes, device) for parts, device in zip(per_input, ctx.input_devices))
-        return (None, None, None, *joined)
+            replicas.start_phase("backward")
+            _execution_engine.queue_callback(lambda: replicas.finish_phase("backward"))
+            return (None,) * (2 + len(ctx.input_devices))
+        replicas.run_phase("backward")
+        per_input = zip(*(run.input_grads.pop(j) for run in runs for j in range(run.chunks)))
+        joined = (_join(parts, sizes, device) for parts, device in zip(per_input, ctx.input_devices))
+        return (None, None, *joined)
 
 
 def _join(parts: tuple[Tensor | None, ...], sizes: list[int], device: torch.device) -> Tensor | None:

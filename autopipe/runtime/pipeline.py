@@ -33,6 +33,7 @@ from .balance import check_balance, stage_of_layer
 from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
+from .replicas import Copies, Replicas, copied_layers, shares_parameters
 from .run import Run
 from .skips import skip_spans, stage_routes
 from .stage import Stage
@@ -53,6 +54,11 @@ class Pipeline(nn.Module):
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything
     :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
+
+    ``replicas`` (or the plan's) runs that many copies of the pipeline side by side, each on its
+    share of the batch (``devices`` then lists every replica's devices in turn): ``.grad`` is the
+    whole batch's and ``parameters()`` is one set (:mod:`autopipe.runtime.replicas`: shared on
+    CPU, copied and reduced elsewhere).  Replicas always defer batch norm.
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
       describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
@@ -116,31 +122,43 @@ class Pipeline(nn.Module):
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
         interleave: int = 1,
+        replicas: int = 1,
     ) -> None:
         super().__init__()
         if plan is not None:
             layers = layer_chain(model)
-            balance, devices, chunks, checkpoint, interleave = _from_plan(plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave, replicas = _from_plan(plan, layers, balance, devices)
         elif balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
         else:
             layers = balance_units(model)
-        _check(layers, list(balance), chunks, checkpoint, interleave)
-        wanted = len(balance) // interleave
-        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * wanted)
-        resolved = _used_devices(resolved, wanted, interleave)
-        _check_shared(layers, list(balance), resolved)
-        if deferred_batch_norm:
+        _check(layers, list(balance), chunks, checkpoint, interleave, replicas)
+        per_replica = len(balance) // interleave
+        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (per_replica * replicas))
+        resolved = _used_devices(resolved, per_replica, interleave, replicas)
+        groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
+        _check_shared(layers, list(balance), groups[0])
+        if deferred_batch_norm or replicas > 1:
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
+        self.replicas = replicas
         self._register_state(layers)
         self._layers = [layer.module for layer in layers]
-        self._engine = Engine(_build_stages(layers, self.balance, resolved))
+        shared = shares_parameters(groups)
+        chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
+        self._engines = [Engine(_build_stages(chain, self.balance, group)) for chain, group in zip(chains, groups)]
+        self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
+        if replicas > 1:
+            for engine in self._engines:
+                for stage in engine.stages:
+                    stage.brackets_batch_norm = False
+        self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
 
     @property
     def stages(self) -> list[Stage]:
+        """The stages of the first replica (every replica runs the same modules)."""
         return self._engine.stages
 
     def __len__(self) -> int:
@@ -157,11 +175,13 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         grad = torch.is_grad_enabled()
-        run = self._new_run(scatter(args, self.chunks), grad)
+        shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
+        runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
+        replicas = Replicas(self._engines[:len(runs)], runs, self._copies)
         if not grad:
-            self._engine.run_phase(run, "forward")
-            return gather([run.outputs.pop(j) for j in range(run.chunks)])
-        return PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
+            replicas.run_phase("forward")
+            return gather([run.outputs.pop(j) for run in runs for j in range(run.chunks)])
+        return PipelineTie.apply(replicas, self._dummy, *tensors_of(args))
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -177,14 +197,16 @@ class Pipeline(nn.Module):
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
-        for stage in self.stages:
-            for module in stage.modules:
-                module.train(mode)
+        for engine in self._engines:
+            for stage in engine.stages:
+                for module in stage.modules:
+                    module.train(mode)
         return self
 
     def close(self) -> None:
         """Stop the worker threads (also done when the pipeline is garbage collected)."""
-        self._engine.close()
+        for engine in self._engines:
+            engine.close()
 
     def _register_state(self, layers: list[Layer]) -> None:
         """Register every module that directly holds parameters or buffers at its path in the
@@ -205,7 +227,7 @@ class Pipeline(nn.Module):
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int]:
+               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int, int]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
     check_made_for(plan.model, layers, "plan", "plan this model again")
@@ -214,25 +236,32 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
             f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
             "because its caller computes the loss after the forward; plan with schedule='gpipe'"
         )
-    return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
+    devices_used = [name for group in plan.replica_devices for name in group[: plan.device_count]]
+    return plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas
 
 
-def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int) -> None:
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int,
+           replicas: int) -> None:
     check_balance(balance, len(layers))
     if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
         raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
                          f"{len(balance)} stages of balance {balance}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
 
 
-def _used_devices(devices: list[torch.device], wanted: int, interleave: int) -> list[torch.device]:
-    """The first ``wanted`` devices (extra ones are ignored, as torchgpipe does)."""
+def _used_devices(devices: list[torch.device], per_replica: int, interleave: int,
+                  replicas: int) -> list[torch.device]:
+    """The first ``per_replica * replicas`` devices (extra ones are ignored, as torchgpipe does)."""
+    wanted = per_replica * replicas
     if len(devices) < wanted:
         per = "device per stage" if interleave == 1 else f"device per {interleave} stages (interleave={interleave})"
-        raise ValueError(f"{len(devices)} devices for {wanted * interleave} stages; give one {per}")
+        each = "" if replicas == 1 else f" in each of {replicas} replicas"
+        raise ValueError(f"{len(devices)} devices for {per_replica * interleave} stages{each}; give one {per}{each}")
     return devices[:wanted]
 
 

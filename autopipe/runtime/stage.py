@@ -63,6 +63,8 @@ class Stage:
         everything = [sub for module in self.modules for sub in module.modules()]
         self.deferred = [m for m in everything if isinstance(m, DeferredBatchNorm)]
         self.batch_norms = [m for m in everything if isinstance(m, _BatchNorm) and m not in self.deferred]
+        # False when the caller brackets the deferred batch norms' steps (replicas share them)
+        self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
 
@@ -77,8 +79,8 @@ class Stage:
 
         A failure propagates as itself, with a note naming this stage, the phase and the
         micro-batch (``KeyboardInterrupt`` and ``SystemExit`` without one)."""
-        forward = bool(actions) and actions[0].kind == "F"
-        if forward:
+        bracket = bool(actions) and actions[0].kind == "F" and self.brackets_batch_norm
+        if bracket:
             for bn in self.deferred:
                 bn.begin_step()
         for action in actions:
@@ -94,7 +96,7 @@ class Stage:
                     phase = "forward" if action.kind == "F" else "backward"
                     error.add_note(f"autopipe: raised by {self.name} in {phase} of micro-batch {action.micro_batch}")
                 raise
-        if forward:
+        if bracket:
             for bn in self.deferred:
                 bn.end_step()
 

@@ -1,0 +1,69 @@
+"""Replicas on the distributed engine: a 2-D device mesh (data parallel × pipeline) and each stage
+module in ``DistributedDataParallel`` across its data-parallel group.
+
+Ranks ``r·S .. r·S + S - 1`` run replica ``r``'s stages ``0..S-1`` (mesh dims ``("dp", "pp")``):
+the pipeline group of a rank holds its replica's stages, its data-parallel group the same stage
+of every replica.  The pipeline schedules talk only within the pipeline group; gradients are
+averaged within the data-parallel group.
+
+Why DDP and not FSDP: the planner has placed a whole stage (parameters, gradients, optimizer
+state) on each device within its memory, so sharding them buys nothing it needs, while FSDP
+would all-gather every stage's parameters for every micro-batch's forward and backward — a
+cost the plan does not price.  DDP keeps one all-reduce per stage per step, overlapped with
+the last micro-batch's backward in buckets: the plan's reduction lane.
+``torch.distributed.pipelining`` runs DDP-wrapped stage modules natively (``no_sync`` for all
+but the last backward micro-batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import DistributedError
+
+__all__ = ["Layout", "layout", "data_parallel"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: its replica and stage, and the groups it talks in (``None``: the
+    default group, with one replica)."""
+
+    replicas: int
+    stages: int
+    replica: int
+    stage: int
+    pipeline_group: dist.ProcessGroup | None
+    data_group: dist.ProcessGroup | None
+
+
+def layout(replicas: int, stages: int, device_type: str, group: dist.ProcessGroup | None) -> Layout:
+    """This rank's place in a job of ``replicas × stages`` ranks; refuses another world size."""
+    world = dist.get_world_size(group)
+    needed = replicas * stages
+    if world != needed:
+        shape = f"{replicas} replicas × " if replicas > 1 else ""
+        raise DistributedError(
+            f"the plan has {shape}{stages} stages but the job has {world} ranks; this engine runs one "
+            f"stage per rank: launch with torchrun --nproc-per-node {needed} (or nodes × processes = {needed})"
+        )
+    if replicas == 1:
+        return Layout(1, stages, 0, dist.get_rank(group), group, None)
+    if group is not None:
+        raise DistributedError("replicas build their own process groups over the whole job; pass group=None")
+    mesh = init_device_mesh(device_type, (replicas, stages), mesh_dim_names=("dp", "pp"))
+    rank = dist.get_rank()
+    return Layout(replicas, stages, rank // stages, rank % stages, mesh.get_group("pp"), mesh.get_group("dp"))
+
+
+def data_parallel(module: nn.Module, where: Layout, device: torch.device) -> nn.Module:
+    """``module`` in DDP across the data-parallel group, or itself with one replica."""
+    if where.replicas == 1:
+        return module
+    ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, process_group=where.data_group)

@@ -1,0 +1,295 @@
+"""Whether to split, not only where: ``R`` replicas of one pipeline, each on ``D / R`` devices.
+
+A plan with ``R`` replicas runs ``R`` copies of one pipeline side by side (data parallel over
+pipelines): replica ``r`` holds devices ``r·k .. r·k + k - 1`` (``k = D / R``) and trains on
+its ``ceil(B / R)`` samples of the batch.  ``R = 1`` is a pipeline (interleaved or not) and
+``R = D`` with one stage is pure data parallelism.
+
+Cost of a plan (ms), per replica — they are identical and run at once:
+
+* the pipeline's own fill-drain time ``T`` at batch ``ceil(B / R)``, exactly as
+  :mod:`autopipe.planning.cost` prices it, with the replica's memory (its stages' parameters,
+  gradients, optimizer state, and activations of its share of the batch);
+* plus the gradient reduction: stage ``s`` starts reducing its parameter bytes ``P_s`` across
+  the replicas when its last backward micro-batch ends (``e_s``, from the simulator), on a
+  lane of its own (as DDP overlaps buckets with the backward), so the iteration ends at
+  ``max(T, max_s e_s + red(P_s))`` and ``reduction_ms`` is what that adds to ``T``.
+
+``red(n) = α + n · β · v(R)`` (:func:`reduction_time`) with ``α, β`` the profile's
+reduction fit for the engine, measured at ``fit.replicas`` replicas, and ``v`` the bytes each
+replica moves relative to that measurement: ``R - 1`` additions for the in-process runtime,
+``2 (R - 1) / R`` for a ring all-reduce.  A profile without a fit (made before they were
+measured) estimates ``α, β`` from its copy fit between devices 0 and 1 (zero when it has none),
+and the plan's options say ``"reduction": "estimated from copy fits"``.
+
+The planner (:func:`plan`) runs the exact pipeline search (:func:`autopipe.planning.solver.plan`)
+for every ``R`` that divides ``D`` and takes the least total time, ties to fewer replicas.
+With ``R = 1`` there is no reduction, and with one device per replica one split, so the
+pipeline of least ``T`` is the answer.  With several replicas of several stages a split of
+larger ``T`` but shorter tail can win: since the total is at least ``T``, every
+``(split, chunks, mode)`` of ``T`` under the best total found is then priced
+(:func:`_least_total`, one stage per device), as long as there are at most
+:data:`~autopipe.planning.interleaved.BUDGET` splits; beyond that the plan's options say
+``"replica_split": "pipeline-optimal"`` (the total is then not proven least).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..profiling.profiles import Profile
+from ..timeline import Event
+from . import interleaved
+from .cost import CostModel
+from .plans import Plan
+from .simulate import Simulation, simulate, simulate_plan
+from .solver import (
+    PlanningError,
+    build_plan,
+    candidate_chunks,
+    device_names,
+    memory_limits,
+)
+from .solver import plan as plan_pipeline
+
+__all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
+           "best_pipeline", "parallelism", "reduction_events"]
+
+
+def replica_counts(devices: int, batch_size: int, replicas: int | str, equal: bool = False) -> list[int]:
+    """The replica counts to search: every divisor of ``devices`` up to the batch size (that
+    also divides the batch, with ``equal``) for ``"auto"``, else ``[replicas]`` after checking it."""
+    if replicas == "auto":
+        return [r for r in range(1, devices + 1)
+                if devices % r == 0 and r <= batch_size and not (equal and batch_size % r)]
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be 'auto' or a positive integer, got {replicas!r}")
+    if devices % replicas:
+        divisors = [r for r in range(1, devices + 1) if devices % r == 0]
+        raise ValueError(f"replicas={replicas} does not divide the {devices} devices (each replica needs the "
+                         f"same number of devices); use one of {divisors} or 'auto'")
+    if replicas > batch_size:
+        raise ValueError(f"replicas={replicas} is more than the batch of {batch_size} samples; use fewer replicas")
+    if equal and batch_size % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the batch of {batch_size}, and the distributed engine "
+                         "needs equal shares; choose a batch size divisible by the replicas")
+    return [replicas]
+
+
+def reduction_time(profile: Profile, engine: str, replicas: int, nbytes: float) -> tuple[float, bool]:
+    """Time (ms) to reduce ``nbytes`` of gradients over ``replicas`` replicas with ``engine``,
+    and whether it comes from a measured reduction fit (else from the copy fits)."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0, profile.reduction_fit(engine) is not None
+    fit = profile.reduction_fit(engine)
+    if fit is not None:
+        scale = _volume(engine, replicas) / _volume(engine, max(fit.replicas, 2))
+        return fit.latency_ms + nbytes * fit.ms_per_byte * scale, True
+    copy = profile.copy_fit(0, 1)
+    latency, per_byte = (0.0, 0.0) if copy is None else (copy.latency_ms, copy.ms_per_byte)
+    return latency + nbytes * per_byte * _volume(engine, replicas), False
+
+
+def _volume(engine: str, replicas: int) -> float:
+    """Bytes moved per replica per gradient byte: ``R - 1`` additions in one process, a ring
+    all-reduce's ``2 (R - 1) / R`` between processes."""
+    return replicas - 1.0 if engine == "local" else 2.0 * (replicas - 1) / replicas
+
+
+def _reductions(profile: Profile, bounds: Sequence[int], replicas: int, engine: str) -> list[float]:
+    """Each stage's gradient reduction time (ms)."""
+    return [reduction_time(profile, engine, replicas,
+                           sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]]))[0]
+            for s in range(len(bounds) - 1)]
+
+
+def reduction_events(timeline: Simulation, reductions: Sequence[float]) -> list[Event]:
+    """Stage ``s``'s reduction on its own lane, from the end of its last backward."""
+    events = []
+    for s, ms in enumerate(reductions):
+        if ms > 0:
+            start = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
+            events.append(Event(s, "reduce", "A", 0, start, start + ms))
+    return events
+
+
+def _tail(timeline: Simulation, reductions: Sequence[float]) -> float:
+    """What the reductions add after the pipeline's end."""
+    ends = [e.end_ms for e in reduction_events(timeline, reductions)]
+    return max([timeline.iteration_ms, *ends]) - timeline.iteration_ms
+
+
+def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[str]], batch: int,
+                   engine: str) -> Plan:
+    """``pipeline`` (one replica's plan) as a plan of ``len(replica_devices)`` replicas on a
+    whole batch of ``batch``, its prediction including the reduction tail (module docstring)."""
+    replicas = len(replica_devices)
+    if replicas == 1:
+        return replace(pipeline, batch_size=batch)
+    bounds = [stage.start for stage in pipeline.stages] + [pipeline.stages[-1].stop]
+    reductions = _reductions(profile, bounds, replicas, engine)
+    tail = _tail(simulate_plan(pipeline), reductions)
+    stages = [replace(stage, reduce_ms=ms) for stage, ms in zip(pipeline.stages, reductions)]
+    predicted = replace(pipeline.predicted, iteration_ms=pipeline.predicted.iteration_ms + tail,
+                        reduction_ms=tail)
+    return replace(pipeline, batch_size=batch, predicted=predicted, stages=stages,
+                   replicas=replicas, replica_devices=replica_devices)
+
+
+def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replicas: int | str = "auto",
+         batch_size: int | None = None, memory_limit: Any = None, speeds: Sequence[float] | None = None,
+         engine: str = "local", **options: Any) -> Plan:
+    """The plan of least predicted iteration time over replica counts and pipelines.
+
+    Args:
+        profile: what the profiler measured.
+        devices: a count or device names (default: the profile's); replica ``r`` takes the
+            ``r``-th run of ``len(devices) / replicas`` of them.
+        replicas: ``"auto"`` (every divisor of the device count is tried) or a count that
+            divides it; 1 plans a pipeline only, ``len(devices)`` pure data parallelism.
+        batch_size: the whole batch, split over the replicas (default: the profile's).
+        memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
+            a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
+        engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
+        **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state_factor``…,
+            passed to the pipeline search of each replica.
+
+    Returns:
+        The :class:`Plan`; ``plan.options`` records the replica counts searched, the best time
+        of each and whether the reduction cost was measured or estimated.
+
+    Raises:
+        ValueError: ``replicas`` does not divide the devices or exceeds the batch.
+        PlanningError: no replica count has a plan within the memory limits.
+    """
+    names = device_names(profile, devices)
+    batch = profile.batch_size if batch_size is None else int(batch_size)
+    counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
+    limits = memory_limits(memory_limit, names)
+    rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
+    if len(rates) != len(names):
+        raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+    best: Plan | None = None
+    tried: dict[str, float | None] = {}
+    failures: list[str] = []
+    for count in counts:
+        try:
+            candidate = _replicated(profile, names, count, batch, limits, rates, engine, options)
+        except ValueError as error:  # PlanningError, or options that a share of the batch cannot take
+            if not isinstance(error, PlanningError) and (count == 1 or replicas != "auto"):
+                raise
+            tried[str(count)] = None
+            failures.append(f"{count} replicas: {error}")
+            continue
+        tried[str(count)] = candidate.predicted.iteration_ms
+        if best is None or candidate.predicted.iteration_ms < best.predicted.iteration_ms:
+            best = candidate
+    if best is None:
+        raise PlanningError("no replica count fits the memory limits; " + " | ".join(failures))
+    measured = reduction_time(profile, engine, 2, 1.0)[1]
+    best.options.update({
+        "devices": names, "batch_size": batch, "replicas": replicas, "replicas_searched": tried,
+        "memory_limit": list(memory_limit) if isinstance(memory_limit, (list, tuple)) else memory_limit,
+        "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in limits], "speeds": rates,
+        "reduction": "measured" if measured else "estimated from copy fits",
+    })
+    return best
+
+
+def _replicated(profile: Profile, names: list[str], count: int, batch: int, limits: np.ndarray,
+                rates: list[float], engine: str, options: dict[str, Any]) -> Plan:
+    """The best plan of ``count`` replicas: one replica's pipeline on the strictest of the
+    replicas' device limits and the slowest of their speeds, with its reduction tail."""
+    per = len(names) // count
+    groups = [names[r * per:(r + 1) * per] for r in range(count)]
+    limit = limits.reshape(count, per).min(axis=0)
+    speed = np.asarray(rates).reshape(count, per).min(axis=0)
+    share = -(-batch // count)
+    pipeline = plan_pipeline(profile, groups[0], batch_size=share,
+                             memory_limit=[None if math.isinf(v) else float(v) for v in limit],
+                             speeds=[float(v) for v in speed], engine=engine, **options)
+    if count > 1 and per > 1:
+        pipeline = _least_total(profile, pipeline, count, engine)
+    replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
+    return with_reduction(profile, pipeline, replica_devices, batch, engine)
+
+
+def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> Plan:
+    """The replica pipeline of least total time (pipeline + reduction tail), starting from
+    ``pipeline``, the one of least pipeline time: every one-stage-per-device
+    ``(split, chunks, mode)`` whose pipeline time is under the best total is priced."""
+    options = pipeline.options
+    devices, share = options["devices"], pipeline.batch_size
+    model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
+    layers = model.layers
+    if interleaved.split_count(layers, len(devices), 1) + 1 > interleaved.BUDGET:
+        options["replica_split"] = "pipeline-optimal"
+        return pipeline
+    limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]
+    chunks = candidate_chunks(share, profile.batch_sizes, options["chunks"])
+    asked = options["checkpoint"]
+    modes = ["never", "except_last"] if asked == "auto" else [asked]
+    first = [stage.start for stage in pipeline.stages] + [layers]
+    best = pipeline.predicted.iteration_ms + _tail(simulate_plan(pipeline),
+                                                   _reductions(profile, first, replicas, engine))
+    found = None
+    for bounds in _splits(layers, len(devices)):
+        for m in chunks:
+            for mode in modes:
+                evaluation = model.evaluate(bounds, m, mode)
+                if evaluation.iteration_ms >= best or any(
+                        stage.memory > limit for stage, limit in zip(evaluation.stages, limits)):
+                    continue
+                timeline = simulate(evaluation.stages, m, mode)
+                total = evaluation.iteration_ms + _tail(timeline, _reductions(profile, bounds, replicas, engine))
+                if total < best:
+                    best, found = total, (bounds, m, mode)
+    options["replica_split"] = "least total"
+    if found is None:
+        return pipeline
+    bounds, m, mode = found
+    return build_plan(profile, model, bounds, m, mode, options)
+
+
+def _splits(layers: int, devices: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``layers`` into 1..``devices`` stages, as bounds."""
+    for stages in range(1, min(devices, layers) + 1):
+        for cuts in itertools.combinations(range(1, layers), stages - 1):
+            yield (0, *cuts, layers)
+
+
+def pure_data_parallel(profile: Profile, devices: Sequence[Any] | int | None = None, **options: Any) -> Plan:
+    """The best plan with one stage per replica and a replica per device."""
+    count = len(device_names(profile, devices))
+    return plan(profile, devices, replicas=count, **{**options, "interleave": 1})
+
+
+def best_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None, **options: Any) -> Plan:
+    """The best plan of one replica (a pipeline over the devices, or one device)."""
+    return plan(profile, devices, replicas=1, **options)
+
+
+def parallelism(profile: Profile, chosen: Plan, devices: Sequence[Any] | int | None, **options: Any) -> str:
+    """A table: the chosen plan, pure data parallelism and the best pipeline-only plan on the
+    same devices and options, each with its predicted time and ratio to the choice."""
+    rows: list[tuple[str, Plan | str]] = [("ours (autopipe)", chosen)]
+    for name, make in (("pure data parallel", pure_data_parallel), ("best pipeline only", best_pipeline)):
+        try:
+            rows.append((name, make(profile, devices, **options)))
+        except ValueError as error:  # PlanningError included: say why the row is missing
+            rows.append((name, str(error).split(";")[0]))
+    lines = [f"{'parallelism':<20} {'iteration':>12} {'vs ours':>8}  {'R':>2}  {'m':>3}  balance",
+             f"{'-' * 20} {'-' * 12} {'-' * 8}  {'-' * 2}  {'-' * 3}  {'-' * 7}"]
+    for name, row in rows:
+        if isinstance(row, str):
+            lines.append(f"{name:<20} {'-':>12} {'-':>8}  ({row})")
+            continue
+        ms = row.predicted.iteration_ms
+        lines.append(f"{name:<20} {ms:>9.2f} ms {ms / chosen.predicted.iteration_ms:>7.2f}x  {row.replicas:>2}  "
+                     f"{row.chunks:>3}  [{','.join(map(str, row.balance))}]"
+                     + (f" x{row.interleave}/device" if row.interleave > 1 else ""))
+    return "\n".join(lines)

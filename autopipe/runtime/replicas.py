@@ -1,0 +1,140 @@
+"""Replicas of one pipeline in one process: data parallel over pipelines.
+
+Each replica is an :class:`~autopipe.runtime.engine.Engine` (its stages and worker threads)
+on its own devices.  A call splits the batch with ``torch.tensor_split(batch, replicas)``, each
+share into the plan's micro-batches, runs every replica's phase at once (:class:`Replicas`) and
+joins the outputs in order, so the caller's loss sees the whole batch as from the plain model.
+
+On CPU devices the replicas run the same layer modules: they share parameter storage, so each
+parameter's ``AccumulateGrad`` (thread-safe) sums every replica's gradient into the one
+``.grad`` — after ``backward`` it holds the plain model's gradient on the whole batch with no
+separate reduction step, the optimizer sees one set of parameters, and the next step computes
+with the updated weights everywhere.
+
+Elsewhere (CUDA) a module lives on one device, so replicas ``1..R-1`` run copies
+(:class:`Copies`), as ``torch.nn.parallel`` does: before each forward the first replica's
+parameters and buffers are copied to them, and after the backward their gradients are added
+into the first replica's and cleared.  ``parameters()`` stays the first replica's.  This side
+runs on CPU in the tests (forced); on CUDA it is written and never ran here.
+
+Batch norm: replicas always use :class:`~autopipe.DeferredBatchNorm` (the pipeline converts),
+bracketed here once per call rather than per stage.  Shared, its running statistics are
+updated once from the whole batch's statistics, as ``nn.BatchNorm`` on the whole batch would
+(plain batch norms would be updated by every replica's thread at once); with copies, from the
+first replica's share, as DDP with ``broadcast_buffers``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import Tensor
+
+from ..device import ops_for
+from ..model import Layer
+from .batchnorm import DeferredBatchNorm
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .run import Run
+
+__all__ = ["Copies", "Replicas", "copied_layers", "shares_parameters"]
+
+
+def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
+    """Whether replicas on ``devices`` run the same modules (all CPU) rather than copies."""
+    return all(d.type == "cpu" for group in devices for d in group)
+
+
+def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
+    """A replica's own copy of ``layers`` (modules deep-copied; placed later with the stages)."""
+    return [Layer(layer.name, copy.deepcopy(layer.module), layer.stash, layer.pop, layer.prefix) for layer in layers]
+
+
+class Copies:
+    """The tensors of the first replica's layers paired with each copy's, for copying weights
+    out before a forward and gradients in after a backward."""
+
+    def __init__(self, primary: Sequence[Layer], copies: Sequence[Sequence[Layer]]) -> None:
+        self.params = [list(zip(_params(primary), _params(layers))) for layers in copies]
+        self.buffers = [list(zip(_buffers(primary), _buffers(layers))) for layers in copies]
+        self.devices = {t.device for pairs in self.params + self.buffers for _, t in pairs}
+
+    @torch.no_grad()
+    def broadcast(self) -> None:
+        """Every copy takes the first replica's parameters and buffers."""
+        for pairs in self.params + self.buffers:
+            for source, target in pairs:
+                target.copy_(source)
+        self._synchronize()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Add every copy's gradient into the first replica's, then clear the copy's."""
+        self._synchronize()
+        for pairs in self.params:
+            for source, target in pairs:
+                if target.grad is None:
+                    continue
+                grad = target.grad.to(source.device)
+                if source.grad is None:
+                    source.grad = grad
+                else:
+                    source.grad.add_(grad)
+                target.grad = None
+
+    def _synchronize(self) -> None:
+        for device in self.devices:
+            ops_for(device).synchronize()
+
+
+def _params(layers: Sequence[Layer]) -> list[Tensor]:
+    return [p for layer in layers for p in layer.module.parameters()]
+
+
+def _buffers(layers: Sequence[Layer]) -> list[Tensor]:
+    return [b for layer in layers for b in layer.module.buffers()]
+
+
+class Replicas:
+    """The run of one call on every replica: phases start on all, then wait for all."""
+
+    def __init__(self, engines: Sequence[Engine], runs: Sequence[Run], copies: Copies | None = None) -> None:
+        self.pairs = list(zip(engines, runs))
+        self.runs = [run for _, run in self.pairs]
+        self.copies = copies
+        # with several replicas the call brackets deferred batch norm (module docstring)
+        self.deferred: list[DeferredBatchNorm] = []
+        if len(self.pairs) > 1:
+            stages = [stage for engine, _ in self.pairs for stage in engine.stages]
+            self.deferred = list({id(bn): bn for stage in stages for bn in stage.deferred}.values())
+
+    def run_phase(self, phase: str) -> None:
+        self.start_phase(phase)
+        self.finish_phase(phase)
+
+    def start_phase(self, phase: str) -> None:
+        if phase == "forward":
+            if self.copies is not None:
+                self.copies.broadcast()
+            for bn in self.deferred:
+                bn.begin_step()
+        for engine, run in self.pairs:
+            engine.start_phase(run, phase)
+
+    def finish_phase(self, phase: str) -> None:
+        """Wait for every replica; then raise the first failure, if any."""
+        failure: BaseException | None = None
+        for engine, run in self.pairs:
+            try:
+                engine.finish_phase(run, phase)
+            except BaseException as error:  # every replica must stop before the caller goes on
+                failure = failure or error
+        if failure is not None:
+            raise failure
+        if phase == "forward":
+            for bn in self.deferred:
+                bn.end_step()
+        elif self.copies is not None:
+            self.copies.reduce()

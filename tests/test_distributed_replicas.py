@@ -1,0 +1,152 @@
+"""Replicas on the distributed engine: 2 replicas × 2 stages in 4 gloo processes and pure data
+parallel in 2; every gradient equals the plain model's on the whole batch, the checkpoint loads
+into the plain model, and a job of the wrong size is refused with the fix named."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from autopipe.distributed.local import launch_local
+from autopipe.planning.plans import Plan
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed import batch, inplace_model, plan_for  # noqa: E402
+
+JOB_TIMEOUT_S = 150.0
+CHUNKS = 2
+
+
+def replicated(balance: list[int], replicas: int, schedule: str = "gpipe") -> Plan:
+    plan = plan_for(inplace_model(), balance, CHUNKS, schedule)
+    plan.replicas = replicas
+    plan.replica_devices = [list(plan.devices) for _ in range(replicas)]
+    return plan
+
+
+def reference(replicas: int) -> dict[str, Tensor]:
+    """The plain model's gradient of the whole batch's mean loss, accumulated over the replicas'
+    micro-batches (equal sizes, so it is the whole-batch gradient)."""
+    model = inplace_model()
+    x, y = batch()
+    parts = replicas * CHUNKS
+    for xi, yi in zip(x.chunk(parts), y.chunk(parts)):
+        (nn.functional.mse_loss(model(xi), yi) / parts).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+# ---- worker side ----------------------------------------------------------------------------
+
+def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(inplace_model(), plan, loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    loss = runner.step(runner.shard(x), target=runner.shard(y))
+    result = {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
+              "replica": runner.replica, "stage": runner.rank, "loss": runner.broadcast_loss(loss)}
+    if out is not None:
+        torch.optim.SGD(runner.parameters(), lr=0.1).step()
+        path = runner.save_checkpoint(out / "model.pt")
+        result["checkpoint"] = None if path is None else str(path)
+    return result
+
+
+def _error(plan: Plan) -> str:
+    from autopipe.distributed import DistributedPipeline
+
+    try:
+        DistributedPipeline(inplace_model(), plan, loss_fn=nn.functional.mse_loss)
+    except Exception as error:  # noqa: BLE001 - the test checks type and message
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _worker(job: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if job == "hybrid":
+        result = {"gpipe": _train(replicated([3, 3], 2), out), "1f1b": _train(replicated([3, 3], 2, "1f1b"))}
+    else:
+        result = {"dp": _train(replicated([6], 2)), "too_few": _error(replicated([3, 3], 2))}
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- test side ------------------------------------------------------------------------------
+
+def _launch(job: str, nprocs: int, out: Path) -> list[dict[str, Any]]:
+    launch_local([sys.executable, __file__, job, str(out)], nprocs, out, JOB_TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(nprocs)]
+
+
+def _assert_replicas_equal_plain(results: list[dict[str, Any]], replicas: int) -> None:
+    expected = reference(replicas)
+    seen: dict[str, Tensor] = {}
+    for result in results:
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name, r=result["replica"]: f"replica {r} {n}: {m}")
+            seen[name] = grad
+    assert sorted(seen) == sorted(expected)
+    x, y = batch()
+    whole = nn.functional.mse_loss(inplace_model()(x), y).item()
+    assert all(r["loss"] == pytest.approx(whole, rel=1e-5) for r in results)
+
+
+@pytest.mark.slow
+def test_hybrid_two_replicas_of_two_stages_on_four_processes(tmp_path: Path) -> None:
+    results = _launch("hybrid", 4, tmp_path)
+    assert [(r["gpipe"]["replica"], r["gpipe"]["stage"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for schedule in ("gpipe", "1f1b"):
+        _assert_replicas_equal_plain([r[schedule] for r in results], 2)
+    assert [r["gpipe"]["checkpoint"] is not None for r in results] == [True, False, False, False]
+    saved = torch.load(results[0]["gpipe"]["checkpoint"])
+    model = inplace_model()
+    model.load_state_dict(saved, strict=True)
+    plain = inplace_model()
+    for name, param in plain.named_parameters():  # one SGD step with the whole-batch gradient
+        torch.testing.assert_close(saved[name], param.detach() - 0.1 * reference(2)[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_pure_data_parallel_and_a_job_of_the_wrong_size(tmp_path: Path) -> None:
+    results = _launch("dp", 2, tmp_path)
+    _assert_replicas_equal_plain([r["dp"] for r in results], 2)
+    for result in results:
+        assert result["too_few"].startswith(
+            "DistributedError: the plan has 2 replicas × 2 stages but the job has 2 ranks")
+        assert "torchrun --nproc-per-node 4" in result["too_few"]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]))
+
+
+@pytest.mark.slow
+def test_all_reduce_profiled_into_the_profile(tmp_path: Path) -> None:
+    from synthetic import make_profile
+
+    from autopipe.distributed.reduction import main
+    from autopipe.planning.replicas import plan
+    from autopipe.profiling.profiles import Profile
+
+    path = make_profile([1.0] * 4, devices=2, param_bytes=10**6, batch_size=8).save(tmp_path / "p.json")
+    assert plan(Profile.load(path), 2, replicas=2, engine="distributed").options["reduction"] == \
+        "estimated from copy fits"
+    assert main([str(path), "--processes", "2"]) == 0
+    profile = Profile.load(path)
+    fit = profile.reduction_fit("distributed")
+    assert fit is not None and fit.replicas == 2 and len(fit.points) == 4 * 5
+    assert fit.time_ms(10**6) > 0
+    chosen = plan(profile, 2, replicas=2, engine="distributed")
+    assert chosen.options["reduction"] == "measured"
+    assert chosen.predicted.reduction_ms == pytest.approx(fit.time_ms(4 * 10**6), rel=1e-9)

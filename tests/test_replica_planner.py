@@ -1,0 +1,167 @@
+"""The replica planner: exact against brute force over (replicas, split, chunks, checkpoint),
+refuses bad replica counts, prices the reduction tail, and its plans load and save."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+from synthetic import make_profile, random_profile
+
+from autopipe.planning.cost import CostModel
+from autopipe.planning.plans import Plan
+from autopipe.planning.replicas import plan, reduction_time
+from autopipe.planning.simulate import simulate
+from autopipe.planning.solver import PlanningError, candidate_chunks
+from autopipe.profiling.profiles import Profile, ReductionFit
+
+
+def _splits(layers: int, devices: int):
+    for k in range(1, devices + 1):
+        for cuts in itertools.combinations(range(1, layers), k - 1):
+            yield (0, *cuts, layers)
+
+
+def brute_force(profile: Profile, devices: int, limit: float) -> tuple[float, int, int]:
+    """Least total time over every replica count, split, micro-batch count and mode, with the
+    reduction tail computed here from the simulator's timeline; and the replicas and stages
+    of that optimum."""
+    best = (math.inf, 0, 0)
+    for replicas in [r for r in range(1, devices + 1) if devices % r == 0]:
+        per, share = devices // replicas, -(-profile.batch_size // replicas)
+        model = CostModel(profile, ["cpu"] * per, [1.0] * per, share, 2.0, "local")
+        for bounds in _splits(model.layers, per):
+            for m in candidate_chunks(share, profile.batch_sizes):
+                for mode in ("never", "except_last"):
+                    evaluation = model.evaluate(bounds, m, mode)
+                    if any(stage.memory > limit for stage in evaluation.stages):
+                        continue
+                    timeline = simulate(evaluation.stages, m, mode)
+                    end = timeline.iteration_ms
+                    for s in range(len(bounds) - 1):
+                        done = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
+                        params = sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]])
+                        end = max(end, done + reduction_time(profile, "local", replicas, params)[0])
+                    if end < best[0] - 1e-9:
+                        best = (end, replicas, len(bounds) - 1)
+    return best
+
+
+def _instance(rng: random.Random) -> tuple[Profile, int]:
+    layers, devices = rng.randint(2, 7), rng.choice([2, 4])
+    profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=False)
+    profile.reductions = [ReductionFit("local", 2, rng.uniform(0, 2.0), rng.choice([1e-5, 1e-4, 1e-3]), [])]
+    return profile, devices
+
+
+def _kind(replicas: int, stages: int, devices: int) -> str:
+    if replicas == devices:
+        return "data parallel"
+    return "pipeline" if replicas == 1 else "hybrid"
+
+
+def test_optimal_against_brute_force_with_each_kind_winning() -> None:
+    rng = random.Random(14)
+    won: dict[str, int] = {}
+    for _ in range(50):
+        profile, devices = _instance(rng)
+        whole = CostModel(profile, ["cpu"], [1.0], profile.batch_size, 2.0, "local")
+        peak = whole.evaluate((0, len(profile.layers)), 1, "never").peak_memory
+        limit = math.inf if rng.random() < 0.3 else peak * rng.uniform(0.15, 1.1)
+        expected, replicas, stages = brute_force(profile, devices, limit)
+        if math.isinf(expected):
+            with pytest.raises(PlanningError):
+                plan(profile, devices, memory_limit=limit, interleave=1)
+            continue
+        chosen = plan(profile, devices, memory_limit=limit, interleave=1)
+        assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9)
+        assert all(stage.memory_bytes <= limit + 1 for stage in chosen.stages)
+        won[_kind(replicas, stages, devices)] = won.get(_kind(replicas, stages, devices), 0) + 1
+    assert set(won) == {"data parallel", "pipeline", "hybrid"}, won
+
+
+def test_replicas_must_divide_the_devices_and_fit_the_batch() -> None:
+    profile = make_profile([1.0] * 4, devices=4, param_bytes=1000)
+    with pytest.raises(ValueError, match=r"replicas=3 does not divide the 4 devices .* use one of \[1, 2, 4\]"):
+        plan(profile, 4, replicas=3)
+    with pytest.raises(ValueError, match="replicas must be 'auto' or a positive integer"):
+        plan(profile, 4, replicas=0)
+    with pytest.raises(ValueError, match="more than the batch of 2 samples"):
+        plan(profile, 4, replicas=4, batch_size=2)
+    with pytest.raises(ValueError, match="replicas=2 does not divide the batch of 7, and the distributed engine"):
+        plan(profile, 4, replicas=2, engine="distributed", batch_size=7)
+    distributed = plan(profile, 4, replicas=2, engine="distributed")
+    assert distributed.replicas == 2 and distributed.replica_batch_size * 2 == distributed.batch_size
+
+
+def test_hybrid_plan_layout_prediction_and_file(tmp_path) -> None:
+    profile = make_profile([1.0, 2.0, 3.0, 1.0], devices=4, param_bytes=10_000, output_bytes=10,
+                           copies=(0.01, 0.0))
+    profile.reductions = [ReductionFit("local", 2, 0.5, 1e-4, [])]
+    chosen = plan(profile, ["cpu"] * 4, replicas=2, interleave=1)
+    assert chosen.replicas == 2 and len(chosen.replica_devices) == 2
+    assert chosen.batch_size == 8 and chosen.replica_batch_size == 4
+    assert chosen.options["reduction"] == "measured" and chosen.options["replicas_searched"].keys() == {"2"}
+    # the tail: stage 0 finishes last and reduces its own parameters after it
+    params0 = 10_000 * (chosen.stages[0].stop - chosen.stages[0].start)
+    assert chosen.predicted.reduction_ms >= 0.5 + params0 * 1e-4 - 1e-9
+    saved = Plan.load(chosen.save(tmp_path / "plan.json"))
+    assert saved.replicas == 2 and saved.replica_devices == chosen.replica_devices
+    assert saved.predicted == chosen.predicted
+
+
+def test_old_files_load_as_one_replica_and_estimate_reduction(tmp_path) -> None:
+    profile = make_profile([1.0, 2.0], devices=2, param_bytes=1000, copies=(0.2, 1e-3))
+    path = profile.save(tmp_path / "profile.json")
+    assert "reductions" not in path.read_text()  # an old profile's digest stays its own
+    assert Profile.load(path).reductions == []
+    chosen = plan(Profile.load(path), 2, replicas=2)
+    assert chosen.options["reduction"] == "estimated from copy fits"
+    # estimate: the copy fit's latency + bytes * ms/byte, once per other replica
+    assert reduction_time(profile, "local", 2, 2000) == (pytest.approx(0.2 + 2000 * 1e-3), False)
+    pipeline = plan(profile, 2, replicas=1)
+    document = pipeline.to_json()
+    for key in ("replicas", "replica_devices"):
+        document.pop(key)
+    document["predicted"].pop("reduction_ms")
+    import json
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    old = Plan.load(tmp_path / "old.json")
+    assert old.replicas == 1 and old.replica_devices == [old.devices] and old.predicted.reduction_ms == 0.0
+
+
+def test_memory_limit_just_under_a_replica_forces_a_pipeline() -> None:
+    profile = make_profile([1.0] * 6, devices=2, param_bytes=100_000, saved_bytes=10)
+    free = plan(profile, 2)
+    assert free.replicas == 2  # sub-linear layer times: two half batches beat a pipeline
+    need = max(stage.memory_bytes for stage in free.stages)
+    limited = plan(profile, 2, memory_limit=need - 1)
+    assert limited.replicas == 1 and limited.device_count == 2
+    assert np.all([stage.memory_bytes < need for stage in limited.stages])
+
+
+def test_cli_plan_replicas_compare_and_show(tmp_path, capsys) -> None:
+    from autopipe.cli import main
+
+    profile = make_profile([1.0] * 6, devices=2, param_bytes=100_000, saved_bytes=10)
+    profile.reductions = [ReductionFit("local", 2, 0.5, 1e-6, [])]
+    path = profile.save(tmp_path / "p.json")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--compare", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    chosen = Plan.load(out)
+    assert chosen.replicas == 2 and "replicas:      2 (data parallel)" in text
+    assert "(cost measured)" in text
+    rows = {line.split("  ")[0]: line for line in text.splitlines()
+            if line.startswith(("ours", "pure data parallel", "best pipeline only"))}
+    assert set(rows) == {"ours (autopipe)", "pure data parallel", "best pipeline only"}
+    assert " 1.00x" in rows["pure data parallel"] and rows["best pipeline only"].split()[6] == "1"
+    assert main(["show", str(out), "--width", "30"]) == 0
+    shown = capsys.readouterr().out
+    assert "replica 1: stages on cpu" in shown and "stage 0  reduce" in shown
+    assert main(["plan", str(path), "--replicas", "3"]) != 0
+    assert "replicas=3 does not divide the 2 devices" in capsys.readouterr().err
+    assert main(["plan", str(path), "--replicas", "1", "-o", str(out)]) == 0
+    assert Plan.load(out).replicas == 1

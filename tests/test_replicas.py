@@ -1,0 +1,212 @@
+"""Replicas of a pipeline in one process: outputs, every gradient and the optimizer's steps
+equal the plain model's on the whole batch; batch norm statistics are the whole batch's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import UNet
+from test_runtime import assert_close
+from torch import Tensor, nn
+
+import autopipe
+import autopipe.runtime.pipeline
+from autopipe.runtime.microbatch import split_sizes
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16),
+                         nn.GELU(), nn.Linear(16, 4))
+
+
+def micro_batches(x: Tensor, replicas: int, chunks: int) -> list[Tensor]:
+    """The micro-batches of every replica, in order: the batch split over replicas, each share
+    over chunks (as the pipeline splits them)."""
+    shares = torch.split(x, split_sizes(len(x), replicas))
+    return [part for share in shares for part in torch.split(share, split_sizes(len(share), chunks))]
+
+
+def reference_step(model: nn.Module, x: Tensor, g: Tensor, replicas: int, chunks: int) -> Tensor:
+    outputs = []
+    for xs, gs in zip(micro_batches(x, replicas, chunks), micro_batches(g, replicas, chunks)):
+        out = model(xs)
+        (out * gs).sum().backward()
+        outputs.append(out.detach())
+    return torch.cat(outputs)
+
+
+def assert_replicas_transparent(model: nn.Module, x: Tensor, balance: list[int], replicas: int, chunks: int,
+                                checkpoint: str, steps: int = 1) -> autopipe.Pipeline:
+    """``steps`` SGD steps of the pipeline and of the plain model: same outputs, gradients and
+    parameters after each."""
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=balance, devices=["cpu"] * (len(balance) * replicas),
+                             chunks=chunks, checkpoint=checkpoint, replicas=replicas)
+    assert len(list(pipe.parameters())) == len(list(reference.parameters()))
+    ours = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x_pipe = x.detach().clone().requires_grad_(True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        out = pipe(x_pipe)
+        g = torch.randn_like(out)
+        expected = reference_step(reference, x_ref, g, replicas, chunks)
+        (out * g).sum().backward()
+        assert_close(out, expected, f"step {step} output")
+        assert_close(x_pipe.grad, x_ref.grad, f"step {step} input gradient")
+        expected_params = dict(reference.named_parameters())
+        for name, param in pipe.named_parameters():
+            assert_close(param.grad, expected_params[name].grad, f"step {step} {name}.grad")
+        ours.step(), theirs.step(), ours.zero_grad(), theirs.zero_grad()
+        for name, param in pipe.named_parameters():
+            assert_close(param, expected_params[name], f"step {step} {name} after the update")
+    return pipe
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_hybrid_two_replicas_of_two_stages_on_four_devices(checkpoint: str) -> None:
+    pipe = assert_replicas_transparent(mlp(), torch.randn(14, 8), [3, 4], replicas=2, chunks=3,
+                                       checkpoint=checkpoint, steps=2)
+    assert [str(s.device) for e in pipe._engines for s in e.stages] == ["cpu"] * 4
+
+
+def test_pure_data_parallel_two_replicas() -> None:
+    assert_replicas_transparent(mlp(), torch.randn(9, 8), [7], replicas=2, chunks=2, checkpoint="never", steps=2)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_skips_and_deferred_batch_norm_in_every_replica(checkpoint: str) -> None:
+    """A U-Net (skips across stages, batch norms) as 2 replicas x 2 stages: batch norm trains
+    per micro-batch, so outputs and gradients are the plain model's per micro-batch."""
+    torch.manual_seed(1)
+    model = UNet()
+    layers = autopipe.layer_chain(model)
+    x = torch.randn(8, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(layers, balance=[4, len(layers) - 4], devices=["cpu"] * 4, chunks=2,
+                             checkpoint=checkpoint, replicas=2)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x.clone(), g, 2, 2)
+    (out * g).sum().backward()
+    assert_close(out, expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+
+
+def test_batch_norm_statistics_are_the_whole_batch() -> None:
+    """Replicas defer batch norm: one update of the running statistics with the whole batch's
+    mean and unbiased variance, as nn.BatchNorm on the whole batch."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    x = torch.randn(13, 6) * 3 + 1  # shares of 7 and 6, micro-batches of 2 or 3
+    pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu"] * 4, chunks=3, replicas=2)
+    pipe(x).sum().backward()
+    reference(x)
+    state = reference.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert_close(value.float(), state[name].float(), name)
+
+
+def test_eval_and_no_grad_join_the_replicas() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[3, 4], devices=["cpu"] * 4, chunks=2, replicas=2).eval()
+    x = torch.randn(10, 8)
+    with torch.no_grad():
+        assert_close(pipe(x), reference(x), "no-grad output")
+
+
+def test_planned_replicas_run_from_the_plan(tmp_path) -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 8)
+    pipe = autopipe.partition(model, x, devices=["cpu", "cpu"], replicas=2)
+    assert pipe.plan.replicas == 2 and pipe.replicas == 2
+    loaded = autopipe.Plan.load(pipe.plan.save(tmp_path / "plan.json"))
+    assert loaded.replicas == 2
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x.clone(), g, 2, pipe.chunks)
+    (out * g).sum().backward()
+    assert_close(out, expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+
+
+def test_bad_replica_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"4 devices for 2 stages in each of 3 replicas; give one device per stage"):
+        autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu"] * 4, replicas=3)
+    with pytest.raises(ValueError, match="replicas must be a positive integer"):
+        autopipe.Pipeline(mlp(), balance=[7], replicas=0)
+
+
+def test_a_failing_replica_is_reported_and_the_pipeline_lives_on() -> None:
+    class Picky(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            if x.shape[0] == 1:
+                raise KeyError("one sample")
+            return x
+
+    pipe = autopipe.Pipeline(nn.Sequential(nn.Linear(4, 4), Picky()), balance=[2], devices=["cpu"] * 2,
+                             chunks=1, replicas=2)
+    with pytest.raises(autopipe.runtime.StageError) as error:
+        pipe(torch.randn(3, 4))  # shares of 2 and 1 samples: the second replica fails
+    assert isinstance(error.value.__cause__, KeyError)
+    assert pipe(torch.randn(4, 4)).shape == (4, 4)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas on copies of the modules (what CUDA devices get), run on CPU devices."""
+    monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_copied_replicas_reduce_into_one_parameter_set(copies: None, checkpoint: str) -> None:
+    pipe = assert_replicas_transparent(mlp(), torch.randn(14, 8), [3, 4], replicas=2, chunks=3,
+                                       checkpoint=checkpoint, steps=2)
+    assert pipe._copies is not None
+    first = {id(p) for s in pipe._engines[0].stages for m in s.modules for p in m.parameters()}
+    second = [p for s in pipe._engines[1].stages for m in s.modules for p in m.parameters()]
+    assert first == {id(p) for p in pipe.parameters()} and not first & {id(p) for p in second}
+    assert all(p.grad is None for p in second)  # reduced into the first replica's
+
+
+def test_copied_replicas_with_skips(copies: None) -> None:
+    torch.manual_seed(1)
+    model = UNet()
+    layers = autopipe.layer_chain(model)
+    x = torch.randn(8, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(layers, balance=[4, len(layers) - 4], devices=["cpu"] * 4, chunks=2, replicas=2)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x.clone(), g, 2, 2)
+    (out * g).sum().backward()
+    assert_close(out, expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_replicas_equal_the_plain_model() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(12, 8)
+    pipe = autopipe.Pipeline(model, balance=[7], devices=["cuda:0", "cuda:1"], chunks=2, replicas=2)
+    out = pipe(x.cuda(0))
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x, g.cpu(), 2, 2)
+    (out * g).sum().backward()
+    assert_close(out.cpu(), expected, "output")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad.cpu(), expected_params[name].grad, f"{name}.grad")
