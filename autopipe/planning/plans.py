@@ -30,7 +30,8 @@ class StagePlan:
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
     ``reduce_ms`` is the reduction of its gradients across replicas, started when its last
     backward ends (0 with one replica).  ``memory_bytes`` is the predicted peak: parameters,
-    gradients, optimizer state, activations of the micro-batches in flight and skip tensors held.  Formulas: :mod:`autopipe.planning.cost`.
+    gradients, optimizer state, activations of the micro-batches in flight and skip tensors held.
+    Formulas: :mod:`autopipe.planning.cost`.
     """
 
     index: int
