@@ -1,0 +1,86 @@
+"""The captured layer module: one slice of the traced graph, popping and stashing its skips."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import fx
+
+from ..skip import Skippable, pop, stash
+
+__all__ = ["CapturedLayer"]
+
+
+
+
+
+_MODES = {True: "train", False: "eval"}
+
+
+class CapturedLayer(Skippable):
+    """One captured layer: runs its slice of the traced graph, popping and stashing its skips.
+
+    It holds the original modules, parameters and buffers at their original dotted paths (as
+    ``fx.GraphModule`` does), so its ``state_dict`` keys are the model's keys.
+    """
+
+    def __init__(
+        self,
+        code: fx.GraphModule,
+        main_inputs: int,
+        pops: Sequence[str],
+        stashes: Sequence[str],
+        main_outputs: int | None,
+        exported_mode: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self._modules.update(code._modules)
+        self._parameters.update(code._parameters)
+        self._buffers.update(code._buffers)
+        self._non_persistent_buffers_set.update(code._non_persistent_buffers_set)
+        self.graph = code.graph
+        self._code: Callable[..., Any] = type(code).forward
+        self.main_inputs = main_inputs
+        self.main_outputs = main_outputs
+        self.pop_names = tuple(pops)
+        self.stash_names = tuple(stashes)
+        self.exported_mode = exported_mode
+        if exported_mode is not None:
+            self.train(exported_mode)
+
+    def forward(self, *main: Any) -> Any:
+        """``main`` is the previous layer's value (a tensor or a tuple), or the model's inputs."""
+        if self.exported_mode is not None and self.training != self.exported_mode:
+            raise RuntimeError(
+                f"this layer was captured with torch.export in {_MODES[self.exported_mode]} mode, which "
+                f"the exported graph keeps; call autopipe.chain again with the model in "
+                f"{_MODES[self.training]} mode"
+            )
+        if self.pop_names or self.stash_names:
+            return self._drive(self._steps(main))
+        return self._main(self._code(self, *self._inputs(main)))
+
+    def _steps(self, main: tuple[Any, ...]) -> Any:
+        inputs = self._inputs(main)
+        for name in self.pop_names:
+            inputs.append((yield pop(name)))
+        outputs = self._code(self, *inputs)
+        if self.main_outputs is not None:
+            for name, value in zip(self.stash_names, outputs[self.main_outputs:]):
+                yield stash(name, value)
+        return self._main(outputs)
+
+    def _inputs(self, main: tuple[Any, ...]) -> list[Any]:
+        """Inputs arrive as separate arguments (the runtime's first stage) or as one tuple."""
+        if len(main) == 1 and self.main_inputs > 1:
+            return list(main[0])
+        return list(main)
+
+    def _main(self, outputs: Any) -> Any:
+        """The value handed to the next layer: one tensor or a tuple (the model's output if last)."""
+        if self.main_outputs is None:
+            return outputs
+        sent = outputs[: self.main_outputs]
+        return sent[0] if self.main_outputs == 1 else tuple(sent)
+
+    def extra_repr(self) -> str:
+        return f"pop={list(self.pop_names)}, stash={list(self.stash_names)}"

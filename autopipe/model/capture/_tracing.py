@@ -1,0 +1,208 @@
+"""Which modules become layers, and the traced forward: torch.fx, else torch.export."""
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+from torch import fx, nn
+
+from ..layers import ChainError
+
+__all__: list[str] = []
+
+Granularity = Literal["module", "finer"]
+LeafSpec = str | type[nn.Module]
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_FX_DIR = os.path.dirname(fx.__file__)
+
+
+class CaptureError(ChainError):
+    """The model's forward cannot be traced into a chain."""
+
+
+
+
+
+@dataclass
+class LeafRule:
+    """The dotted paths that become layers, and the user's extra leaves."""
+
+    model: nn.Module
+    granularity: Granularity
+    extra: tuple[LeafSpec, ...]
+    paths: set[str] = field(init=False)
+    ancestors: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("module", "finer"):
+            raise ValueError(f"granularity must be 'module' or 'finer', not {self.granularity!r}")
+        paths = self._module_level()
+        if self.granularity == "finer":
+            paths = [p for path in paths for p in self._finer(path)]
+        self.paths = set(paths)
+        self.ancestors = {path.rsplit(".", i)[0] for path in paths for i in range(1, path.count(".") + 1)}
+
+    def is_extra(self, module: nn.Module, path: str) -> bool:
+        return any(spec == path if isinstance(spec, str) else isinstance(module, spec) for spec in self.extra)
+
+    def is_leaf(self, module: nn.Module, path: str) -> bool:
+        """Layers and extra leaves are leaves; their ancestors are traced through; else fx's rule."""
+        if path in self.paths or self.is_extra(module, path):
+            return True
+        if path in self.ancestors:
+            return False
+        builtin = module.__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
+        return builtin or not any(module.children())
+
+    def _module_level(self) -> list[str]:
+        paths: list[str] = []
+        for name, child in self.model.named_children():
+            holds_container = any(isinstance(c, _CONTAINERS) for c in child.children())
+            opened = isinstance(child, _CONTAINERS) or holds_container
+            paths.extend(self._open(child, name) if opened and not self.is_extra(child, name) else [name])
+        return paths
+
+    def _open(self, module: nn.Module, prefix: str) -> list[str]:
+        """Children of ``module`` as paths, containers opened recursively."""
+        paths: list[str] = []
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}"
+            if isinstance(child, _CONTAINERS) and not self.is_extra(child, path):
+                paths.extend(self._open(child, path))
+            else:
+                paths.append(path)
+        return paths
+
+    def _finer(self, path: str) -> list[str]:
+        module = self.model.get_submodule(path)
+        whole = module.__module__.startswith("torch.nn") or self.is_extra(module, path)
+        return [path] if whole or not any(module.children()) else self._open(module, path)
+
+
+
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer that remembers the innermost module whose forward failed to trace."""
+
+    def __init__(self, leaves: LeafRule) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.leaves.is_leaf(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(m)
+            raise
+
+
+@dataclass
+class Traced:
+    """A traced forward: the module its targets resolve in (holding the model's own tensors at
+    their paths), its graph, and for each node of a layer module's call, the layer's name and
+    the call it belongs to."""
+
+    root: nn.Module
+    graph: fx.Graph
+    calls: dict[fx.Node, tuple[str, int]]
+    mode: bool | None = None  # exported graphs keep the train/eval mode of the export
+
+
+def trace(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
+    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works."""
+    tracer = _Tracer(leaves)
+    try:
+        return _symbolic(model, tracer)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
+        failure = _trace_failure(model, tracer.failed_in or "", error)
+        if sample_input is None:
+            raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
+        try:
+            return _export(model, leaves, sample_input)
+        except Exception as export_error:  # noqa: BLE001
+            summary = str(export_error).strip().splitlines()[0]
+            raise CaptureError(f"{failure}; torch.export failed too: {summary}") from export_error
+
+
+def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
+    """The fx graph; arguments with defaults are fixed to them (they are not micro-batched)."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model.forward).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    fixed = [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in defaults]
+    for node in fixed:
+        _erase_with_users(graph, node)
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)})
+
+
+def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
+    """The exported graph (ATen operations on the model's own parameters and buffers), each
+    node assigned to the outermost layer module in its ``nn_module_stack``."""
+    inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) else None for t in inputs)
+    root = torch.export.export(model, inputs, dynamic_shapes=batch).module()
+    graph = root.graph
+    for node in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
+        graph.erase_node(node)  # export's input guards: sizes are the micro-batch's, not the sample's
+    modules = dict(model.named_modules())
+    calls: dict[fx.Node, tuple[str, int]] = {}
+    run, previous = -1, None
+    for node in graph.nodes:
+        path = _layer_of(modules, leaves, node.meta.get("nn_module_stack", {}))
+        if path is not None:
+            run += path != previous
+            calls[node], previous = (path, run), path
+    return Traced(root, graph, calls, mode=model.training)
+
+
+def _layer_of(modules: dict[str, nn.Module], leaves: LeafRule, stack: dict[str, tuple[str, Any]]) -> str | None:
+    for path, _ in stack.values():
+        if path in leaves.paths or path in modules and leaves.is_extra(modules[path], path):
+            return path
+    return None
+
+
+def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
+    """Remove a fixed argument's placeholder with the checks fx made that it keeps its value."""
+    for user in list(node.users):
+        _erase_with_users(graph, user)
+    graph.erase_node(node)
+
+
+def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
+    module = model.get_submodule(path)
+    where = f"module '{path}' ({type(module).__name__})" if path else f"{type(model).__name__}.forward"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_FX_DIR)]
+    forwards = [f for f in frames if f.name == "forward"] or frames
+    line = forwards[-1] if forwards else None
+    operation = f" at {line.filename}:{line.lineno} `{(line.line or '').strip()}`" if line else ""
+    if path:
+        way_out = (
+            f"keep it whole as one layer with autopipe.chain(model, leaf_modules=['{path}']) "
+            f"(or leaf_modules=[{type(module).__name__}]), or wrap the model's layers in an nn.Sequential"
+        )
+    else:
+        way_out = (
+            "move the data-dependent part into a submodule and pass it as "
+            "autopipe.chain(model, leaf_modules=[...]), or wrap the model's layers in an nn.Sequential"
+        )
+    return (
+        f"cannot capture {type(model).__name__}: torch.fx cannot trace {where}{operation}: "
+        f"{type(error).__name__}: {error}. Way out: {way_out}"
+    )
+
+
