@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
 from .runtime import Pipeline
+from .runtime._model_calls import call_arguments
 from .planning.solver import plan as choose_plan
 
 __all__ = ["partition"]
@@ -30,13 +32,17 @@ def partition(
 ) -> Pipeline:
     """Partition ``model`` over ``devices`` and return the ready :class:`~autopipe.Pipeline`.
 
-    ``sample_input`` is one full training batch (its batch size is what the plan is made for).
+    ``sample_input`` is one full training batch (its batch size is what the plan is made for): a
+    tensor, a tuple of tensors, or a mapping of keyword arguments (a transformers model's
+    ``{"input_ids": ids, "labels": ids}``; the pipeline is then called ``pipe(**batch)``).
     A ``profile`` (object or JSON path) skips measuring; it must have been made for this model.
     ``plan_options`` go to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``, ``chunks``…);
     the plan is on ``pipe.plan``.
     """
     resolved = resolve_devices(devices)
-    layers = layer_chain(model)  # once: capturing a non-Sequential model traces it
+    layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
+    if isinstance(sample_input, Mapping):  # keyword arguments, as the captured first layer takes them
+        sample_input = call_arguments(layers[0].module, (), dict(sample_input))
     measured = _profile_for(layers, sample_input, resolved, profile, quiet)
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)

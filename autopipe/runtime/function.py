@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
-from .microbatch import gather
+from ._model_calls import join_outputs, split_output_grad
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 
@@ -63,7 +63,7 @@ class PipelineTie(torch.autograd.Function):
         ctx.engine, ctx.run = engine, run
         ctx.input_devices = [t.device for t in inputs]
         engine.run_phase(run, "forward")
-        return gather([run.outputs.pop(j) for j in range(run.chunks)])
+        return join_outputs([run.outputs.pop(j) for j in range(run.chunks)], run.sizes)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -71,7 +71,7 @@ class PipelineTie(torch.autograd.Function):
         if run.output_grads:
             raise RuntimeError("backward through a pipeline output twice is not supported "
                                "(the pipeline frees its saved state after the first backward)")
-        run.output_grads = [list(parts) for parts in zip(*(torch.split(g, run.sizes) for g in grads))]
+        run.output_grads = [list(parts) for parts in zip(*(split_output_grad(g, run.sizes) for g in grads))]
         if not any(ctx.needs_input_grad[3:]):
             # Nothing to return: let the caller's backward go on and wait at its very end.
             ctx.engine.start_phase(run, "backward")

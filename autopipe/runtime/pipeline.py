@@ -24,7 +24,8 @@ from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import first_difference, model_fingerprint
 from ..model import Layer, layer_chain
-from .microbatch import gather, scatter, tensors_of
+from ._model_calls import call_arguments, join_outputs, model_output
+from .microbatch import scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .function import PipelineTie
@@ -87,7 +88,11 @@ class Pipeline(nn.Module):
     on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
-    * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
+    * ``pipe(*args, **kwargs)``: keyword arguments reach a chain captured with them
+      (``autopipe.chain(hf_model, {"input_ids": ids, "labels": ids})``), as positional inputs
+      of its first layer, and the output is the model's own type (``out.logits``, ``out.loss``,
+      the loss joined over micro-batches as their size-weighted mean:
+      :mod:`autopipe.runtime._model_calls`).  Tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
       describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
       arguments go to every micro-batch; the first layer is called with them all, every later
       layer with the previous layer's value (a tensor or a tuple), as in ``nn.Sequential``.
@@ -146,13 +151,16 @@ class Pipeline(nn.Module):
     def stages(self) -> list[Stage]:
         return self._engine.stages
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args = call_arguments(self.stages[0].modules[0], args, kwargs)
         grad = torch.is_grad_enabled()
         run = self._new_run(scatter(args, self.chunks), grad)
-        if not grad:
+        if grad:
+            output = PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
+        else:
             self._engine.run_phase(run, "forward")
-            return gather([run.outputs.pop(j) for j in range(run.chunks)])
-        return PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
+            output = join_outputs([run.outputs.pop(j) for j in range(run.chunks)], run.sizes)
+        return model_output(self.stages[-1].modules[-1], output)
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)

@@ -7,6 +7,7 @@ captured through torch.export with their sample's keyword arguments, caches off.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Iterable
 
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from ..layers import Layer
 from ..skip import Namespace
 from ._building import build
+from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
 from ._layer import CapturedLayer
 from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, trace
@@ -46,8 +48,12 @@ def chain(
     such block one level more.  ``leaf_modules`` (dotted paths or classes) are kept whole: the way
     around a submodule whose forward cannot be traced.
     """
+    hf = is_hf_model(model)
+    if hf:
+        check_sample(model, sample_input)
     leaves = LeafRule(model, granularity, tuple(leaf_modules))
-    traced = trace(model, leaves, sample_input)
+    with caches_off(model) if hf else nullcontext():
+        traced = trace(model, leaves, sample_input, fx_first=not hf)
     groups = group(traced)
     return build(traced, groups, Namespace(type(model).__name__))
 

@@ -93,7 +93,12 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
         code = _layer_code(traced.root, route, index)
         main_in = len(route.main_inputs(index))
         main_out = len(route.main_outputs(index)) if index + 1 < len(groups) else None
-        module = CapturedLayer(code, main_in, pops, stashes, main_out, traced.mode).isolate(namespace)
+        last = index == len(groups) - 1
+        module = CapturedLayer(
+            code, main_in, pops, stashes, main_out, traced.mode,
+            keywords=traced.keywords if index == 0 else (),
+            output_spec=traced.output_spec if last else None,
+        ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers
 

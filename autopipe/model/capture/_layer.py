@@ -4,14 +4,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from torch import fx
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from ..skip import Skippable, pop, stash
 
 __all__ = ["CapturedLayer"]
-
-
-
-
 
 _MODES = {True: "train", False: "eval"}
 
@@ -31,8 +28,12 @@ class CapturedLayer(Skippable):
         stashes: Sequence[str],
         main_outputs: int | None,
         exported_mode: bool | None = None,
+        keywords: Sequence[str] = (),
+        output_spec: TreeSpec | None = None,
     ) -> None:
         super().__init__()
+        self.keywords = tuple(keywords)
+        self.output_spec = output_spec
         self._modules.update(code._modules)
         self._parameters.update(code._parameters)
         self._buffers.update(code._buffers)
@@ -46,6 +47,32 @@ class CapturedLayer(Skippable):
         self.exported_mode = exported_mode
         if exported_mode is not None:
             self.train(exported_mode)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The model's call arguments as this (first) layer's positional inputs: the keyword
+        arguments the model was captured with, in the capture's order, after the positional ones.
+
+        Raises:
+            TypeError: a keyword argument is missing or was not part of the capture.
+        """
+        if not kwargs and not self.keywords:
+            return args
+        missing = [name for name in self.keywords if name not in kwargs]
+        extra = [name for name in kwargs if name not in self.keywords]
+        if missing or extra:
+            raise TypeError(
+                f"the model was captured with keyword arguments {list(self.keywords)} and is called with "
+                f"{list(kwargs)}; capture it again with the arguments it is called with "
+                "(autopipe.chain(model, {name: tensor, ...}))"
+            )
+        return args + tuple(kwargs[name] for name in self.keywords)
+
+    def structure(self, flat: Any) -> Any:
+        """The model's own output (a ``ModelOutput``, a dict…) from this (last) layer's flat
+        outputs, joined over micro-batches; flat as it is when the capture kept no structure."""
+        if self.output_spec is None:
+            return flat
+        return tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self.output_spec)
 
     def forward(self, *main: Any) -> Any:
         """``main`` is the previous layer's value (a tensor or a tuple), or the model's inputs."""

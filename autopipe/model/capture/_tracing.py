@@ -5,10 +5,12 @@ import inspect
 import os
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Literal
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import TreeSpec, tree_map
 
 from ..layers import ChainError
 
@@ -59,20 +61,30 @@ class LeafRule:
         return builtin or not any(module.children())
 
     def _module_level(self) -> list[str]:
+        """Top-level children, those leading to a container opened down to its blocks."""
         paths: list[str] = []
         for name, child in self.model.named_children():
-            holds_container = any(isinstance(c, _CONTAINERS) for c in child.children())
-            opened = isinstance(child, _CONTAINERS) or holds_container
-            paths.extend(self._open(child, name) if opened and not self.is_extra(child, name) else [name])
+            opened = self._leads_to_container(child) and not self.is_extra(child, name)
+            paths.extend(self._open(child, name, deep=not isinstance(child, _CONTAINERS)) if opened else [name])
         return paths
 
-    def _open(self, module: nn.Module, prefix: str) -> list[str]:
-        """Children of ``module`` as paths, containers opened recursively."""
+    def _leads_to_container(self, module: nn.Module) -> bool:
+        """A container, or a module holding one, directly or through modules that hold one
+        (``bert`` → ``encoder`` → ``layer``)."""
+        return isinstance(module, _CONTAINERS) or any(self._leads_to_container(c) for c in module.children())
+
+    def _open(self, module: nn.Module, prefix: str, deep: bool = False) -> list[str]:
+        """Children of ``module`` as paths, containers opened recursively; ``deep`` also opens
+        the children leading to a container, but never a container's blocks."""
         paths: list[str] = []
         for name, child in module.named_children():
             path = f"{prefix}.{name}"
-            if isinstance(child, _CONTAINERS) and not self.is_extra(child, path):
+            if self.is_extra(child, path):
+                paths.append(path)
+            elif isinstance(child, _CONTAINERS):
                 paths.extend(self._open(child, path))
+            elif deep and self._leads_to_container(child):
+                paths.extend(self._open(child, path, deep=True))
             else:
                 paths.append(path)
         return paths
@@ -116,10 +128,20 @@ class Traced:
     graph: fx.Graph
     calls: dict[fx.Node, tuple[str, int]]
     mode: bool | None = None  # exported graphs keep the train/eval mode of the export
+    keywords: tuple[str, ...] = ()  # exported: the keyword arguments, after the positional ones
+    output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
 
 
-def trace(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
-    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works."""
+def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
+    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works.
+
+    ``fx_first=False`` exports straight away (models whose forward fx is known not to trace)."""
+    if not fx_first:
+        try:
+            return _export(model, leaves, sample_input)
+        except Exception as error:  # noqa: BLE001
+            summary = str(error).strip().splitlines()[0]
+            raise CaptureError(f"cannot capture {type(model).__name__}: torch.export failed: {summary}") from error
     tracer = _Tracer(leaves)
     try:
         return _symbolic(model, tracer)
@@ -152,9 +174,10 @@ def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     """The exported graph (ATen operations on the model's own parameters and buffers), each
     node assigned to the outermost layer module in its ``nn_module_stack``."""
-    inputs = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    batch = tuple({0: torch.export.Dim.AUTO} if isinstance(t, torch.Tensor) else None for t in inputs)
-    root = torch.export.export(model, inputs, dynamic_shapes=batch).module()
+    args, kwargs = _split_sample(sample_input)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
+    root = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic).module()
     graph = root.graph
     for node in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
         graph.erase_node(node)  # export's input guards: sizes are the micro-batch's, not the sample's
@@ -166,7 +189,26 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
         if path is not None:
             run += path != previous
             calls[node], previous = (path, run), path
-    return Traced(root, graph, calls, mode=model.training)
+    return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None))
+
+
+def _batch_dynamic(value: Any) -> dict[int, Any] | None:
+    """Only the batch dimension stays dynamic: every other size is the sample's."""
+    return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) else None
+
+
+def _split_sample(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments: a mapping (``{"input_ids": ids, ...}``, a tokenizer's
+    batch) is keyword arguments, a tuple positional ones, anything else the one argument."""
+    if isinstance(sample_input, Mapping):
+        wrong = [name for name, value in sample_input.items() if not isinstance(value, torch.Tensor)]
+        if wrong:
+            raise CaptureError(
+                f"the sample's keyword arguments {wrong} are not tensors; give only the batch's tensors "
+                "(settings such as use_cache belong in the model's config)"
+            )
+        return (), dict(sample_input)
+    return (sample_input if isinstance(sample_input, tuple) else (sample_input,)), {}
 
 
 def _layer_of(modules: dict[str, nn.Module], leaves: LeafRule, stack: dict[str, tuple[str, Any]]) -> str | None:

@@ -1,0 +1,126 @@
+"""Hugging Face transformers models captured into their blocks, planned and run as pipelines.
+
+Tiny configs with random weights (nothing is downloaded).  Every pipeline is compared with the
+plain model in eval mode: outputs and every parameter's gradient.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.model.capture import CaptureError
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, VOCAB = 4, 8, 100
+
+
+def _gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16))
+
+
+def _llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16))
+
+
+def _bert() -> nn.Module:
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, num_labels=3))
+
+
+def _t5() -> nn.Module:
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=VOCAB,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+def _tokens(generator: torch.Generator) -> Tensor:
+    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def _lm_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    ids = _tokens(generator)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # a padded sample: the mask must reach every attention
+    return {"input_ids": ids, "attention_mask": mask, "labels": _tokens(generator)}
+
+
+def _classification_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    batch = _lm_batch(generator)
+    batch["labels"] = torch.randint(0, 3, (BATCH,), generator=generator)
+    return batch
+
+
+#: name → (model factory, batch factory, the block layers the chain must have)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], dict[str, Tensor]], list[str]]] = {
+    "gpt2": (_gpt2, _lm_batch, ["transformer.h.0", "transformer.h.1"]),
+    "bert": (_bert, _classification_batch, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+    "llama": (_llama, _lm_batch, ["model.layers.0", "model.layers.1"]),
+    "t5": (_t5, _lm_batch, ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]),
+}
+
+
+def _setup(name: str) -> tuple[nn.Module, dict[str, Tensor], list[autopipe.Layer]]:
+    factory, batch, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    sample = batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, sample)
+    return model, sample, layers
+
+
+def _output_and_grads(run: Callable[..., Any], model: nn.Module, batch: dict[str, Tensor]) -> tuple[Any, dict]:
+    model.zero_grad(set_to_none=True)
+    out = run(**batch)
+    (out.loss + out.logits.square().mean()).backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(want: Tensor, have: Tensor, what: str) -> None:
+    """Relative error within 1e-4 of the reference's largest magnitude, with a floor for
+    values that are mathematically zero (float sums over micro-batches reorder additions)."""
+    scale = max(want.abs().max().item(), 1e-6)
+    error = (want - have).abs().max().item()
+    assert error <= 1e-4 * scale, f"{what}: max error {error:.3g} against scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chain_reaches_every_block(name: str) -> None:
+    _, _, blocks = MODELS[name]
+    model, sample, layers = _setup(name)
+    names = [layer.name for layer in layers]
+    assert all(block in names for block in blocks), names
+    assert sum(p.numel() for layer in layers for p in layer.module.parameters()) >= sum(
+        p.numel() for p in model.parameters())  # every parameter is in some layer (tied ones in two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pipeline_equals_model(name: str, stages: int) -> None:
+    model, sample, layers = _setup(name)
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+    count = len(layers)
+    cuts = [round(count * s / stages) for s in range(stages + 1)]
+    balance = [b - a for a, b in zip(cuts, cuts[1:])]
+    pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * stages, chunks=2).eval()
+    have, have_grads = _output_and_grads(pipe, model, sample)
+    assert type(have) is type(want)
+    assert have.keys() == want.keys()
+    for key in want.keys():
+        _assert_close(want[key], have[key], key)
+    assert have_grads.keys() == want_grads.keys()
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()
