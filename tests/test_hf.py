@@ -124,3 +124,67 @@ def test_pipeline_equals_model(name: str, stages: int) -> None:
     for param, grad in want_grads.items():
         _assert_close(grad, have_grads[param], param)
     pipe.close()
+
+
+@pytest.mark.slow
+def test_plan_from_measured_profile_runs() -> None:
+    """partition() profiles the captured GPT-2 on its keyword batch (in train mode, as profiles
+    are measured; dropout 0 so that runs compare), plans it on two devices and the planned
+    pipeline gives the model's loss and gradients."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopipe.partition(model, sample, devices=["cpu", "cpu"], chunks=2)
+    assert pipe.plan is not None
+    have, have_grads = _output_and_grads(pipe, model, sample)
+    _assert_close(want.loss, have.loss, "loss")
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()
+
+
+def test_caches_off_while_capturing_and_restored() -> None:
+    model = _t5()  # the decoder keeps its own copy of the config
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    before = [config.use_cache for config in configs]
+    assert len(configs) > 2 and before.count(True) >= 2  # the model's and the decoder's
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        layers = autopipe.chain(model, _lm_batch(torch.Generator().manual_seed(1)))
+    assert [config.use_cache for config in configs] == before
+    assert layers
+
+
+def test_keyword_arguments_must_match_the_capture() -> None:
+    model, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 3, 3], devices=["cpu", "cpu"])
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
+    with pytest.raises(TypeError, match=r"captured with keyword arguments \['input_ids', 'attention_mask', 'labels'\]"):
+        pipe(**without_labels)
+    with pytest.raises(TypeError, match="captured with keyword arguments"):
+        pipe(**sample, token_type_ids=sample["input_ids"])
+    pipe.close()
+
+
+def test_labels_give_the_models_own_loss() -> None:
+    """Without labels there is no loss; with them it is the model's (the causal shift included)."""
+    model, sample, _ = _setup("gpt2")
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, without_labels)
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"], chunks=2).eval()
+    with torch.no_grad():
+        out = pipe(**without_labels)
+        assert out.loss is None
+        _assert_close(model(**without_labels, use_cache=False).logits, out.logits, "logits")
+    pipe.close()
+
+
+def test_a_transformers_model_needs_a_sample_batch() -> None:
+    with pytest.raises(CaptureError, match=r"give one, e.g. autopipe.chain\(model, \{'input_ids'"):
+        autopipe.chain(_gpt2())
