@@ -105,6 +105,16 @@ def test_chain_reaches_every_block(name: str) -> None:
         p.numel() for p in model.parameters())  # every parameter is in some layer (tied ones in two)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pipeline_state_dict_is_the_models(name: str) -> None:
+    """Same keys (tied weights and export's lifted constants included), loadable both ways."""
+    model, _, layers = _setup(name)
+    pipe = autopipe.Pipeline(layers, balance=[2, len(layers) - 2], devices=["cpu", "cpu"])
+    assert pipe.state_dict().keys() == model.state_dict().keys()
+    model.load_state_dict(pipe.state_dict())
+    pipe.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", list(MODELS))

@@ -91,6 +91,8 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
         pops = [_skip_name(node, names[index]) for node in route.popped(index)]
         stashes = [_skip_name(node, names[consumer]) for node, consumer in route.stashed(index)]
         code = _layer_code(traced.root, route, index)
+        if traced.state is not None:
+            _constants_not_saved(code, traced.state)
         main_in = len(route.main_inputs(index))
         main_out = len(route.main_outputs(index)) if index + 1 < len(groups) else None
         last = index == len(groups) - 1
@@ -118,6 +120,15 @@ def _layer_names(groups: list[list[fx.Node]], calls: dict[fx.Node, tuple[str, in
 
 def _skip_name(node: fx.Node, consumer: str) -> str:
     return f"{node.name}->{consumer}"
+
+
+def _constants_not_saved(code: fx.GraphModule, state: frozenset[str]) -> None:
+    """Tensors that export lifted out of the forward (``lifted_tensor_0``: a constant the forward
+    makes) are buffers of the layer but not state of the model: kept out of ``state_dict``."""
+    for name, _ in list(code.named_buffers()):
+        if name not in state:
+            owner, _, leaf = name.rpartition(".")
+            code.get_submodule(owner)._non_persistent_buffers_set.add(leaf)
 
 
 def _layer_code(root: nn.Module, route: _Route, index: int) -> fx.GraphModule:

@@ -130,6 +130,7 @@ class Traced:
     mode: bool | None = None  # exported graphs keep the train/eval mode of the export
     keywords: tuple[str, ...] = ()  # exported: the keyword arguments, after the positional ones
     output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
+    state: frozenset[str] | None = None  # exported: the model's state-dict keys
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
@@ -189,7 +190,8 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
         if path is not None:
             run += path != previous
             calls[node], previous = (path, run), path
-    return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None))
+    return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
+                  frozenset(model.state_dict()))
 
 
 def _batch_dynamic(value: Any) -> dict[int, Any] | None:
