@@ -14,16 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
+from .errors import FormatError
+
 __all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest"]
 
 T = TypeVar("T")
 
 _UMASK = os.umask(0)  # read once at import (os.umask can only be read by setting it) ...
 os.umask(_UMASK)  # ... and put back at once
-
-
-class FormatError(ValueError):
-    """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
@@ -146,14 +144,6 @@ class Fields:
         if minimum is not None and value < minimum:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
-
-    def bool(self, key: str) -> bool:
-        return self.typed(key, lambda v: isinstance(v, bool), "true or false")
-
-    def optional(self, key: str, read: Callable[[str], T]) -> T | None:
-        if not self.has(key) or self.value[key] is None:
-            return None
-        return read(key)
 
     def list_of(self, key: str, read: Callable[["Fields"], T]) -> list[T]:
         return [read(item) for item in self.get(key).items()]

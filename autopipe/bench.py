@@ -10,17 +10,18 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import torch
 from torch import Tensor, nn
 
+from ._vocab import CheckpointMode
 from .planning.cost import CostModel
 from .device import ops_for
 from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
 from .runtime import Pipeline
 from .planning.simulate import Simulation, simulate_plan
-from .planning.solver import build_plan
+from .planning import build_plan
 from .timeline import Event
 
 __all__ = [
-    "synthetic_batch", "StepTime", "Trainer", "interleave", "medians",
+    "synthetic_batch", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
 ]
 
@@ -115,7 +116,7 @@ class Trainer:
         self.traces.clear()
 
 
-def interleave(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
+def round_robin(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
     """Round-robin: each round runs one step of every trainer, starting one further along.
 
     Load from elsewhere on the machine then falls on all trainers alike, which is what makes
@@ -267,7 +268,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
     pipe = Pipeline(model, plan)
     try:
         piped = Trainer(pipe, batch.to(device), target, devices=plan.devices)
-        interleave({"single device": single, "pipeline": piped}, steps, warmup)
+        round_robin({"single device": single, "pipeline": piped}, steps, warmup)
     finally:
         pipe.close()
     simulation = simulate_plan(plan)
@@ -279,7 +280,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
 
 
 def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], chunks: int,
-            checkpoint: str = "never", batch_size: int | None = None) -> Plan:
+            checkpoint: CheckpointMode = "never", batch_size: int | None = None) -> Plan:
     """The plan of a configuration chosen by hand, costed by the planner's own cost model.
 
     Hand-picked rows (a tutorial's split, a sweep) then run and are predicted exactly like the

@@ -1,6 +1,6 @@
 """The device seam: everything that differs between a CPU "device" and a CUDA device.
 
-Timing, synchronisation, memory statistics, compute streams and copies go through a
+Timing, synchronisation, memory capacity, compute streams and copies go through a
 :class:`DeviceOps`.  The CPU side is what runs and is tested here; the CUDA side follows the
 CUDA semantics (events for timing, one stream per stage, copies ordered by events and guarded
 with ``record_stream``) and is exercised only by tests that skip without a GPU.
@@ -15,11 +15,9 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from .errors import DeviceError
+
 __all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
-
-
-class DeviceError(ValueError):
-    """A device that does not exist or cannot be used."""
 
 
 class Timer(ABC):
@@ -46,13 +44,6 @@ class DeviceOps(ABC):
     def synchronize(self) -> None: ...
 
     @abstractmethod
-    def reset_peak_memory(self) -> None: ...
-
-    @abstractmethod
-    def peak_memory(self) -> int | None:
-        """Bytes allocated at the peak since :meth:`reset_peak_memory`, if the device tracks it."""
-
-    @abstractmethod
     def capacity(self) -> int | None:
         """Total memory in bytes, or ``None`` where there is no meaningful limit (CPU)."""
 
@@ -67,9 +58,6 @@ class DeviceOps(ABC):
     def copy_to(self, tensor: Tensor, target: "DeviceOps", stream: object | None) -> Tensor:
         """``tensor`` on ``target``'s device, safe to use on ``stream`` of ``target``."""
 
-    def name(self) -> str:
-        return str(self.device)
-
 
 class _WallTimer(Timer):
     def start(self) -> None:
@@ -80,19 +68,13 @@ class _WallTimer(Timer):
 
 
 class CPUOps(DeviceOps):
-    """A CPU "device": synchronous, timed with ``perf_counter``, no memory statistics."""
+    """A CPU "device": synchronous, timed with ``perf_counter``, no memory limit."""
 
     def timer(self) -> Timer:
         return _WallTimer()
 
     def synchronize(self) -> None:
         pass
-
-    def reset_peak_memory(self) -> None:
-        pass
-
-    def peak_memory(self) -> int | None:
-        return None
 
     def capacity(self) -> int | None:
         return None
@@ -132,12 +114,6 @@ class CUDAOps(DeviceOps):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-
-    def reset_peak_memory(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_memory(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated(self.device))
 
     def capacity(self) -> int | None:
         return int(torch.cuda.get_device_properties(self.device).total_memory)

@@ -19,3 +19,36 @@ def test_help_lists_every_subcommand() -> None:
                             timeout=120, check=True)
     for name in SUBCOMMANDS:
         assert f"    {name} " in result.stdout
+
+
+def test_every_exported_error_has_the_one_base() -> None:
+    errors = [getattr(autopipe, name) for name in autopipe.__all__ if name.endswith("Error")]
+    assert len(errors) >= 11
+    for error in errors:
+        assert issubclass(error, autopipe.AutopipeError), error
+        assert error.__module__.startswith("autopipe.")
+
+
+def test_errors_keep_their_builtin_bases() -> None:
+    """Code that caught the built-in base before still catches each error."""
+    bases = {"FormatError": ValueError, "DeviceError": ValueError, "ChainError": TypeError,
+             "CaptureError": TypeError, "ProfileError": ValueError, "PlanningError": ValueError,
+             "StageError": RuntimeError, "DistributedError": ValueError, "StageOutputError": TypeError,
+             "LaunchError": RuntimeError}
+    for name, base in bases.items():
+        assert issubclass(getattr(autopipe, name), base), name
+
+
+def test_errors_are_the_ones_the_steps_raise() -> None:
+    """The exported classes are the very ones each step's module raises (one class, not a copy)."""
+    from autopipe._jsonio import FormatError
+    from autopipe.device import DeviceError
+    from autopipe.distributed.pipeline import DistributedError, StageOutputError
+    from autopipe.model.capture import CaptureError
+    from autopipe.planning import PlanningError
+    from autopipe.profiling import ProfileError
+    from autopipe.runtime.run import StageError
+
+    for error in (FormatError, DeviceError, DistributedError, StageOutputError, CaptureError, PlanningError,
+                  ProfileError, StageError):
+        assert getattr(autopipe, error.__name__) is error

@@ -316,7 +316,7 @@ def test_last_rank_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_plan_for_another_model_refused(two: list[dict[str, Any]]) -> None:
     for result in two:
-        assert result["other_model"].startswith("DistributedError: the plan was made for another model (layer 1 differs")
+        assert result["other_model"].startswith("DistributedError: the plan was made for another model: layer 1 differs")
 
 
 @pytest.mark.slow
@@ -402,11 +402,13 @@ def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_load
 
 
 def test_skip_routes_pass_along_every_stage_between() -> None:
-    from autopipe.distributed import StageModule, skip_routes
+    from autopipe.distributed import StageModule
     from autopipe.model import layer_chain
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
 
     layers = layer_chain(skip_model())
-    routes = skip_routes(layers, [3, 3, 3])
+    routes = skip_spans(layers, stage_of_layer([3, 3, 3]))
     assert [(str(r.key), r.src, r.dst) for r in routes] == [("x", 0, 2), ("y", 1, 2)]
     middle = StageModule(layers[3:6], 1, 3, routes)
     assert [str(k) for k in middle.skips_in] == ["x"]

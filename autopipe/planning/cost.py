@@ -81,22 +81,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._vocab import ENGINES, CheckpointMode, EngineName
 from .graph import build_graph, chain_of
 from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
-           "phase_makespan", "backward_makespan", "recomputations", "MODES", "ENGINES"]
-
-#: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
-MODES = ("never", "except_last", "always")
-#: engines a plan can be costed for: the in-process runtime or torch.distributed.pipelining.
-ENGINES = ("local", "distributed")
+           "phase_makespan", "backward_makespan", "recomputations", "effective_mode"]
 
 
-def recomputations(mode: str, chunks: int) -> int:
+def recomputations(mode: CheckpointMode, chunks: int) -> int:
     """How many of ``chunks`` micro-batches rerun their forward before their backward in
     checkpoint ``mode``: none, all but the last, or all."""
     return {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
+
+
+def effective_mode(mode: CheckpointMode, chunks: int) -> CheckpointMode:
+    """The mode that ``mode`` amounts to with ``chunks`` micro-batches: ``except_last`` of a
+    single micro-batch keeps its activations, as ``never`` does."""
+    return "never" if mode == "except_last" and chunks == 1 else mode
 
 
 def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
@@ -199,7 +201,7 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state_factor: float, engine: str = "local") -> None:
+                 batch_size: int, optimizer_state_factor: float, engine: EngineName = "local") -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
@@ -269,7 +271,7 @@ class CostModel:
             held = held + nbytes * (sends | receives | passes)
         return held
 
-    def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: str,
+    def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: CheckpointMode,
                skip_bytes: Any) -> Any:
         """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
         (any argument but ``chunks`` and ``mode`` may be an array; ``start > 0`` is a stage after
@@ -280,13 +282,13 @@ class CostModel:
         received = inputs * chunks * (np.asarray(start) > 0) if self.relayed else 0.0
         return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks + received
 
-    def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
+    def evaluate(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode) -> Evaluation:
         """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
         stages = self.stage_lanes(bounds, chunks, mode)
         forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
         return Evaluation(stages, forward_ms, backward_ms)
 
-    def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: str,
+    def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
                     placement: Sequence[int] | None = None) -> list[StageLanes]:
         """Every stage's lanes and memory, stage ``s`` on device ``placement[s]`` (default ``s``);
         a tensor between stages on one device is not copied."""
@@ -335,7 +337,7 @@ def _owners(bounds: Sequence[int], layers: int) -> list[int]:
     return owner
 
 
-def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: str) -> tuple[float, float]:
+def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: CheckpointMode) -> tuple[float, float]:
     """Forward and backward phase makespans of fill-drain (the closed forms above)."""
     forward_lanes = [stages[0].forward]
     for stage in stages[1:]:

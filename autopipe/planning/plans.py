@@ -6,13 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._vocab import CHECKPOINT_MODES, SCHEDULES, CheckpointMode, Schedule
 from .._jsonio import Fields, read_json, write_json_atomic
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
 PLAN_SCHEMA_VERSION = 1
-CHECKPOINT_MODES = ("never", "except_last", "always")
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def placement(stages: int, interleave: int) -> list[int]:
@@ -104,8 +103,8 @@ class Plan:
     devices: list[str]
     batch_size: int
     chunks: int
-    checkpoint: str
-    schedule: str
+    checkpoint: CheckpointMode
+    schedule: Schedule
     stages: list[StagePlan]
     predicted: Prediction
     options: dict[str, Any] = field(default_factory=dict)

@@ -155,9 +155,6 @@ class CopyFit:
     ms_per_byte: float
     points: list[tuple[int, float]]
 
-    def time_ms(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_ms + nbytes * self.ms_per_byte
-
     def to_json(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "latency_ms": self.latency_ms,
                 "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}

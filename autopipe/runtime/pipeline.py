@@ -20,62 +20,25 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
-from ..model.fingerprint import first_difference, model_fingerprint
+from ..model.fingerprint import check_made_for
 from ..model import Layer, layer_chain
 from ._model_calls import call_arguments, join_outputs, model_output
 from .microbatch import scatter, tensors_of
-from ..planning.plans import CHECKPOINT_MODES, Plan
+from ..planning.plans import Plan
 from ..timeline import Event
+from .balance import check_balance, stage_of_layer
+from .checkpoint import checkpointed
+from .engine import Engine
 from .function import PipelineTie
 from .run import Run
-from .schedule import FillDrain
-from .skips import skip_routes
+from .skips import skip_spans, stage_routes
 from .stage import Stage
 from .turns import Turns
-from .worker import Worker
 
-__all__ = ["Pipeline", "Engine"]
-
-
-class Engine:
-    """The stages, their workers and the schedule: runs one phase of one call at a time.
-
-    Kept apart from the ``nn.Module``: the worker threads and the finalizer reference only
-    the engine, so a dropped pipeline is collected, and its collection closes the workers.
-    """
-
-    def __init__(self, stages: list[Stage]) -> None:
-        self.stages = stages
-        self.schedule = FillDrain()
-        self.workers = [Worker(stage) for stage in stages]
-        self.last: list[Event] = []
-        self.closed = False
-
-    def run_phase(self, run: Run, phase: str) -> None:
-        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
-        first stage failure once every stage has stopped."""
-        self.start_phase(run, phase)
-        self.finish_phase(run, phase)
-
-    def start_phase(self, run: Run, phase: str) -> None:
-        if self.closed:
-            raise RuntimeError("this pipeline was closed; its worker threads are gone")
-        run.begin_phase()
-        for stage, worker in zip(self.stages, self.workers):
-            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
-
-    def finish_phase(self, run: Run, phase: str) -> None:
-        run.wait_phase()
-        if phase == "backward" or not run.grad_enabled:
-            self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            for worker in self.workers:
-                worker.close()
+__all__ = ["Pipeline"]
 
 
 class Pipeline(nn.Module):
@@ -115,6 +78,24 @@ class Pipeline(nn.Module):
     with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
     parameters, ``create_graph=True`` and a second backward through the same output are not
     supported (gradients with respect to the inputs are).
+
+    Args:
+        model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
+        plan: the plan to run; it sets balance, devices, chunks, checkpoint and interleave.
+        balance: layers per stage (manual form, without a plan).
+        devices: one per device (manual form; default ``"cpu"`` for each).
+        chunks: micro-batches per mini-batch (manual form).
+        checkpoint: which micro-batches recompute their forward in backward (manual form).
+        deferred_batch_norm: swap batch norms for :class:`~autopipe.DeferredBatchNorm`, whose
+            running statistics see the whole mini-batch once, as in the plain model.
+        interleave: stages per device (manual form).
+
+    Raises:
+        TypeError: neither a plan nor a balance, or both a plan and balance/devices.
+        ValueError: the plan was made for another model or for another schedule; a balance,
+            chunks, checkpoint mode, interleave or device count that does not fit the model.
+        ChainError: the model cannot be read as a chain of layers.
+        DeviceError: a device does not exist.
     """
 
     def __init__(
@@ -125,7 +106,7 @@ class Pipeline(nn.Module):
         balance: Sequence[int] | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
         interleave: int = 1,
     ) -> None:
@@ -165,13 +146,10 @@ class Pipeline(nn.Module):
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
         checkpointing = grad and self.training
-        checkpointed = [
-            checkpointing and (self.checkpoint == "always" or (self.checkpoint == "except_last" and j < chunks - 1))
-            for j in range(chunks)
-        ]
+        dropped = [checkpointing and checkpointed(self.checkpoint, j, chunks) for j in range(chunks)]
         autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                     if torch.is_autocast_enabled(kind)]
-        return Run(micro_batches, checkpointed, grad, autocast, torch.get_num_threads(), len(self.stages))
+        return Run(micro_batches, dropped, grad, autocast, torch.get_num_threads(), len(self.stages))
 
     def last_trace(self) -> list[Event]:
         """Events of the last completed iteration (forward and backward), sorted by start."""
@@ -227,12 +205,10 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, str, int]:
+               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
-    difference = first_difference(plan.model, model_fingerprint(layers))
-    if difference is not None:
-        raise ValueError(f"the plan was made for another model: {difference}; plan this model again")
+    check_made_for(plan.model, layers, "plan", "plan this model again")
     if plan.schedule != "gpipe":
         raise ValueError(
             f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
@@ -241,11 +217,8 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
     return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
 
 
-def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int) -> None:
-    if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
-        raise ValueError(
-            f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
-        )
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int) -> None:
+    check_balance(balance, len(layers))
     if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
         raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
                          f"{len(balance)} stages of balance {balance}")
@@ -270,8 +243,7 @@ def _deferred(layer: Layer) -> Layer:
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
     """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns."""
-    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
-    routes = skip_routes(layers, stage_of_layer, len(balance))
+    routes = stage_routes(skip_spans(layers, stage_of_layer(balance)), len(balance))
     turns = [Turns() for _ in devices]
     stages: list[Stage] = []
     start = 0

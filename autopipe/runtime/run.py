@@ -13,17 +13,13 @@ from typing import Any, Hashable
 import torch
 from torch import Tensor
 
+from ..errors import StageError
 from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
 from ..timeline import Event
 
 __all__ = ["Run", "Saved", "StageError", "Aborted"]
-
-
-class StageError(RuntimeError):
-    """A stage failed; the message names the stage, the phase and the micro-batch, and the
-    original exception is the ``__cause__``."""
 
 
 class Aborted(Exception):
