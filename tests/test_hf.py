@@ -125,6 +125,9 @@ def test_pipeline_equals_model(name: str, stages: int) -> None:
     cuts = [round(count * s / stages) for s in range(stages + 1)]
     balance = [b - a for a, b in zip(cuts, cuts[1:])]
     pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * stages, chunks=2).eval()
+    stage_of = {layer.name: stage.index for stage in pipe.stages for layer in stage.layers}
+    if name == "gpt2":  # the tied embedding and output weight on two stages: gradients must add up
+        assert stage_of["transformer.wte"] != stage_of["lm_head"]
     have, have_grads = _output_and_grads(pipe, model, sample)
     assert type(have) is type(want)
     assert have.keys() == want.keys()
@@ -198,3 +201,14 @@ def test_labels_give_the_models_own_loss() -> None:
 def test_a_transformers_model_needs_a_sample_batch() -> None:
     with pytest.raises(CaptureError, match=r"give one, e.g. autopipe.chain\(model, \{'input_ids'"):
         autopipe.chain(_gpt2())
+
+
+def test_another_sequence_length_is_refused() -> None:
+    """The exported graph keeps the sample's sequence length: a call with another is an error,
+    never a silently reshaped run."""
+    _, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"])
+    longer = {name: torch.cat([value, value], dim=1) for name, value in sample.items()}
+    with pytest.raises(ValueError, match=r"captured with torch.export on inputs of sizes \[\(8,\), \(8,\), \(8,\)\]"):
+        pipe(**longer)
+    pipe.close()

@@ -40,13 +40,37 @@ def chain(
     the next layer reads is part of the main value (a tensor or a tuple) and one that a later
     layer reads is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original
     modules (fx) or the original parameters and buffers (export) at their original paths, so
-    state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.
+    state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.  A
+    parameter used by two layers far apart (tied embedding and output weights) lives in the
+    first and travels to the other as a skip, so its gradients from both add up.
+
+    A transformers ``PreTrainedModel`` is exported straight away on its sample batch given as
+    keyword arguments, with ``use_cache`` off meanwhile (a warning says so; the configs are
+    restored).  The first layer then takes those arguments (:meth:`CapturedLayer.bind`, which
+    :class:`~autopipe.Pipeline` applies to ``pipe(**batch)``) and the last layer's flat outputs
+    make the model's output type again (:meth:`CapturedLayer.structure`).
 
     ``granularity="module"`` makes each top-level child a layer, except that containers
-    (``Sequential``, ``ModuleList``, ``ModuleDict``) and top-level children holding one are opened
-    into their blocks (``layer1.0``, ``features.3``, ``encoder.layers.2``); ``"finer"`` opens each
-    such block one level more.  ``leaf_modules`` (dotted paths or classes) are kept whole: the way
-    around a submodule whose forward cannot be traced.
+    (``Sequential``, ``ModuleList``, ``ModuleDict``) and top-level children leading to one are
+    opened down to their blocks (``layer1.0``, ``features.3``, ``encoder.layers.2``,
+    ``bert.encoder.layer.0``); ``"finer"`` opens each such block one level more.
+
+    Args:
+        model: the model to capture.
+        sample_input: one batch: a tensor, a tuple of positional arguments, or a mapping of
+            keyword arguments (``{"input_ids": ids, "attention_mask": mask, "labels": ids}``).
+            Needed for torch.export: models fx cannot trace, and every transformers model.
+        granularity: ``"module"`` or ``"finer"``, as above.
+        leaf_modules: dotted paths or classes kept whole: the way around a submodule whose
+            forward cannot be traced.
+
+    Returns:
+        The layers, each a :class:`~autopipe.Layer` holding a :class:`CapturedLayer`.
+
+    Raises:
+        CaptureError: neither fx nor export can capture the forward (the message names where and
+            the way out), or a transformers model comes without a sample batch.
+        ValueError: ``granularity`` is not one of the two.
     """
     hf = is_hf_model(model)
     if hf:

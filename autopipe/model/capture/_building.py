@@ -99,6 +99,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
         module = CapturedLayer(
             code, main_in, pops, stashes, main_out, traced.mode,
             keywords=traced.keywords if index == 0 else (),
+            input_sizes=traced.input_sizes if index == 0 else None,
             output_spec=traced.output_spec if last else None,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from torch import fx
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch import Tensor, fx
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from ..skip import Skippable, pop, stash
 
@@ -30,9 +30,11 @@ class CapturedLayer(Skippable):
         exported_mode: bool | None = None,
         keywords: Sequence[str] = (),
         output_spec: TreeSpec | None = None,
+        input_sizes: Sequence[tuple[int, ...] | None] | None = None,
     ) -> None:
         super().__init__()
         self.keywords = tuple(keywords)
+        self.input_sizes = None if input_sizes is None else tuple(input_sizes)
         self.output_spec = output_spec
         self._modules.update(code._modules)
         self._parameters.update(code._parameters)
@@ -54,7 +56,15 @@ class CapturedLayer(Skippable):
 
         Raises:
             TypeError: a keyword argument is missing or was not part of the capture.
+            ValueError: an input's size other than the batch's differs from the sample's, which
+                the exported graph keeps (a sequence length).
         """
+        bound = self._keywords(args, kwargs)
+        if self.input_sizes is not None:
+            self._check_sizes(bound)
+        return bound
+
+    def _keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if not kwargs and not self.keywords:
             return args
         missing = [name for name in self.keywords if name not in kwargs]
@@ -66,6 +76,16 @@ class CapturedLayer(Skippable):
                 "(autopipe.chain(model, {name: tensor, ...}))"
             )
         return args + tuple(kwargs[name] for name in self.keywords)
+
+    def _check_sizes(self, inputs: tuple[Any, ...]) -> None:
+        assert self.input_sizes is not None
+        given = [tuple(t.shape[1:]) if isinstance(t, Tensor) else None for t in tree_leaves(inputs)]
+        if given != list(self.input_sizes):
+            raise ValueError(
+                f"the model was captured with torch.export on inputs of sizes {list(self.input_sizes)} "
+                f"after the batch dimension, which its graph keeps, and is called with {given}; "
+                "capture it again on a batch of these sizes (pad to one sequence length)"
+            )
 
     def structure(self, flat: Any) -> Any:
         """The model's own output (a ``ModelOutput``, a dict…) from this (last) layer's flat

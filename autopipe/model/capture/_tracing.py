@@ -10,7 +10,7 @@ from typing import Any, Callable, Literal
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import TreeSpec, tree_map
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ..layers import ChainError
 
@@ -131,6 +131,7 @@ class Traced:
     keywords: tuple[str, ...] = ()  # exported: the keyword arguments, after the positional ones
     output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
     state: frozenset[str] | None = None  # exported: the model's state-dict keys
+    input_sizes: tuple[tuple[int, ...] | None, ...] | None = None  # exported: fixed non-batch sizes
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
@@ -190,8 +191,9 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
         if path is not None:
             run += path != previous
             calls[node], previous = (path, run), path
+    sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in tree_leaves((args, kwargs)))
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
-                  frozenset(model.state_dict()))
+                  frozenset(model.state_dict()), sizes)
 
 
 def _batch_dynamic(value: Any) -> dict[int, Any] | None:
