@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -14,7 +13,6 @@ from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
 from .runtime import Pipeline
-from .runtime._model_calls import call_arguments
 from .planning.solver import plan as choose_plan
 
 __all__ = ["partition"]
@@ -59,8 +57,6 @@ def partition(
     """
     resolved = resolve_devices(devices)
     layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
-    if isinstance(sample_input, Mapping):  # keyword arguments, as the captured first layer takes them
-        sample_input = call_arguments(layers[0].module, (), dict(sample_input))
     measured = _profile_for(layers, sample_input, resolved, profile, quiet)
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)

@@ -1,15 +1,17 @@
-"""Reading a model into its layer chain: a ready list, a Sequential, a torchvision ResNet, or a capture."""
+"""Reading a model into its layer chain (a ready list, a Sequential, a torchvision ResNet, or a
+capture), and a call of the model as its first layer's inputs."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 from torch import nn
 
-from .capture import chain
+from .capture import CapturedLayer, chain
 from .layers import ChainError, Layer, is_torchvision_resnet, resnet_layers, sequential_layers
 from .skip import verify_skippables
 
-__all__ = ["layer_chain"]
+__all__ = ["layer_chain", "call_arguments", "sample_arguments"]
 
 
 def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) -> list[Layer]:
@@ -36,3 +38,30 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
     if not layers:
         raise ChainError(f"{type(model).__name__} has no layers to partition")
     return layers
+
+
+def call_arguments(first: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call of the model (positional and keyword arguments) as its first layer's positional
+    inputs: keyword arguments reach only a layer captured with them (:meth:`CapturedLayer.bind`).
+
+    Raises:
+        TypeError: keyword arguments for a first layer that was not captured with them, or not
+            the ones it was captured with.
+        ValueError: a size other than the batch's differs from an exported capture's sample.
+    """
+    if isinstance(first, CapturedLayer):
+        return first.bind(args, kwargs)
+    if kwargs:
+        raise TypeError(
+            f"keyword arguments {list(kwargs)} reach a chain only when it was captured with them "
+            "(autopipe.chain(model, {name: tensor, ...})); pass tensors positionally"
+        )
+    return args
+
+
+def sample_arguments(layers: Sequence[Layer], sample_input: Any) -> Any:
+    """A sample batch as the first layer's inputs: a mapping is keyword arguments (a
+    transformers model's ``{"input_ids": ids, ...}``), anything else is taken as it is."""
+    if isinstance(sample_input, Mapping):
+        return call_arguments(layers[0].module, (), dict(sample_input))
+    return sample_input

@@ -1,8 +1,8 @@
 """A pipeline called like the model it came from: keyword arguments in, the model's output type out.
 
-A captured chain's first layer takes the model's arguments positionally and its last layer
-returns flat outputs (what stages can hand on); :func:`call_arguments` and :func:`model_output`
-translate at the pipeline's edges.  A scalar output (a loss) joins over micro-batches as the
+A captured chain's first layer takes the model's arguments positionally
+(:func:`autopipe.model.call_arguments` binds a call to them) and its last layer returns flat
+outputs (what stages can hand on), which :func:`model_output` makes the model's output again.  A scalar output (a loss) joins over micro-batches as the
 mean weighted by micro-batch size: the whole batch's mean when the model's loss is a mean over
 samples, or over tokens with equally many counted per sample.
 """
@@ -18,22 +18,6 @@ from ..model import CapturedLayer
 from .microbatch import Value, gather
 
 __all__: list[str] = []
-
-
-def call_arguments(first: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The pipeline's call as the first layer's positional arguments.
-
-    Raises:
-        TypeError: keyword arguments for a first layer that was not captured with them.
-    """
-    if isinstance(first, CapturedLayer):
-        return first.bind(args, kwargs)
-    if kwargs:
-        raise TypeError(
-            f"keyword arguments {list(kwargs)} reach a pipeline only through a model captured with them "
-            "(autopipe.chain(model, {name: tensor, ...})); pass tensors positionally"
-        )
-    return args
 
 
 def model_output(last: nn.Module, output: Value) -> Any:

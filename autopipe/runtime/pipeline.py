@@ -24,8 +24,8 @@ from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
-from ..model import Layer, layer_chain
-from ._model_calls import call_arguments, join_outputs, model_output
+from ..model import Layer, call_arguments, layer_chain
+from ._model_calls import join_outputs, model_output
 from .microbatch import scatter, tensors_of
 from ..planning.plans import Plan
 from ..timeline import Event
