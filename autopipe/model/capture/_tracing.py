@@ -139,11 +139,7 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
 
     ``fx_first=False`` exports straight away (models whose forward fx is known not to trace)."""
     if not fx_first:
-        try:
-            return _export(model, leaves, sample_input)
-        except Exception as error:  # noqa: BLE001
-            summary = str(error).strip().splitlines()[0]
-            raise CaptureError(f"cannot capture {type(model).__name__}: torch.export failed: {summary}") from error
+        return _exported(model, leaves, sample_input, f"cannot capture {type(model).__name__}: torch.export failed")
     tracer = _Tracer(leaves)
     try:
         return _symbolic(model, tracer)
@@ -151,11 +147,18 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         failure = _trace_failure(model, tracer.failed_in or "", error)
         if sample_input is None:
             raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
-        try:
-            return _export(model, leaves, sample_input)
-        except Exception as export_error:  # noqa: BLE001
-            summary = str(export_error).strip().splitlines()[0]
-            raise CaptureError(f"{failure}; torch.export failed too: {summary}") from export_error
+        return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
+
+
+def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: str) -> Traced:
+    """:func:`_export`, its failure summed up in one :class:`CaptureError` after ``failure``."""
+    try:
+        return _export(model, leaves, sample_input)
+    except CaptureError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward under export
+        summary = str(error).strip().splitlines()[0]
+        raise CaptureError(f"{failure}: {summary}") from error
 
 
 def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
