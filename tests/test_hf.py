@@ -217,3 +217,19 @@ def test_another_sequence_length_is_refused() -> None:
     with pytest.raises(ValueError, match=r"captured with torch.export on inputs of sizes \[\(8,\), \(8,\), \(8,\)\]"):
         pipe(**longer)
     pipe.close()
+
+
+def test_profile_takes_a_keyword_sample() -> None:
+    """autopipe.profile reads a mapping sample as the captured first layer's keyword arguments
+    (the model in train mode, as profiles are measured)."""
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, sample)
+    measured = autopipe.profile(layers, sample, devices=["cpu"], batch_sizes=[2, 4], warmup=0, repeats=1,
+                                copy_sizes=[1024], quiet=True)
+    assert measured.batch_size == BATCH and [layer.name for layer in measured.layers] == [
+        layer.name for layer in layers]
+    assert measured.input_bytes == sum(t.element_size() * t.numel() for t in sample.values()) // BATCH
