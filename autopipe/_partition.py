@@ -32,8 +32,10 @@ def partition(
 
     Args:
         model: the model, read as a chain of layers (:func:`autopipe.layer_chain`).
-        sample_input: one full training batch (a tensor or a tuple of tensors); its batch size is
-            what the plan is made for.
+        sample_input: one full training batch (a tensor, a tuple of tensors, or a mapping of
+            keyword arguments: a transformers model's ``{"input_ids": ids, "labels": ids}``,
+            the pipeline then called ``pipe(**batch)``); its batch size is what the plan is
+            made for.
         devices: devices, a device count, or ``None`` for every CUDA device (else two CPU devices).
         profile: a :class:`~autopipe.Profile` or its JSON path, made for this model, instead of
             measuring one.
@@ -55,7 +57,7 @@ def partition(
         DeviceError: a device does not exist.
     """
     resolved = resolve_devices(devices)
-    layers = layer_chain(model)  # once: capturing a non-Sequential model traces it
+    layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
     measured = _profile_for(layers, sample_input, resolved, profile, quiet)
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)

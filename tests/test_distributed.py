@@ -7,7 +7,6 @@ in-process runtime (``autopipe.Pipeline``).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -18,13 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed.local import launch_local
-from autopipe.model.fingerprint import model_fingerprint
 from autopipe.model import layer_chain
-from autopipe.planning.plans import Plan, Prediction, StagePlan
 from autopipe.model.skip import pop, skippable, stash
+from distributed_models import batch, inplace_model, plan_for
 
 JOB_TIMEOUT_S = 100.0
-BATCH, CHUNKS = 8, 4
+CHUNKS = 4
 
 
 # ---- models shared by the test and the worker processes (same seed, same weights) ----------
@@ -77,18 +75,6 @@ class MulY(nn.Module):
         return x * skip
 
 
-class Double(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mul_(2)
-
-
-def inplace_model() -> nn.Sequential:
-    """Balance [3, 3]: the second stage starts with in-place ops on what it receives."""
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16),
-                         Double(), nn.ReLU(inplace=True), nn.Linear(16, 4))
-
-
 def tuple_model() -> nn.Sequential:
     """Balance [2, 2]: the first stage ends with a tuple that the second stage's Join unpacks."""
     torch.manual_seed(2)
@@ -131,22 +117,6 @@ def skip_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 8), StashX(), nn.Linear(8, 8),
                          nn.Tanh(), nn.Linear(8, 8), StashY(),
                          MulY(), AddX(), nn.Linear(8, 4))
-
-
-def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator)
-
-
-def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, checkpoint: str = "never") -> Plan:
-    """A plan as the planner would write it; the predicted costs do not matter to the engine."""
-    layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
-    zeros = {f.name: 0 for f in dataclasses.fields(StagePlan)}
-    stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
-                                   "last_layer": layers[b - 1].name})
-              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, checkpoint, schedule, stages,
-                Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
 
 
 def reference(model: nn.Module, chunks: int, lr: float = 0.0) -> dict[str, Tensor]:
@@ -406,7 +376,6 @@ def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_load
 
 def test_skip_routes_pass_along_every_stage_between() -> None:
     from autopipe.distributed import StageModule
-    from autopipe.model import layer_chain
     from autopipe.runtime.balance import stage_of_layer
     from autopipe.runtime.skips import skip_spans
 

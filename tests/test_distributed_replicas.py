@@ -16,7 +16,7 @@ from autopipe.distributed.local import launch_local
 from autopipe.planning.plans import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed import batch, inplace_model, plan_for  # noqa: E402
+from distributed_models import batch, inplace_model, plan_for  # noqa: E402
 
 JOB_TIMEOUT_S = 150.0
 CHUNKS = 2

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from models import UNet
-from test_runtime import assert_close
+from helpers import assert_close
 from torch import Tensor, nn
 
 import autopipe

@@ -9,11 +9,11 @@ another model.
 from .capture import CaptureError, CapturedLayer, chain
 from .fingerprint import environment_fingerprint, first_difference, model_fingerprint
 from .layers import ChainError, Layer
-from .reading import layer_chain
+from .reading import call_arguments, layer_chain, sample_arguments
 from .skip import Namespace, SkipKey, pop, skippable, stash, verify_skippables
 
 __all__ = [
-    "CaptureError", "CapturedLayer", "ChainError", "Layer", "Namespace", "SkipKey", "chain",
-    "environment_fingerprint", "first_difference", "layer_chain", "model_fingerprint", "pop",
+    "CaptureError", "CapturedLayer", "ChainError", "Layer", "Namespace", "SkipKey", "call_arguments", "chain",
+    "environment_fingerprint", "first_difference", "layer_chain", "model_fingerprint", "sample_arguments", "pop",
     "skippable", "stash", "verify_skippables",
 ]

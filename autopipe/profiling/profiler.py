@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..device import DeviceOps, ops_for, resolve_devices
 from ..errors import ProfileError
-from ..model import Layer, layer_chain
+from ..model import Layer, layer_chain, sample_arguments
 from ..model.fingerprint import environment_fingerprint, model_fingerprint
 from ._attribution import attribute, layer_profile, per_sample
 from ._copies import DEFAULT_COPY_SIZES, fit_copy, measure_copies
@@ -65,8 +65,10 @@ def profile(
 
     Args:
         model: a model :func:`autopipe.layer_chain` reads, or a list of layers.
-        sample_input: one full batch (a tensor, or a tuple of tensors passed as the first
-            layer's arguments), batch dimension first; its batch is ``Profile.batch_size``.
+        sample_input: one full batch (a tensor, a tuple of tensors passed as the first
+            layer's arguments, or a mapping of keyword arguments for a model captured with
+            them, e.g. a transformers model's ``{"input_ids": ids}``), batch dimension first;
+            its batch is ``Profile.batch_size``.
         devices: devices, a count, or ``None`` for every CUDA device (else two CPU devices);
             layers are timed on the first.
         batch_sizes: micro-batch sizes to measure; default: the powers of two below the batch,
@@ -89,7 +91,8 @@ def profile(
         ValueError: inconsistent batch sizes, or ``batch_sizes``, ``warmup`` or ``repeats`` out of range.
         DeviceError: a device does not exist.
     """
-    inputs = _as_inputs(sample_input)
+    layers = layer_chain(model, sample_input)
+    inputs = _as_inputs(sample_arguments(layers, sample_input))
     batch = inputs[0].shape[0]
     sizes = _batch_sizes(batch_sizes, batch)
     if warmup < 0 or repeats < 1:
@@ -97,7 +100,6 @@ def profile(
     resolved = resolve_devices(devices)
     if under_load is None:
         under_load = len(resolved) > 1 and all(d.type == "cpu" for d in resolved)
-    layers = layer_chain(model)
     root = model if isinstance(model, nn.Module) else nn.ModuleList(layer.module for layer in layers)
     pairs = [(i, j) for i in range(len(resolved)) for j in range(len(resolved)) if i != j]
     progress = Progress(len(sizes) * (len(layers) + warmup + repeats) + len(pairs) * len(copy_sizes),

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
-from .microbatch import gather
+from ._model_calls import split_output_grad
 from .replicas import Replicas
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
@@ -45,7 +45,7 @@ class PipelineTie(torch.autograd.Function):
         ctx.replicas = replicas
         ctx.input_devices = [t.device for t in inputs]
         replicas.run_phase("forward")
-        return gather([run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)])
+        return replicas.take_outputs()
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -54,8 +54,7 @@ class PipelineTie(torch.autograd.Function):
         if any(run.output_grads for run in runs):
             raise RuntimeError("backward through a pipeline output twice is not supported "
                                "(the pipeline frees its saved state after the first backward)")
-        sizes = [size for run in runs for size in run.sizes]
-        parts = [list(micro) for micro in zip(*(torch.split(g, sizes) for g in grads))]
+        parts = [list(micro) for micro in zip(*(split_output_grad(g, replicas.sizes) for g in grads))]
         for run in runs:
             run.output_grads, parts = parts[:run.chunks], parts[run.chunks:]
         if not any(ctx.needs_input_grad[2:]):
@@ -65,7 +64,7 @@ class PipelineTie(torch.autograd.Function):
             return (None,) * (2 + len(ctx.input_devices))
         replicas.run_phase("backward")
         per_input = zip(*(run.input_grads.pop(j) for run in runs for j in range(run.chunks)))
-        joined = (_join(parts, sizes, device) for parts, device in zip(per_input, ctx.input_devices))
+        joined = (_join(parts, replicas.sizes, device) for parts, device in zip(per_input, ctx.input_devices))
         return (None, None, *joined)
 
 

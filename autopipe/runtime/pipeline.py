@@ -23,10 +23,11 @@ from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
-from ..model import Layer, layer_chain
+from ..model import Layer, call_arguments, layer_chain
 from ..model.layers import attach
 from ..model.reading import balance_units
-from .microbatch import gather, scatter, tensors_of
+from ._model_calls import model_output
+from .microbatch import scatter, tensors_of
 from ..planning.plans import Plan
 from ..timeline import Event
 from .balance import check_balance, stage_of_layer
@@ -60,10 +61,15 @@ class Pipeline(nn.Module):
     whole batch's and ``parameters()`` is one set (:mod:`autopipe.runtime.replicas`: shared on
     CPU, copied and reduced elsewhere).  Replicas always defer batch norm.
 
-    * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
-      describes (a batch smaller than ``chunks`` gives one micro-batch per sample), other
-      arguments go to every micro-batch; the first layer is called with them all, every later
-      layer with the previous layer's value (a tensor or a tuple), as in ``nn.Sequential``.
+    * ``pipe(*args, **kwargs)``: keyword arguments reach a chain captured with them
+      (``autopipe.chain(hf_model, {"input_ids": ids, "labels": ids})``), as positional inputs
+      of its first layer, and the output is the model's own type (``out.logits``, ``out.loss``,
+      the loss joined over micro-batches as their size-weighted mean:
+      :mod:`autopipe.runtime._model_calls`).  Tensor arguments are split along dim 0 as
+      :mod:`autopipe.runtime.microbatch` describes (a batch smaller than ``chunks`` gives one
+      micro-batch per sample), other arguments go to every micro-batch; the first layer is
+      called with them all, every later layer with the previous layer's value (a tensor or a
+      tuple), as in ``nn.Sequential``.
       The output (a tensor or a tuple of tensors) is on the last stage's device.
     * Grad mode, autocast and the intra-op thread count are per thread; the caller's are
       applied on the workers for each call.
@@ -173,15 +179,18 @@ class Pipeline(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._layers)
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args = call_arguments(self.stages[0].modules[0], args, kwargs)
         grad = torch.is_grad_enabled()
         shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
         replicas = Replicas(self._engines[:len(runs)], runs, self._copies)
-        if not grad:
+        if grad:
+            output = PipelineTie.apply(replicas, self._dummy, *tensors_of(args))
+        else:
             replicas.run_phase("forward")
-            return gather([run.outputs.pop(j) for run in runs for j in range(run.chunks)])
-        return PipelineTie.apply(replicas, self._dummy, *tensors_of(args))
+            output = replicas.take_outputs()
+        return model_output(self.stages[-1].modules[-1], output)
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)

@@ -33,7 +33,9 @@ from torch import Tensor
 
 from ..device import ops_for
 from ..model import Layer
+from ._model_calls import join_outputs
 from .batchnorm import DeferredBatchNorm
+from .microbatch import Value
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -109,6 +111,15 @@ class Replicas:
         if len(self.pairs) > 1:
             stages = [stage for engine, _ in self.pairs for stage in engine.stages]
             self.deferred = list({id(bn): bn for stage in stages for bn in stage.deferred}.values())
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every micro-batch's size, replica after replica: the batch's order."""
+        return [size for run in self.runs for size in run.sizes]
+
+    def take_outputs(self) -> Value:
+        """The forward's outputs joined in batch order (:func:`join_outputs`), freed from the runs."""
+        return join_outputs([run.outputs.pop(j) for run in self.runs for j in range(run.chunks)], self.sizes)
 
     def run_phase(self, phase: str) -> None:
         self.start_phase(phase)

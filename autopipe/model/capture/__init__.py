@@ -1,0 +1,84 @@
+"""Capture a non-Sequential model as a layer chain, its long-lived values routed as stash/pop skips.
+
+:func:`chain` traces the forward (torch.fx, else torch.export on a sample), groups the graph's
+nodes into one layer per leaf module call, and builds each layer as a :class:`CapturedLayer`
+holding the model's own tensors at their paths.  Hugging Face ``transformers`` models are
+captured through torch.export with their sample's keyword arguments, caches off.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Iterable
+
+from torch import nn
+
+from ..layers import Layer
+from ..skip import Namespace
+from ._building import build
+from ._hf import caches_off, check_sample, is_hf_model
+from ._grouping import group
+from ._layer import CapturedLayer
+from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, trace
+
+__all__ = ["chain", "CapturedLayer", "CaptureError"]
+
+
+def chain(
+    model: nn.Module,
+    sample_input: Any = None,
+    granularity: Granularity = "module",
+    *,
+    leaf_modules: Iterable[LeafSpec] = (),
+) -> list[Layer]:
+    """The layers of ``model`` in forward order, with every long-lived value routed as a skip.
+
+    The model is traced with torch.fx (symbolically: no batch size is baked in), or, where fx
+    cannot and a ``sample_input`` is given, exported with torch.export (only the batch dimension
+    stays dynamic; Python branches, other sizes and the train/eval mode are the sample's).  The
+    nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
+    input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made); a value that
+    the next layer reads is part of the main value (a tensor or a tuple) and one that a later
+    layer reads is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original
+    modules (fx) or the original parameters and buffers (export) at their original paths, so
+    state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.  A
+    parameter used by two layers far apart (tied embedding and output weights) lives in the
+    first and travels to the other as a skip, so its gradients from both add up.
+
+    A transformers ``PreTrainedModel`` is exported straight away on its sample batch given as
+    keyword arguments, with ``use_cache`` off meanwhile (a warning says so; the configs are
+    restored).  The first layer then takes those arguments (:meth:`CapturedLayer.bind`, which
+    :class:`~autopipe.Pipeline` applies to ``pipe(**batch)``) and the last layer's flat outputs
+    make the model's output type again (:meth:`CapturedLayer.structure`).
+
+    ``granularity="module"`` makes each top-level child a layer, except that containers
+    (``Sequential``, ``ModuleList``, ``ModuleDict``) and top-level children leading to one are
+    opened down to their blocks (``layer1.0``, ``features.3``, ``encoder.layers.2``,
+    ``bert.encoder.layer.0``); ``"finer"`` opens each such block one level more.
+
+    Args:
+        model: the model to capture.
+        sample_input: one batch: a tensor, a tuple of positional arguments, or a mapping of
+            keyword arguments (``{"input_ids": ids, "attention_mask": mask, "labels": ids}``).
+            Needed for torch.export: models fx cannot trace, and every transformers model.
+        granularity: ``"module"`` or ``"finer"``, as above.
+        leaf_modules: dotted paths or classes kept whole: the way around a submodule whose
+            forward cannot be traced.
+
+    Returns:
+        The layers, each a :class:`~autopipe.Layer` holding a :class:`CapturedLayer`.
+
+    Raises:
+        CaptureError: neither fx nor export can capture the forward (the message names where and
+            the way out), or a transformers model comes without a sample batch.
+        ValueError: ``granularity`` is not one of the two.
+    """
+    hf = is_hf_model(model)
+    if hf:
+        check_sample(model, sample_input)
+    leaves = LeafRule(model, granularity, tuple(leaf_modules))
+    with caches_off(model) if hf else nullcontext():
+        traced = trace(model, leaves, sample_input, fx_first=not hf)
+    groups = group(traced)
+    return build(traced, groups, Namespace(type(model).__name__))
+
+

@@ -1,0 +1,133 @@
+"""The captured layer module: one slice of the traced graph, popping and stashing its skips."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import Tensor, fx
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
+
+from ..skip import Skippable, pop, stash
+
+__all__ = ["CapturedLayer"]
+
+_MODES = {True: "train", False: "eval"}
+
+
+class CapturedLayer(Skippable):
+    """One captured layer: runs its slice of the traced graph, popping and stashing its skips.
+
+    It holds the original modules, parameters and buffers at their original dotted paths (as
+    ``fx.GraphModule`` does), so its ``state_dict`` keys are the model's keys.
+    """
+
+    def __init__(
+        self,
+        code: fx.GraphModule,
+        main_inputs: int,
+        pops: Sequence[str],
+        stashes: Sequence[str],
+        main_outputs: int | None,
+        exported_mode: bool | None = None,
+        keywords: Sequence[str] = (),
+        output_spec: TreeSpec | None = None,
+        input_sizes: Sequence[tuple[int, ...] | None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.keywords = tuple(keywords)
+        self.input_sizes = None if input_sizes is None else tuple(input_sizes)
+        self.output_spec = output_spec
+        self._modules.update(code._modules)
+        self._parameters.update(code._parameters)
+        self._buffers.update(code._buffers)
+        self._non_persistent_buffers_set.update(code._non_persistent_buffers_set)
+        self.graph = code.graph
+        self._code: Callable[..., Any] = type(code).forward
+        self.main_inputs = main_inputs
+        self.main_outputs = main_outputs
+        self.pop_names = tuple(pops)
+        self.stash_names = tuple(stashes)
+        self.exported_mode = exported_mode
+        if exported_mode is not None:
+            self.train(exported_mode)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The model's call arguments as this (first) layer's positional inputs: the keyword
+        arguments the model was captured with, in the capture's order, after the positional ones.
+
+        Raises:
+            TypeError: a keyword argument is missing or was not part of the capture.
+            ValueError: an input's size other than the batch's differs from the sample's, which
+                the exported graph keeps (a sequence length).
+        """
+        bound = self._keywords(args, kwargs)
+        if self.input_sizes is not None:
+            self._check_sizes(bound)
+        return bound
+
+    def _keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if not kwargs and not self.keywords:
+            return args
+        missing = [name for name in self.keywords if name not in kwargs]
+        extra = [name for name in kwargs if name not in self.keywords]
+        if missing or extra:
+            raise TypeError(
+                f"the model was captured with keyword arguments {list(self.keywords)} and is called with "
+                f"{list(kwargs)}; capture it again with the arguments it is called with "
+                "(autopipe.chain(model, {name: tensor, ...}))"
+            )
+        return args + tuple(kwargs[name] for name in self.keywords)
+
+    def _check_sizes(self, inputs: tuple[Any, ...]) -> None:
+        assert self.input_sizes is not None
+        given = [tuple(t.shape[1:]) if isinstance(t, Tensor) else None for t in tree_leaves(inputs)]
+        if given != list(self.input_sizes):
+            raise ValueError(
+                f"the model was captured with torch.export on inputs of sizes {list(self.input_sizes)} "
+                f"after the batch dimension, which its graph keeps, and is called with {given}; "
+                "capture it again on a batch of these sizes (pad to one sequence length)"
+            )
+
+    def structure(self, flat: Any) -> Any:
+        """The model's own output (a ``ModelOutput``, a dict…) from this (last) layer's flat
+        outputs, joined over micro-batches; flat as it is when the capture kept no structure."""
+        if self.output_spec is None:
+            return flat
+        return tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self.output_spec)
+
+    def forward(self, *main: Any) -> Any:
+        """``main`` is the previous layer's value (a tensor or a tuple), or the model's inputs."""
+        if self.exported_mode is not None and self.training != self.exported_mode:
+            raise RuntimeError(
+                f"this layer was captured with torch.export in {_MODES[self.exported_mode]} mode, which "
+                f"the exported graph keeps; call autopipe.chain again with the model in "
+                f"{_MODES[self.training]} mode"
+            )
+        if self.pop_names or self.stash_names:
+            return self._drive(self._steps(main))
+        return self._main(self._code(self, *self._inputs(main)))
+
+    def _steps(self, main: tuple[Any, ...]) -> Any:
+        inputs = self._inputs(main)
+        for name in self.pop_names:
+            inputs.append((yield pop(name)))
+        outputs = self._code(self, *inputs)
+        if self.main_outputs is not None:
+            for name, value in zip(self.stash_names, outputs[self.main_outputs:]):
+                yield stash(name, value)
+        return self._main(outputs)
+
+    def _inputs(self, main: tuple[Any, ...]) -> list[Any]:
+        """Inputs arrive as separate arguments (the runtime's first stage) or as one tuple."""
+        if len(main) == 1 and self.main_inputs > 1:
+            return list(main[0])
+        return list(main)
+
+    def _main(self, outputs: Any) -> Any:
+        """The value handed to the next layer: one tensor or a tuple (the model's output if last)."""
+        if self.main_outputs is None:
+            return outputs
+        sent = outputs[: self.main_outputs]
+        return sent[0] if self.main_outputs == 1 else tuple(sent)
+
+    def extra_repr(self) -> str:
+        return f"pop={list(self.pop_names)}, stash={list(self.stash_names)}"

@@ -1,0 +1,257 @@
+"""Which modules become layers, and the traced forward: torch.fx, else torch.export."""
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass, field
+from collections.abc import Mapping
+from typing import Any, Callable, Literal
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
+
+from ..layers import ChainError
+
+__all__: list[str] = []
+
+Granularity = Literal["module", "finer"]
+LeafSpec = str | type[nn.Module]
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_FX_DIR = os.path.dirname(fx.__file__)
+
+
+class CaptureError(ChainError):
+    """The model's forward cannot be traced into a chain."""
+
+
+
+
+
+@dataclass
+class LeafRule:
+    """The dotted paths that become layers, and the user's extra leaves."""
+
+    model: nn.Module
+    granularity: Granularity
+    extra: tuple[LeafSpec, ...]
+    paths: set[str] = field(init=False)
+    ancestors: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("module", "finer"):
+            raise ValueError(f"granularity must be 'module' or 'finer', not {self.granularity!r}")
+        paths = self._module_level()
+        if self.granularity == "finer":
+            paths = [p for path in paths for p in self._finer(path)]
+        self.paths = set(paths)
+        self.ancestors = {path.rsplit(".", i)[0] for path in paths for i in range(1, path.count(".") + 1)}
+
+    def is_extra(self, module: nn.Module, path: str) -> bool:
+        return any(spec == path if isinstance(spec, str) else isinstance(module, spec) for spec in self.extra)
+
+    def is_leaf(self, module: nn.Module, path: str) -> bool:
+        """Layers and extra leaves are leaves; their ancestors are traced through; else fx's rule."""
+        if path in self.paths or self.is_extra(module, path):
+            return True
+        if path in self.ancestors:
+            return False
+        builtin = module.__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
+        return builtin or not any(module.children())
+
+    def _module_level(self) -> list[str]:
+        """Top-level children, those leading to a container opened down to its blocks."""
+        paths: list[str] = []
+        for name, child in self.model.named_children():
+            opened = self._leads_to_container(child) and not self.is_extra(child, name)
+            paths.extend(self._open(child, name, deep=not isinstance(child, _CONTAINERS)) if opened else [name])
+        return paths
+
+    def _leads_to_container(self, module: nn.Module) -> bool:
+        """A container, or a module holding one, directly or through modules that hold one
+        (``bert`` → ``encoder`` → ``layer``)."""
+        return isinstance(module, _CONTAINERS) or any(self._leads_to_container(c) for c in module.children())
+
+    def _open(self, module: nn.Module, prefix: str, deep: bool = False) -> list[str]:
+        """Children of ``module`` as paths, containers opened recursively; ``deep`` also opens
+        the children leading to a container, but never a container's blocks."""
+        paths: list[str] = []
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}"
+            if self.is_extra(child, path):
+                paths.append(path)
+            elif isinstance(child, _CONTAINERS):
+                paths.extend(self._open(child, path))
+            elif deep and self._leads_to_container(child):
+                paths.extend(self._open(child, path, deep=True))
+            else:
+                paths.append(path)
+        return paths
+
+    def _finer(self, path: str) -> list[str]:
+        module = self.model.get_submodule(path)
+        whole = module.__module__.startswith("torch.nn") or self.is_extra(module, path)
+        return [path] if whole or not any(module.children()) else self._open(module, path)
+
+
+
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer that remembers the innermost module whose forward failed to trace."""
+
+    def __init__(self, leaves: LeafRule) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self.leaves.is_leaf(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(m)
+            raise
+
+
+@dataclass
+class Traced:
+    """A traced forward: the module its targets resolve in (holding the model's own tensors at
+    their paths), its graph, and for each node of a layer module's call, the layer's name and
+    the call it belongs to."""
+
+    root: nn.Module
+    graph: fx.Graph
+    calls: dict[fx.Node, tuple[str, int]]
+    mode: bool | None = None  # exported graphs keep the train/eval mode of the export
+    keywords: tuple[str, ...] = ()  # exported: the keyword arguments, after the positional ones
+    output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
+    state: frozenset[str] | None = None  # exported: the model's state-dict keys
+    input_sizes: tuple[tuple[int, ...] | None, ...] | None = None  # exported: fixed non-batch sizes
+
+
+def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
+    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works.
+
+    ``fx_first=False`` exports straight away (models whose forward fx is known not to trace)."""
+    if not fx_first:
+        return _exported(model, leaves, sample_input, f"cannot capture {type(model).__name__}: torch.export failed")
+    tracer = _Tracer(leaves)
+    try:
+        return _symbolic(model, tracer)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
+        failure = _trace_failure(model, tracer.failed_in or "", error)
+        if sample_input is None:
+            raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
+        return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
+
+
+def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: str) -> Traced:
+    """:func:`_export`, its failure summed up in one :class:`CaptureError` after ``failure``."""
+    try:
+        return _export(model, leaves, sample_input)
+    except CaptureError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of the user's forward under export
+        summary = str(error).strip().splitlines()[0]
+        raise CaptureError(f"{failure}: {summary}") from error
+
+
+def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
+    """The fx graph; arguments with defaults are fixed to them (they are not micro-batched)."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(model.forward).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    fixed = [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in defaults]
+    for node in fixed:
+        _erase_with_users(graph, node)
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)})
+
+
+def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
+    """The exported graph (ATen operations on the model's own parameters and buffers), each
+    node assigned to the outermost layer module in its ``nn_module_stack``."""
+    args, kwargs = _split_sample(sample_input)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
+    root = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic).module()
+    graph = root.graph
+    for node in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
+        graph.erase_node(node)  # export's input guards: sizes are the micro-batch's, not the sample's
+    modules = dict(model.named_modules())
+    calls: dict[fx.Node, tuple[str, int]] = {}
+    run, previous = -1, None
+    for node in graph.nodes:
+        path = _layer_of(modules, leaves, node.meta.get("nn_module_stack", {}))
+        if path is not None:
+            run += path != previous
+            calls[node], previous = (path, run), path
+    sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in tree_leaves((args, kwargs)))
+    return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
+                  frozenset(model.state_dict()), sizes)
+
+
+def _batch_dynamic(value: Any) -> dict[int, Any] | None:
+    """Only the batch dimension stays dynamic: every other size is the sample's."""
+    return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) else None
+
+
+def _split_sample(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments: a mapping (``{"input_ids": ids, ...}``, a tokenizer's
+    batch) is keyword arguments, a tuple positional ones, anything else the one argument."""
+    if isinstance(sample_input, Mapping):
+        wrong = [name for name, value in sample_input.items() if not isinstance(value, torch.Tensor)]
+        if wrong:
+            raise CaptureError(
+                f"the sample's keyword arguments {wrong} are not tensors; give only the batch's tensors "
+                "(settings such as use_cache belong in the model's config)"
+            )
+        return (), dict(sample_input)
+    return (sample_input if isinstance(sample_input, tuple) else (sample_input,)), {}
+
+
+def _layer_of(modules: dict[str, nn.Module], leaves: LeafRule, stack: dict[str, tuple[str, Any]]) -> str | None:
+    for path, _ in stack.values():
+        if path in leaves.paths or path in modules and leaves.is_extra(modules[path], path):
+            return path
+    return None
+
+
+def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
+    """Remove a fixed argument's placeholder with the checks fx made that it keeps its value."""
+    for user in list(node.users):
+        _erase_with_users(graph, user)
+    graph.erase_node(node)
+
+
+def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
+    module = model.get_submodule(path)
+    where = f"module '{path}' ({type(module).__name__})" if path else f"{type(model).__name__}.forward"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_FX_DIR)]
+    forwards = [f for f in frames if f.name == "forward"] or frames
+    line = forwards[-1] if forwards else None
+    operation = f" at {line.filename}:{line.lineno} `{(line.line or '').strip()}`" if line else ""
+    if path:
+        way_out = (
+            f"keep it whole as one layer with autopipe.chain(model, leaf_modules=['{path}']) "
+            f"(or leaf_modules=[{type(module).__name__}]), or wrap the model's layers in an nn.Sequential"
+        )
+    else:
+        way_out = (
+            "move the data-dependent part into a submodule and pass it as "
+            "autopipe.chain(model, leaf_modules=[...]), or wrap the model's layers in an nn.Sequential"
+        )
+    return (
+        f"cannot capture {type(model).__name__}: torch.fx cannot trace {where}{operation}: "
+        f"{type(error).__name__}: {error}. Way out: {way_out}"
+    )
+
+

@@ -1,0 +1,41 @@
+"""Models and plans shared by the distributed tests and their worker processes (same seed, same weights)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from autopipe.model import layer_chain
+from autopipe.model.fingerprint import model_fingerprint
+from autopipe.planning.plans import Plan, Prediction, StagePlan
+
+BATCH = 8
+
+
+class Double(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+def inplace_model() -> nn.Sequential:
+    """Balance [3, 3]: the second stage starts with in-place ops on what it receives."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16),
+                         Double(), nn.ReLU(inplace=True), nn.Linear(16, 4))
+
+
+def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator)
+
+
+def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, checkpoint: str = "never") -> Plan:
+    """A plan as the planner would write it; the predicted costs do not matter to the engine."""
+    layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
+    zeros = {f.name: 0 for f in dataclasses.fields(StagePlan)}
+    stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
+                                   "last_layer": layers[b - 1].name})
+              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, checkpoint, schedule, stages,
+                Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))

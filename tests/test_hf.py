@@ -1,0 +1,235 @@
+"""Hugging Face transformers models captured into their blocks, planned and run as pipelines.
+
+Tiny configs with random weights (nothing is downloaded).  Every pipeline is compared with the
+plain model in eval mode: outputs and every parameter's gradient.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.model.capture import CaptureError
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, VOCAB = 4, 8, 100
+
+
+def _gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16))
+
+
+def _llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16))
+
+
+def _bert() -> nn.Module:
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, num_labels=3))
+
+
+def _t5() -> nn.Module:
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=VOCAB,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+def _tokens(generator: torch.Generator) -> Tensor:
+    return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def _lm_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    ids = _tokens(generator)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # a padded sample: the mask must reach every attention
+    return {"input_ids": ids, "attention_mask": mask, "labels": _tokens(generator)}
+
+
+def _classification_batch(generator: torch.Generator) -> dict[str, Tensor]:
+    batch = _lm_batch(generator)
+    batch["labels"] = torch.randint(0, 3, (BATCH,), generator=generator)
+    return batch
+
+
+#: name → (model factory, batch factory, the block layers the chain must have)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], dict[str, Tensor]], list[str]]] = {
+    "gpt2": (_gpt2, _lm_batch, ["transformer.h.0", "transformer.h.1"]),
+    "bert": (_bert, _classification_batch, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+    "llama": (_llama, _lm_batch, ["model.layers.0", "model.layers.1"]),
+    "t5": (_t5, _lm_batch, ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]),
+}
+
+
+#: T5's export (encoder and decoder) takes several seconds more than the others
+NAMES = [pytest.param(name, marks=pytest.mark.slow) if name == "t5" else name for name in MODELS]
+
+
+def _setup(name: str) -> tuple[nn.Module, dict[str, Tensor], list[autopipe.Layer]]:
+    factory, batch, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    sample = batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, sample)
+    return model, sample, layers
+
+
+def _output_and_grads(run: Callable[..., Any], model: nn.Module, batch: dict[str, Tensor]) -> tuple[Any, dict]:
+    model.zero_grad(set_to_none=True)
+    out = run(**batch)
+    (out.loss + out.logits.square().mean()).backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(want: Tensor, have: Tensor, what: str) -> None:
+    """Relative error within 1e-4 of the reference's largest magnitude, with a floor for
+    values that are mathematically zero (float sums over micro-batches reorder additions)."""
+    scale = max(want.abs().max().item(), 1e-6)
+    error = (want - have).abs().max().item()
+    assert error <= 1e-4 * scale, f"{what}: max error {error:.3g} against scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chain_reaches_every_block(name: str) -> None:
+    _, _, blocks = MODELS[name]
+    model, sample, layers = _setup(name)
+    names = [layer.name for layer in layers]
+    assert all(block in names for block in blocks), names
+    assert sum(p.numel() for layer in layers for p in layer.module.parameters()) >= sum(
+        p.numel() for p in model.parameters())  # every parameter is in some layer (tied ones in two)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pipeline_state_dict_is_the_models(name: str) -> None:
+    """Same keys (tied weights and export's lifted constants included), loadable both ways."""
+    model, _, layers = _setup(name)
+    pipe = autopipe.Pipeline(layers, balance=[2, len(layers) - 2], devices=["cpu", "cpu"])
+    assert pipe.state_dict().keys() == model.state_dict().keys()
+    model.load_state_dict(pipe.state_dict())
+    pipe.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pipeline_equals_model(name: str, stages: int) -> None:
+    model, sample, layers = _setup(name)
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+    count = len(layers)
+    cuts = [round(count * s / stages) for s in range(stages + 1)]
+    balance = [b - a for a, b in zip(cuts, cuts[1:])]
+    # chunks=3 splits the 4 samples 2, 1, 1: the loss is joined as a size-weighted mean
+    pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * stages, chunks=stages).eval()
+    stage_of = {layer.name: stage.index for stage in pipe.stages for layer in stage.layers}
+    if name == "gpt2":  # the tied embedding and output weight on two stages: gradients must add up
+        assert stage_of["transformer.wte"] != stage_of["lm_head"]
+    have, have_grads = _output_and_grads(pipe, model, sample)
+    assert type(have) is type(want)
+    assert have.keys() == want.keys()
+    for key in want.keys():
+        _assert_close(want[key], have[key], key)
+    assert have_grads.keys() == want_grads.keys()
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()
+
+
+@pytest.mark.slow
+def test_plan_from_measured_profile_runs() -> None:
+    """partition() profiles the captured GPT-2 on its keyword batch (in train mode, as profiles
+    are measured; dropout 0 so that runs compare), plans it on two devices and the planned
+    pipeline gives the model's loss and gradients."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopipe.partition(model, sample, devices=["cpu", "cpu"], chunks=2)
+    assert pipe.plan is not None
+    have, have_grads = _output_and_grads(pipe, model, sample)
+    _assert_close(want.loss, have.loss, "loss")
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()
+
+
+def test_caches_off_while_capturing_and_restored() -> None:
+    model = _t5()  # the decoder keeps its own copy of the config
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    before = [config.use_cache for config in configs]
+    assert len(configs) > 2 and before.count(True) >= 2  # the model's and the decoder's
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        layers = autopipe.chain(model, _lm_batch(torch.Generator().manual_seed(1)))
+    assert [config.use_cache for config in configs] == before
+    assert layers
+
+
+def test_keyword_arguments_must_match_the_capture() -> None:
+    model, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 3, 3], devices=["cpu", "cpu"])
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
+    with pytest.raises(TypeError, match=r"captured with keyword arguments \['input_ids', 'attention_mask', 'labels'\]"):
+        pipe(**without_labels)
+    with pytest.raises(TypeError, match="captured with keyword arguments"):
+        pipe(**sample, token_type_ids=sample["input_ids"])
+    pipe.close()
+
+
+def test_labels_give_the_models_own_loss() -> None:
+    """Without labels there is no loss; with them it is the model's (the causal shift included)."""
+    model, sample, _ = _setup("gpt2")
+    without_labels = {k: v for k, v in sample.items() if k != "labels"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, without_labels)
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"], chunks=2).eval()
+    with torch.no_grad():
+        out = pipe(**without_labels)
+        assert out.loss is None
+        _assert_close(model(**without_labels, use_cache=False).logits, out.logits, "logits")
+    pipe.close()
+
+
+def test_a_transformers_model_needs_a_sample_batch() -> None:
+    with pytest.raises(CaptureError, match=r"give one, e.g. autopipe.chain\(model, \{'input_ids'"):
+        autopipe.chain(_gpt2())
+
+
+def test_another_sequence_length_is_refused() -> None:
+    """The exported graph keeps the sample's sequence length: a call with another is an error,
+    never a silently reshaped run."""
+    _, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"])
+    longer = {name: torch.cat([value, value], dim=1) for name, value in sample.items()}
+    with pytest.raises(ValueError, match=r"captured with torch.export on inputs of sizes \[\(8,\), \(8,\), \(8,\)\]"):
+        pipe(**longer)
+    pipe.close()
+
+
+def test_profile_takes_a_keyword_sample() -> None:
+    """autopipe.profile reads a mapping sample as the captured first layer's keyword arguments
+    (the model in train mode, as profiles are measured)."""
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = autopipe.chain(model, sample)
+    measured = autopipe.profile(layers, sample, devices=["cpu"], batch_sizes=[2, 4], warmup=0, repeats=1,
+                                copy_sizes=[1024], quiet=True)
+    assert measured.batch_size == BATCH and [layer.name for layer in measured.layers] == [
+        layer.name for layer in layers]
+    assert measured.input_bytes == sum(t.element_size() * t.numel() for t in sample.values()) // BATCH
