@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from .._jsonio import Fields, read_json, write_json_atomic
+from .schedules import SCHEDULES
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
 PLAN_SCHEMA_VERSION = 1
 CHECKPOINT_MODES = ("never", "except_last", "always")
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def placement(stages: int, interleave: int) -> list[int]:
