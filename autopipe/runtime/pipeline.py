@@ -15,7 +15,7 @@ values are the model's own, so checkpoints load both ways.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,10 +26,11 @@ from ..model.fingerprint import first_difference, model_fingerprint
 from ..model import Layer, layer_chain
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
+from ..planning.schedules import SCHEDULES
 from ..timeline import Event
 from .function import PipelineTie
-from .run import Run
-from .schedule import FillDrain
+from .run import Loss, Run
+from .schedule import Phase, actions
 from .skips import skip_routes
 from .stage import Stage
 from .turns import Turns
@@ -45,29 +46,29 @@ class Engine:
     the engine, so a dropped pipeline is collected, and its collection closes the workers.
     """
 
-    def __init__(self, stages: list[Stage]) -> None:
+    def __init__(self, stages: list[Stage], schedule: str) -> None:
         self.stages = stages
-        self.schedule = FillDrain()
+        self.schedule = schedule
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
         self.closed = False
 
-    def run_phase(self, run: Run, phase: str) -> None:
-        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
-        first stage failure once every stage has stopped."""
+    def run_phase(self, run: Run, phase: Phase) -> None:
+        """Run ``phase`` of ``run`` on every stage; re-raises the first stage failure once every
+        stage has stopped."""
         self.start_phase(run, phase)
         self.finish_phase(run, phase)
 
-    def start_phase(self, run: Run, phase: str) -> None:
+    def start_phase(self, run: Run, phase: Phase) -> None:
         if self.closed:
             raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
-            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
+            worker.submit(run, actions(self.schedule, phase, stage.index, len(self.stages), run.chunks))
 
-    def finish_phase(self, run: Run, phase: str) -> None:
+    def finish_phase(self, run: Run, phase: Phase) -> None:
         run.wait_phase()
-        if phase == "backward" or not run.grad_enabled:
+        if phase != "forward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
 
     def close(self) -> None:
@@ -83,8 +84,9 @@ class Pipeline(nn.Module):
     Give a :class:`~autopipe.Plan` (its fingerprint must match the model) or the manual form:
     ``balance`` (layers per stage), ``devices`` (one per device, default ``"cpu"`` each),
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
-    ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
-    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
+    ``"except_last"`` or ``"always"``), ``interleave`` (stages per device: stage ``s`` runs
+    on ``devices[s % len(devices)]``; default 1, one stage per device) and ``schedule``
+    (``"gpipe"``, fill-drain, or ``"1f1b"``: :mod:`autopipe.planning.schedules`).  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
@@ -102,6 +104,10 @@ class Pipeline(nn.Module):
       :class:`~autopipe.runtime.StageError` naming the stage, phase and micro-batch (the
       original as ``__cause__``) once every stage has stopped; the workers live on, so the
       pipeline stays usable.
+    * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
+      last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
+      (its backwards start before the last forward), and equivalent to
+      ``f(pipe(*args), y).backward()`` for a ``"gpipe"`` one.
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
@@ -123,22 +129,23 @@ class Pipeline(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         interleave: int = 1,
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__()
         layers = layer_chain(model)
         if plan is not None:
-            balance, devices, chunks, checkpoint, interleave = _from_plan(plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave, schedule = _from_plan(plan, layers, balance, devices)
         if balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
-        _check(layers, list(balance), chunks, checkpoint, interleave)
+        _check(layers, list(balance), chunks, checkpoint, interleave, schedule)
         resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (len(balance) // interleave))
         _check_devices(resolved, len(balance), interleave)
         if deferred_batch_norm:
             layers = [_deferred(layer) for layer in layers]
-        self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
+        self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self._register_state(layers)
-        self._engine = Engine(_build_stages(layers, self.balance, resolved))
+        self._engine = Engine(_build_stages(layers, self.balance, resolved), schedule)
         self._dummy = torch.ones((), requires_grad=True)
         weakref.finalize(self, self._engine.close)
 
@@ -148,11 +155,50 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         grad = torch.is_grad_enabled()
+        if grad and self.schedule != "gpipe":
+            raise RuntimeError(
+                f"a '{self.schedule}' pipeline interleaves forwards and backwards, so it needs the loss "
+                "inside: train with pipe.train_step(*inputs, target=..., loss_fn=...); call pipe(x) "
+                "under torch.no_grad() for inference"
+            )
         run = self._new_run(scatter(args, self.chunks), grad)
         if not grad:
             self._engine.run_phase(run, "forward")
             return gather([run.outputs.pop(j) for j in range(run.chunks)])
         return PipelineTie.apply(self._engine, run, self._dummy, *tensors_of(args))
+
+    def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """One training iteration under the pipeline's schedule, the loss on the last stage.
+
+        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args), target)``
+        for a ``loss_fn`` that is a mean over samples: micro-batch ``j`` of ``n_j`` samples
+        (of ``N``) contributes ``loss_fn(out_j, target_j) · n_j / N``.  ``target`` (a tensor or a
+        tuple of tensors) is split along dim 0 like the inputs.  Parameters get gradients; the
+        inputs do not (use ``pipe(x)`` with a gpipe pipeline for input gradients).
+
+        Args:
+            args: the model's inputs, as for ``pipe(*args)``.
+            target: what ``loss_fn`` compares the output with, one row per sample.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+
+        Returns:
+            The batch's loss (detached, on the last stage's device).
+
+        Raises:
+            StageError: a stage (or ``loss_fn``, on the last stage) failed.
+            ValueError: ``target`` does not have the inputs' batch size.
+        """
+        micro_batches = scatter(args, self.chunks)
+        targets = [parts[0] for parts in scatter((target,), self.chunks)]
+        sizes = [len(tensors_of(mb)[0]) for mb in micro_batches]
+        if [len(tensors_of(t)[0]) for t in targets] != sizes:
+            raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
+                             f"{sum(sizes)}; give one target row per sample")
+        run = self._new_run(micro_batches, True)
+        run.loss = Loss(loss_fn, targets, [n / sum(sizes) for n in sizes])
+        self._engine.run_phase(run, "train")
+        losses = [run.outputs.pop(j) for j in range(run.chunks)]
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -219,21 +265,18 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, str, int]:
+               devices: object) -> tuple[list[int], list[str], int, str, int, str]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
     difference = first_difference(plan.model, model_fingerprint(layers))
     if difference is not None:
         raise ValueError(f"the plan was made for another model: {difference}; plan this model again")
-    if plan.schedule != "gpipe":
-        raise ValueError(
-            f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
-            "because its caller computes the loss after the forward; plan with schedule='gpipe'"
-        )
-    return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
+    return (plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave,
+            plan.schedule)
 
 
-def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int) -> None:
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int,
+           schedule: str) -> None:
     if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
         raise ValueError(
             f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
@@ -245,6 +288,8 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
 
 
 def _check_devices(devices: list[torch.device], stages: int, interleave: int) -> None:

@@ -4,11 +4,13 @@ An interleaved pipeline puts several stages on one device, each with its own wor
 (each must drive its own backward).  Those threads must not compute at once: on a CPU
 "device" that would be two threads on one core, on CUDA two streams sharing one GPU, and
 either way the device would not be running the schedule that was planned.  So each compute
-task takes the device's turn first; when the device falls free, the waiting task furthest
-along its phase's chain goes next — the rule :mod:`autopipe.planning.simulate` predicts with::
+task takes the device's turn first; when the device falls free, the waiting task of least
+:func:`~autopipe.planning.schedules.priority` goes next — the rule :mod:`autopipe.planning.simulate`
+predicts with::
 
     forward  (stage 0 → 3):  later stage first  (a micro-batch reaches the end sooner)
     backward (stage 3 → 0):  earlier stage first
+    forwards before backwards (1F1B puts both on a device at once)
 
 A stage that fails still gives its turn back (``finally``), so no other stage waits forever.
 """
@@ -18,6 +20,8 @@ import contextlib
 import heapq
 import threading
 from typing import Iterator
+
+from ..planning.schedules import priority
 
 __all__ = ["Turns", "priority"]
 
@@ -45,8 +49,3 @@ class Turns:
             with self._changed:
                 self._busy = False
                 self._changed.notify_all()
-
-
-def priority(stage: int, kind: str) -> int:
-    """Rank of a stage's task (``"F"`` or ``"B"``): the further along its phase, the less."""
-    return -stage if kind == "F" else stage
