@@ -16,7 +16,7 @@ from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
 from .runtime import Pipeline
 from .planning.simulate import Simulation, simulate_plan
-from .planning.solver import build_plan
+from .planning import build_plan
 from .timeline import Event
 
 __all__ = [

@@ -252,7 +252,7 @@ def test_completions_bound_every_way_to_finish(seed):
     """For every split and every cut in it, what the grid says the rest costs at least, added to
     the plan so far, is no more than the split's time; and its plans are splits."""
     from autopipe.planning.completion import Completions
-    from autopipe.planning.search import Candidate
+    from autopipe.planning.candidates import Candidate
 
     rng = random.Random(seed)
     for _ in range(12):
@@ -272,7 +272,7 @@ def test_completions_bound_every_way_to_finish(seed):
                 x, peak, _, total = label_after(evaluation.stages[:done], chunks, mode)
                 cut = bounds[done]
                 least = (total + candidate.copy_forward[done - 1, cut]
-                         + grid.bound(done, np.array([cut]), np.array([x]), np.array([peak]))[0])
+                         + grid.lower_bound(done, np.array([cut]), np.array([x]), np.array([peak]))[0])
                 assert least <= evaluation.iteration_ms * (1 + 1e-12)
         assert grid.least() <= min(times) * (1 + 1e-12)
         for bounds in grid.plans(2):
@@ -280,7 +280,7 @@ def test_completions_bound_every_way_to_finish(seed):
 
 
 def test_cut_costs_are_the_copies_between_neighbouring_devices():
-    from autopipe.planning.search import _cut_costs
+    from autopipe.planning.candidates import _cut_costs
 
     profile = make_profile([1.0] * 6, sizes=(1, 2), devices=3, output_bytes=[5, 0, 3, 9, 1, 0],
                            copies={(0, 1): (1.0, 0.1), (1, 0): (2.0, 0.2), (1, 2): (0.5, 0.3), (2, 1): (3.0, 0.1),

@@ -20,7 +20,7 @@ import numpy as np
 from .cost import CostModel
 from .plans import Plan
 from ..profiling.profiles import Profile
-from .search import greedy_split, least_largest
+from .candidates import greedy_split, least_largest
 
 __all__ = ["Baseline", "compare", "format_comparison", "min_max_split", "equal_split"]
 
@@ -74,7 +74,7 @@ def equal_split(layers: int, parts: int) -> list[int]:
 def min_max_split(weights: Sequence[float], parts: int) -> list[int]:
     """Bounds of exactly ``parts`` non-empty contiguous stages minimising the largest stage sum.
 
-    The solver's min-max bisection (:func:`~autopipe.planning.search.least_largest`, to float precision)
+    The solver's min-max bisection (:func:`~autopipe.planning.candidates.least_largest`, to float precision)
     with each stage taking as many layers as fit; stages are then split to use every part.
     """
     prefix = np.concatenate(([0.0], np.cumsum(np.asarray(weights, dtype=float))))

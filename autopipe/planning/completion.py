@@ -21,14 +21,10 @@ around a known plan.  Walking the DP's minima from the first layer gives a plan 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .search import reach
-
-if TYPE_CHECKING:
-    from .search import Candidate
+from .candidates import Candidate, reach
 
 __all__ = ["Completions"]
 
@@ -48,7 +44,7 @@ _FAR = 1.2
 
 
 class Completions:
-    """The DP of the module docstring for one :class:`~autopipe.planning.search.Candidate` on a grid
+    """The DP of the module docstring for one :class:`~autopipe.planning.candidates.Candidate` on a grid
     of caps ``xs × ys`` (increasing, the last possibly ``inf``)."""
 
     def __init__(self, candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:
@@ -115,9 +111,9 @@ class Completions:
 
     def least(self) -> float:
         """A lower bound on the time of every plan within the largest caps."""
-        return float(np.min(self.bound(0, np.zeros(1, dtype=int), np.zeros(1), np.zeros(1))))
+        return float(np.min(self.lower_bound(0, np.zeros(1, dtype=int), np.zeros(1), np.zeros(1))))
 
-    def bound(self, device: int, starts: np.ndarray, x: np.ndarray, peak: np.ndarray) -> np.ndarray:
+    def lower_bound(self, device: int, starts: np.ndarray, x: np.ndarray, peak: np.ndarray) -> np.ndarray:
         """The least over cells of the module docstring's completion time (without ``S`` and
         the copy into ``starts``), for partial plans whose next stage runs on ``device``.  With
         ``a`` the x-levels whose lower cap is at most ``X`` (so ``max(X, x⁻) = X`` in their

@@ -35,7 +35,7 @@ import numpy as np
 
 from .cost import CostModel, recomputations
 from .plans import placement
-from .search import Choice
+from .candidates import Choice
 from .simulate import simulate
 
 __all__ = ["BUDGET", "split_count", "search", "time_of"]

@@ -20,7 +20,7 @@ what the later lanes reach anyway, and ``M`` too unless ``except_last``
 (:meth:`Search._raise`): no final time changes, more labels become comparable.
 
 Labels are also cut by a lower bound against the best plan found so far (branch and bound): a
-cheap one from averages (:meth:`Search._bound`), then the grid of lane caps of
+cheap one from averages (:meth:`Search._lower_bound`), then the grid of lane caps of
 :class:`~autopipe.planning.completion.Completions`, which sees that cheap cuts unbalance the lanes; and a
 stage whose lanes alone would rule out beating the bound (:meth:`Search._caps`) or that
 overflows its device's memory is never formed.  Each stage is a few numpy operations over flat
@@ -38,17 +38,17 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 
-from .cost import CostModel, SizeCosts
+from ._arrays import Columns, largest_after, pairs, prefix_argmin, ragged_arange, states, uniform
+from .candidates import Candidate, Choice, reach
+from .completion import Completions
+from .cost import CostModel
 
-if TYPE_CHECKING:
-    from .completion import Completions
-
-__all__ = ["Choice", "Candidate", "Search", "least_largest", "greedy_split", "reach"]
+__all__ = ["Search"]
 
 # Key: ((skip index, producer, consumer), ...).
 _Key = tuple
@@ -57,82 +57,7 @@ _PAIRS = 2_000_000
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
-    stages per device (:mod:`autopipe.planning.interleaved`)."""
-
-    bounds: tuple[int, ...]
-    chunks: int
-    mode: str
-    iteration_ms: float
-    interleave: int = 1
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A ``(chunks, mode)`` pair and what does not depend on the split: the prefix sums of its
-    forward lane (``costs.forward``) and backward lane with recomputation (``back``); row ``d``
-    of ``copy_forward`` and ``copy_back``: the copy of a cut at each position from device ``d``
-    to ``d + 1`` (its main input) and back (that input's gradient), 0 at both ends; the least
-    possible largest forward and backward compute lanes (``floors``); their weights ``(m-1, w)``
-    in the time; all work at the top speed; and a lower bound on its time."""
-
-    bound: float
-    chunks: int
-    mode: str
-    effective: str
-    costs: SizeCosts
-    back: np.ndarray
-    copy_forward: np.ndarray
-    copy_back: np.ndarray
-    floors: tuple[float, float]
-    weights: tuple[int, int]
-    work: float
-
-    @staticmethod
-    def of(model: CostModel, chunks: int, mode: str, devices: int) -> "Candidate":
-        """``bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the
-        top speed of the first ``k`` devices, the ``k - 1`` cheapest cuts, and
-        ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
-        speed (``M`` likewise), where ``X*``, ``M*`` are the floors (copies only add lanes) and
-        ``w`` is ``m-1``, or ``m-2`` with ``except_last`` (``V ≥ (m-2)·M``)."""
-        costs = model.at(model.micro_batch_size(chunks))
-        effective = "never" if mode == "except_last" and chunks == 1 else mode
-        back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
-        speeds = model.speeds[:devices]
-        floors = least_largest(costs.forward, speeds, 1e-3)[0], least_largest(back, speeds, 1e-3)[0]
-        weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
-        copy_forward, copy_back = _cut_costs(model, costs, devices)
-        count = np.arange(1, min(devices, model.layers) + 1)
-        spread, top = np.cumsum(speeds)[count - 1], np.maximum.accumulate(speeds)[count - 1]
-        cut = np.min(copy_forward[:-1] + copy_back[:-1], axis=0, initial=math.inf)
-        cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
-        total = float(costs.forward[-1] + back[-1])
-        bound = float(np.min(total / top + cheapest[count - 1]
-                             + weights[0] * np.maximum(floors[0], costs.forward[-1] / spread)
-                             + weights[1] * np.maximum(floors[1], back[-1] / spread)))
-        return Candidate(bound, chunks, mode, effective, costs, back, copy_forward, copy_back, floors, weights,
-                         total / float(np.max(speeds)))
-
-    def caps(self, best: float, least_sum: float) -> tuple[float, float]:
-        """Largest forward and backward lane a plan better than ``best`` can have when its lane
-        sum is at least ``least_sum``: ``best > S + (m-1)·X + w·M`` with each maximum at least
-        its floor."""
-        spare = best - least_sum
-        (weight_x, weight_m), (floor_x, floor_m) = self.weights, self.floors
-        return ((spare - weight_m * floor_m) / weight_x if weight_x > 0 else math.inf,
-                (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
-
-
-class _Columns:
-    """Parallel arrays of a dataclass, one row per item: :meth:`take` keeps the same rows of each."""
-
-    def take(self, index: np.ndarray) -> Any:
-        return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class _Labels(_Columns):
+class _Labels(Columns):
     """The labels after some stage as parallel arrays, sorted by state ``(start, key)``: where
     the next stage starts, the key's index in :attr:`Search.keys`, forward lane maximum ``X``,
     backward lane maximum ``M``, ``V``, lane sum ``S`` and the label's index in this stage's
@@ -148,7 +73,7 @@ class _Labels(_Columns):
 
 
 @dataclass(frozen=True)
-class _Moves(_Columns):
+class _Moves(Columns):
     """Stages that may follow the labels of a state (``state``: its index among the states),
     sorted by state: their stop, lanes and the key after them."""
 
@@ -179,14 +104,14 @@ class Search:
         self.bounds: tuple[int, ...] | None = None
         self.devices = len(limits)
         self.keyed = (bool(model.chain.skips) and not model.relayed
-                      and not _uniform(model.latency, model.per_byte))
+                      and not uniform(model.latency, model.per_byte))
         self.keys: list[_Key] = [()]
         self.key_index: dict[_Key, int] = {(): 0}
         speeds = model.speeds[: self.devices]
         self.rest_forward = self.costs.forward[-1] - self.costs.forward
         self.rest_back = candidate.back[-1] - candidate.back
-        self.layer_forward = _largest_after(np.diff(self.costs.forward))
-        self.layer_back = _largest_after(np.diff(candidate.back))
+        self.layer_forward = largest_after(np.diff(self.costs.forward))
+        self.layer_back = largest_after(np.diff(candidate.back))
         self.speed_after = np.concatenate((np.cumsum(speeds[::-1])[::-1], [0.0]))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
@@ -206,9 +131,9 @@ class Search:
     def _step(self, stage: int, labels: _Labels) -> _Labels:
         """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
         record a finished plan that beats ``best``, return the labels that can still beat it."""
-        state, first = _states(labels.start, labels.key)
+        state, first = states(labels.start, labels.key)
         moves = self._moves(stage, labels.start[first], labels.key[first])
-        label, move = _pairs(state, moves.state, len(first))
+        label, move = pairs(state, moves.state, len(first))
         lanes = moves.take(move)
         x, peak, v, total = self._grow(labels, label, lanes)
         parent = labels.ref[label]
@@ -219,7 +144,7 @@ class Search:
         stops = lanes.stop[going]
         x, peak, v = self._raise(stage, stops, x[going], peak[going], v[going])
         grown = _Labels(stops, lanes.key[going], x, peak, v, total[going], parent[going])
-        return self._settle(stage, grown.take(np.flatnonzero(self._bound(stage, grown) < self.best)))
+        return self._settle(stage, grown.take(np.flatnonzero(self._lower_bound(stage, grown) < self.best)))
 
     def _caps(self) -> tuple[float, float]:
         """:meth:`Candidate.caps` with the least lane sum of any plan within the caps the
@@ -264,7 +189,7 @@ class Search:
                           reach(self.candidate.back, starts, backward_cap * speed))
         counts = np.maximum(last - starts, 0)
         state = np.repeat(np.arange(len(starts)), counts)
-        return state, starts[state] + 1 + _ragged_arange(counts)
+        return state, starts[state] + 1 + ragged_arange(counts)
 
     def _add_skips(self, stage: int, start: np.ndarray, stops: np.ndarray, copy_in: np.ndarray,
                    copy_grad: np.ndarray) -> None:
@@ -381,7 +306,7 @@ class Search:
         peak = np.maximum(peak, back)
         return x, peak, np.maximum(v, (self.m - 1) * peak)
 
-    def _bound(self, stage: int, labels: _Labels) -> np.ndarray:
+    def _lower_bound(self, stage: int, labels: _Labels) -> np.ndarray:
         """A cheap lower bound on the final time: the work left at the top speed of the devices
         left and the next stage's input copy add to the sum; each lane maximum is at least its
         :meth:`_floors`."""
@@ -400,7 +325,7 @@ class Search:
         labels = labels.take(np.lexsort((labels.total, corner, labels.start * len(self.keys) + labels.key)))
         labels = labels.take(np.flatnonzero(~_led(labels, self.m)))
         least = (labels.total + self.candidate.copy_forward[stage, labels.start]
-                 + self.completions.bound(stage + 1, labels.start, labels.x, labels.peak))
+                 + self.completions.lower_bound(stage + 1, labels.start, labels.x, labels.peak))
         labels = labels.take(np.flatnonzero(least < self.best))
         labels = labels.take(np.flatnonzero(~_dominated(labels, self.m)))
         self.trace.append((labels.start, labels.ref))
@@ -416,89 +341,6 @@ class Search:
         return (0, *reversed(stops))
 
 
-def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> tuple[float, float]:
-    """The least ``max_s work_s / v_s`` over contiguous splits of the layers (prefix sums
-    ``prefix``) onto the devices in order, a device taking no layer allowed, as ``(low, high)``
-    with ``low`` at most the optimum, the cap ``high`` feasible for :func:`greedy_split` and
-    ``high - low`` within ``tolerance · high``.  Bisection on the cap, 255 caps at a time, from
-    the average to the average plus a largest layer per device (every device then takes at
-    least its share less one layer)."""
-    total, spread = float(prefix[-1]), float(np.sum(speeds))
-    largest = float(np.max(np.diff(prefix), initial=0.0))
-    low = max(total / spread, largest / float(np.max(speeds)))
-    high = (total + len(speeds) * largest) / spread * (1 + 1e-9)
-    while high - low > tolerance * high:
-        caps = np.linspace(low, high, 257)[1:-1]
-        feasible = _greedy(prefix, speeds, caps)[-1] == len(prefix) - 1
-        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
-        low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
-    return low, high
-
-
-def greedy_split(prefix: np.ndarray, speeds: np.ndarray, cap: float) -> list[int]:
-    """The stage end on each device when each in turn takes the most layers whose work fits
-    ``cap · speed``."""
-    return _greedy(prefix, speeds, np.array([cap]))[1:, 0].tolist()
-
-
-def _greedy(prefix: np.ndarray, speeds: np.ndarray, caps: np.ndarray) -> np.ndarray:
-    """Stage ends (a row per device after a row of zeros, a column per cap) when each device in
-    turn takes the most layers whose work fits ``cap · speed``."""
-    ends = [np.zeros(len(caps), dtype=int)]
-    for speed in speeds:
-        ends.append(np.searchsorted(prefix, prefix[ends[-1]] + caps * speed, side="right") - 1)
-    return np.array(ends)
-
-
-def _cut_costs(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row ``d``: the copy of the main input at each position ``c`` (0 … L) from device ``d``
-    to ``d + 1``, and of its gradient back; 0 at both ends, which are no cuts, and on the last
-    device, after which there is none."""
-    nbytes = np.append(costs.input_bytes, 0.0)
-    nbytes[0] = 0.0
-    rows = np.arange(devices - 1)[:, None]
-    forward, back = (np.where(nbytes > 0, model.latency[src, dst] + nbytes * model.per_byte[src, dst], 0.0)
-                     for src, dst in ((rows, rows + 1), (rows + 1, rows)))
-    last = np.zeros((1, len(nbytes)))
-    return np.concatenate((forward, last)), np.concatenate((back, last))
-
-
-def _largest_after(values: np.ndarray) -> np.ndarray:
-    """The largest value at or after each position, and 0 past the end."""
-    return np.concatenate((np.maximum.accumulate(values[::-1])[::-1], [0.0]))
-
-
-def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:
-    """The last stop after each start whose work ``prefix[stop] - prefix[start]`` is within
-    ``budget`` (broadcast against ``starts``), with slack for rounding: never short of it."""
-    limit = (prefix[starts] + np.maximum(budget, 0.0)) * (1 + 1e-9)
-    return np.where(np.asarray(budget) < 0, starts, np.searchsorted(prefix, limit, side="right") - 1)
-
-
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
-    """``0 … counts[0]-1, 0 … counts[1]-1, …`` in one array."""
-    ends = np.cumsum(counts)
-    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - counts, counts)
-
-
-def _states(starts: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For arrays sorted by ``(start, key)``: each entry's state index and each state's first entry."""
-    change = np.flatnonzero((starts[1:] != starts[:-1]) | (keys[1:] != keys[:-1])) + 1
-    first = np.concatenate(([0], change)) if len(starts) else change
-    state = np.zeros(len(starts), dtype=int)
-    state[change] = 1
-    return np.cumsum(state), first
-
-
-def _pairs(label_state: np.ndarray, move_state: np.ndarray, states: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every ``(label, move)`` of the same state, as two index arrays (moves sorted by state)."""
-    counts = np.bincount(move_state, minlength=states)
-    repeat = counts[label_state]
-    label = np.repeat(np.arange(len(label_state)), repeat)
-    move = np.repeat((np.cumsum(counts) - counts)[label_state], repeat) + _ragged_arange(repeat)
-    return label, move
-
-
 def _beats(labels: _Labels, a: np.ndarray, b: np.ndarray, chunks: int) -> np.ndarray:
     """Whether label ``a[i]`` dominates label ``b[i]`` by the module docstring's rule."""
     return (labels.total[a] + (chunks - 1) * np.maximum(labels.x[a] - labels.x[b], 0)
@@ -509,10 +351,10 @@ def _beats(labels: _Labels, a: np.ndarray, b: np.ndarray, chunks: int) -> np.nda
 def _led(labels: _Labels, chunks: int) -> np.ndarray:
     """Which labels the first of their state or the earlier one of least sum dominates: most
     of :func:`_dominated`'s, in a few passes."""
-    state = _states(labels.start, labels.key)[0]
+    state = states(labels.start, labels.key)[0]
     later = np.flatnonzero(state[1:] == state[:-1]) + 1
     first = np.searchsorted(state, state, side="left")
-    cheapest = _prefix_argmin(labels.total, state)
+    cheapest = prefix_argmin(labels.total, state)
     led = np.zeros(len(state), dtype=bool)
     for leader in (first[later], cheapest[later - 1]):
         led[later] |= _beats(labels, leader, later, chunks)
@@ -524,7 +366,7 @@ def _dominated(labels: _Labels, chunks: int) -> np.ndarray:
     :data:`_PAIRS` at a time.  Sorted within a state by the time if nothing followed, then the
     sum: a dominating label has neither larger, so one after ``b`` that dominates it equals it
     (and the copy before ``b`` dominates it too)."""
-    state = _states(labels.start, labels.key)[0]
+    state = states(labels.start, labels.key)[0]
     count = len(state)
     first = np.searchsorted(state, state, side="left")
     earlier = np.arange(count) - first
@@ -534,25 +376,7 @@ def _dominated(labels: _Labels, chunks: int) -> np.ndarray:
     while lo < count:
         hi = max(int(np.searchsorted(ends, ends[lo] - earlier[lo] + _PAIRS, side="right")), lo + 1)
         b = np.repeat(np.arange(lo, hi), earlier[lo:hi])
-        a = np.repeat(first[lo:hi], earlier[lo:hi]) + _ragged_arange(earlier[lo:hi])
+        a = np.repeat(first[lo:hi], earlier[lo:hi]) + ragged_arange(earlier[lo:hi])
         dominated[lo:hi] = np.bincount(b[_beats(labels, a, b, chunks)] - lo, minlength=hi - lo) > 0
         lo = hi
     return dominated
-
-
-def _prefix_argmin(values: np.ndarray, state: np.ndarray) -> np.ndarray:
-    """At each position, the position of the least value so far within its state (the earliest
-    of equals); ``state`` is non-decreasing.  One running minimum over ranks shifted down by
-    ``state · n``, so that no earlier state's rank can be the least."""
-    count = len(values)
-    order = np.argsort(values, kind="stable")
-    rank = np.empty(count, dtype=np.int64)
-    rank[order] = np.arange(count)
-    shift = state.astype(np.int64) * count
-    return order[np.minimum.accumulate(rank - shift) + shift]
-
-
-def _uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
-    """Whether one copy fit serves every pair of distinct devices."""
-    off = ~np.eye(len(latency), dtype=bool)
-    return len(latency) < 2 or (np.ptp(latency[off]) == 0 and np.ptp(per_byte[off]) == 0)

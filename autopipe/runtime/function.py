@@ -1,10 +1,4 @@
-"""The two autograd functions of the runtime: a stage's input boundary and the caller's tie.
-
-``Boundary`` makes a received tensor a non-leaf, so a stage may start with an in-place layer
-(``ReLU(inplace=True)`` right after a split point works, as in the plain model)::
-
-    leaf (requires_grad, .grad collects the input gradient)
-      └─ Boundary ─▶ x (non-leaf alias of the leaf) ─▶ stage layers
+"""The autograd function that ties the caller's graph to the pipeline.
 
 ``PipelineTie`` connects the caller's autograd graph to the pipeline.  Its forward runs the
 pipeline's forward phase on the stage workers and returns the gathered output; its backward,
@@ -26,40 +20,26 @@ CUDA outputs that case is unverified and may deadlock if a stage shares the outp
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.variable import Variable
 
+from .engine import Engine
 from .microbatch import gather
+from .run import Run
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
 
-if TYPE_CHECKING:
-    from .pipeline import Engine
-    from .run import Run
-
-__all__ = ["Boundary", "PipelineTie"]
-
-
-class Boundary(torch.autograd.Function):
-    """Identity whose output is a fresh non-leaf alias of its input."""
-
-    @staticmethod
-    def forward(ctx: Any, leaf: Tensor) -> Tensor:  # type: ignore[override]
-        return leaf.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad
+__all__ = ["PipelineTie"]
 
 
 class PipelineTie(torch.autograd.Function):
     """``out = PipelineTie.apply(engine, run, dummy, *input_tensors)``."""
 
     @staticmethod
-    def forward(ctx: Any, engine: "Engine", run: "Run", dummy: Tensor, *inputs: Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, engine: Engine, run: Run, dummy: Tensor, *inputs: Tensor) -> Any:  # type: ignore[override]
         ctx.engine, ctx.run = engine, run
         ctx.input_devices = [t.device for t in inputs]
         engine.run_phase(run, "forward")

@@ -31,7 +31,7 @@ from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
-from .function import Boundary
+from .boundary import Boundary
 from .run import Aborted, Run, Saved, StageError
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker

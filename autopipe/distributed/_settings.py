@@ -1,0 +1,124 @@
+"""Checks every rank makes alike before running: the plan's fit to the model, balance, schedule,
+checkpoint mode, micro-batch split and world size; and the process group from torchrun."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from ..model import Layer
+from ..model.fingerprint import first_difference, model_fingerprint
+from ..planning.plans import CHECKPOINT_MODES, SCHEDULES, Plan
+
+__all__ = ["RunSettings", "check_divisible", "check_world", "init_distributed", "plan_device"]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from torchrun's environment, unless already done."""
+    if dist.is_initialized():
+        return
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise DistributedError(
+            f"no process group and {missing} not set: launch with "
+            "'torchrun --nproc-per-node N script.py' or call torch.distributed.init_process_group first"
+        )
+    dist.init_process_group(backend or "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class RunSettings:
+    """What the engine runs: the plan's choices, overridden by explicit options."""
+
+    balance: list[int]
+    chunks: int
+    schedule: str
+    checkpoint: str
+    batch_size: int | None
+    devices: list[str]
+
+    @staticmethod
+    def resolve(layers: Sequence[Layer], plan: Plan | None, balance: Sequence[int] | None = None,
+                chunks: int | None = None, schedule: str | None = None, checkpoint: str | None = None,
+                batch_size: int | None = None) -> RunSettings:
+        """Check everything that every rank can check alike, so a mistake fails on all ranks at once."""
+        if plan is not None:
+            check_fingerprint(layers, plan)
+            if plan.interleave > 1:
+                raise DistributedError(
+                    f"the plan puts {plan.interleave} stages on each device (interleave={plan.interleave}); "
+                    "this engine runs one stage per process: plan with engine='distributed', which "
+                    "never interleaves"
+                )
+        balance = list(balance or (plan.balance if plan else []))
+        if not balance:
+            raise DistributedError("give a plan or a balance (layers per stage), e.g. balance=[7, 8]")
+        if sum(balance) != len(layers) or min(balance) < 1:
+            raise DistributedError(
+                f"balance {balance} must give every stage at least one layer and cover the model's "
+                f"{len(layers)} layers (it covers {sum(balance)})"
+            )
+        settings = RunSettings(
+            balance=balance,
+            chunks=chunks or (plan.chunks if plan else 1),
+            schedule=schedule or (plan.schedule if plan else "gpipe"),
+            checkpoint=checkpoint or (plan.checkpoint if plan else "never"),
+            batch_size=batch_size or (plan.batch_size if plan else None),
+            devices=plan.devices if plan is not None and plan.balance == balance else ["cpu"] * len(balance),
+        )
+        check_schedule(settings.schedule, settings.chunks, len(balance), settings.checkpoint)
+        if settings.batch_size is not None:
+            check_divisible(settings.batch_size, settings.chunks)
+        return settings
+
+
+def plan_device(name: str) -> torch.device:
+    """The plan's device, except that under torchrun a CUDA stage uses ``cuda:LOCAL_RANK``:
+    a plan's ``cuda:5`` is the second GPU of the second node when nodes have four."""
+    device = torch.device(name)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return device
+
+
+def check_fingerprint(layers: Sequence[Layer], plan: Plan) -> None:
+    difference = first_difference(plan.model, model_fingerprint(layers))
+    if difference is not None:
+        raise DistributedError(f"the plan was made for another model ({difference}); make a plan for this model")
+
+
+def check_schedule(schedule: str, chunks: int, stages: int, checkpoint: str) -> None:
+    if schedule not in SCHEDULES:
+        raise DistributedError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise DistributedError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+    if schedule == "1f1b" and chunks < stages:
+        raise DistributedError(
+            f"1F1B needs at least as many micro-batches as stages, got chunks={chunks} for "
+            f"{stages} stages. Fix: use chunks >= {stages} or schedule='gpipe'"
+        )
+
+
+def check_divisible(batch_size: int, chunks: int) -> None:
+    if batch_size % chunks:
+        raise DistributedError(
+            f"batch size {batch_size} does not split into {chunks} equal micro-batches, and "
+            "torch.distributed.pipelining needs one micro-batch shape. Fix: use a batch size "
+            f"divisible by chunks (e.g. {batch_size - batch_size % chunks or chunks}) or other chunks"
+        )
+
+
+def check_world(num_stages: int, group: dist.ProcessGroup | None) -> int:
+    world = dist.get_world_size(group)
+    if world != num_stages:
+        raise DistributedError(
+            f"the plan has {num_stages} stages but the job has {world} ranks; this engine runs one "
+            f"stage per rank: launch with torchrun --nproc-per-node {num_stages} (or nodes × "
+            f"processes = {num_stages})"
+        )
+    return dist.get_rank(group)

@@ -1,0 +1,152 @@
+"""One rank's layers as the engine's stage module, and the skip routes between stages."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as checkpoint_fn
+
+from ..errors import StageOutputError
+from ..model import Layer
+from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
+from ..runtime.checkpoint import recomputing
+
+__all__ = ["SkipRoute", "StageModule", "skip_routes"]
+
+
+@dataclass(frozen=True)
+class SkipRoute:
+    """A skip tensor stashed in stage ``src`` and popped in stage ``dst`` (``src <= dst``).
+
+    The engine only talks to neighbours, so every stage ``src <= s < dst`` sends it on.
+    """
+
+    key: SkipKey
+    src: int
+    dst: int
+
+    def crosses_into(self, stage: int) -> bool:
+        return self.src < stage <= self.dst
+
+    def crosses_out_of(self, stage: int) -> bool:
+        return self.src <= stage < self.dst
+
+
+def skip_routes(layers: Sequence[Layer], balance: Sequence[int]) -> list[SkipRoute]:
+    """Every skip's producing and consuming stage, in stash order (the same order on every rank)."""
+    stage_of: list[int] = [s for s, count in enumerate(balance) for _ in range(count)]
+    stashed: dict[SkipKey, int] = {}
+    popped: dict[SkipKey, int] = {}
+    for index, layer in enumerate(layers):
+        stashed.update((key, stage_of[index]) for key in layer.stash)
+        popped.update((key, stage_of[index]) for key in layer.pop)
+    return [SkipRoute(key, src, popped[key]) for key, src in stashed.items()]
+
+
+class StageModule(nn.Module):
+    """One rank's layers as the engine's stage: ``(main, *skips_in) -> (main, *skips_out)``.
+
+    The engine passes a stage's outputs as the next stage's positional arguments, so a tuple main
+    value travels flattened; the receiver knows how many trailing arguments are skips and packs
+    the rest back into the tuple the next layer expects.
+    """
+
+    def __init__(self, layers: Sequence[Layer], index: int, num_stages: int,
+                 routes: Sequence[SkipRoute], checkpoint: str = "never", chunks: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer.module for layer in layers)
+        self.layer_names = [layer.name for layer in layers]
+        self.index = index
+        self.is_last = index == num_stages - 1
+        self.skips_in = [route.key for route in routes if route.crosses_into(index)]
+        self.skips_out = [route.key for route in routes if route.crosses_out_of(index)]
+        self.checkpoint = checkpoint
+        self.chunks = chunks
+        #: The micro-batch being run, set by :class:`_Stage`; ``None`` in the engine's shape probe.
+        self.micro_batch: int | None = None
+
+    def forward(self, *received: Tensor) -> Any:
+        if self._checkpointing():
+            return self._checkpointed(*received)
+        return self._run(*received)
+
+    def _run(self, *received: Tensor) -> Any:
+        # Received activations are autograd leaves; an in-place first op (ReLU(inplace=True))
+        # on a leaf that requires grad fails, so the layers work on a copy (which also leaves
+        # a checkpoint's saved inputs intact for the recomputation).
+        received = tuple(_non_leaf(t) for t in received)
+        n_main = len(received) - len(self.skips_in)
+        main: Any = received[0] if n_main == 1 else tuple(received[:n_main])
+        tracker = SkipTracker()
+        for key, tensor in zip(self.skips_in, received[n_main:]):
+            tracker.save(key, tensor)
+        with use_skip_tracker(tracker):
+            for layer in self.layers:
+                main = layer(main)
+        if self.is_last:
+            return main
+        sent = self._flat_main(main) + tuple(tracker.tensors.pop(key) for key in self.skips_out)
+        # The receiver's buffers copy the first micro-batch's strides and gloo refuses
+        # non-contiguous buffers (a slice like x[:, :8]), so send contiguous tensors only.
+        return tuple(t.contiguous() for t in sent)
+
+    def _checkpointing(self) -> bool:
+        """As the in-process runtime: ``except_last`` keeps the last micro-batch's activations."""
+        if not torch.is_grad_enabled() or self.micro_batch is None or self.checkpoint == "never":
+            return False
+        return self.checkpoint == "always" or self.micro_batch < self.chunks - 1
+
+    def _checkpointed(self, *received: Tensor) -> Any:
+        """Recompute the stage in backward; the recomputation must not update buffers twice.
+
+        ``nn.BatchNorm`` does not ask :func:`is_recomputing`, so its buffers are put back too.
+        """
+        calls = 0
+
+        def run(*args: Tensor) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return self._run(*args)
+            with recomputing(), _buffers_restored(self):
+                return self._run(*args)
+
+        return checkpoint_fn(run, *received, use_reentrant=False)
+
+    def _flat_main(self, main: Any) -> tuple[Tensor, ...]:
+        if isinstance(main, Tensor):
+            return (main,)
+        if isinstance(main, (tuple, list)) and len(main) > 1 and all(isinstance(t, Tensor) for t in main):
+            return tuple(main)
+        raise StageOutputError(
+            f"stage {self.index} ends with layer '{self.layer_names[-1]}', which returns "
+            f"{_describe(main)}; torch.distributed.pipelining can only send a tensor or a flat "
+            "tuple of two or more tensors to the next rank. Fix: split the model at another layer "
+            "(change the plan's balance) or make that layer return tensors only"
+        )
+
+
+def _non_leaf(tensor: Tensor) -> Tensor:
+    return tensor.clone() if tensor.is_leaf and tensor.requires_grad else tensor
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Put buffers back without bumping their autograd version: a micro-batch that was not
+    checkpointed saved them for its backward, which under 1F1B runs after this recomputation."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        for buffer, value in saved:
+            buffer.data.copy_(value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value)
+        return f"a {type(value).__name__} of ({inner})"
+    return f"a {type(value).__name__}"

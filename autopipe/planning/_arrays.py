@@ -1,0 +1,64 @@
+"""Numpy helpers of the planner's DP: parallel-array records and index arithmetic on sorted
+and ragged arrays."""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Columns", "largest_after", "pairs", "prefix_argmin", "ragged_arange", "states", "uniform"]
+
+
+class Columns:
+    """Parallel arrays of a dataclass, one row per item: :meth:`take` keeps the same rows of each."""
+
+    def take(self, index: np.ndarray) -> Any:
+        return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))  # type: ignore[arg-type]
+
+
+def largest_after(values: np.ndarray) -> np.ndarray:
+    """The largest value at or after each position, and 0 past the end."""
+    return np.concatenate((np.maximum.accumulate(values[::-1])[::-1], [0.0]))
+
+
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """``0 … counts[0]-1, 0 … counts[1]-1, …`` in one array."""
+    ends = np.cumsum(counts)
+    return np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - counts, counts)
+
+
+def states(starts: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For arrays sorted by ``(start, key)``: each entry's state index and each state's first entry."""
+    change = np.flatnonzero((starts[1:] != starts[:-1]) | (keys[1:] != keys[:-1])) + 1
+    first = np.concatenate(([0], change)) if len(starts) else change
+    state = np.zeros(len(starts), dtype=int)
+    state[change] = 1
+    return np.cumsum(state), first
+
+
+def pairs(label_state: np.ndarray, move_state: np.ndarray, states: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(label, move)`` of the same state, as two index arrays (moves sorted by state)."""
+    counts = np.bincount(move_state, minlength=states)
+    repeat = counts[label_state]
+    label = np.repeat(np.arange(len(label_state)), repeat)
+    move = np.repeat((np.cumsum(counts) - counts)[label_state], repeat) + ragged_arange(repeat)
+    return label, move
+
+
+def prefix_argmin(values: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """At each position, the position of the least value so far within its state (the earliest
+    of equals); ``state`` is non-decreasing.  One running minimum over ranks shifted down by
+    ``state · n``, so that no earlier state's rank can be the least."""
+    count = len(values)
+    order = np.argsort(values, kind="stable")
+    rank = np.empty(count, dtype=np.int64)
+    rank[order] = np.arange(count)
+    shift = state.astype(np.int64) * count
+    return order[np.minimum.accumulate(rank - shift) + shift]
+
+
+def uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
+    """Whether one copy fit serves every pair of distinct devices."""
+    off = ~np.eye(len(latency), dtype=bool)
+    return len(latency) < 2 or (np.ptp(latency[off]) == 0 and np.ptp(per_byte[off]) == 0)

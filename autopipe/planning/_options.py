@@ -1,0 +1,188 @@
+"""Planning options checked and normalised: devices, memory limits with byte units, micro-batch
+counts worth trying, checkpoint modes and interleave factors."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import interleaved
+from ..profiling.profiles import Profile
+from .cost import MODES
+from .plans import SCHEDULES
+
+__all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Checked planning options."""
+
+    batch_size: int
+    speeds: list[float]
+    limits: np.ndarray
+    candidates: list[int]
+    modes: list[str]
+    interleaves: list[int]
+    given: dict[str, Any]
+
+    @staticmethod
+    def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
+              checkpoint: str, optimizer_state_factor: float, schedule: str,
+              speeds: Sequence[float] | None, chunks: int | None, engine: str,
+              interleave: int | str = "auto") -> Options:
+        # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
+        # for it.  A gpipe plan runs on the distributed engine with schedule='1f1b' when chunks ≥
+        # stages, holding no more activations than planned (≤ stages - s micro-batches in flight).
+        if schedule != "gpipe":
+            known = f"; '{schedule}' is not a schedule" if schedule not in SCHEDULES else ""
+            raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe' "
+                             "(the distributed engine can run a gpipe plan with schedule='1f1b' "
+                             "when chunks >= stages)")
+        if checkpoint != "auto" and checkpoint not in MODES:
+            raise ValueError(f"checkpoint '{checkpoint}' is not one of {['auto', *MODES]}")
+        if optimizer_state_factor < 0:
+            raise ValueError(f"optimizer_state_factor must be ≥ 0 (2 for SGD with momentum, 3 for Adam), "
+                             f"got {optimizer_state_factor}")
+        batch = profile.batch_size if batch_size is None else int(batch_size)
+        rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
+        if len(rates) != len(names) or min(rates) <= 0:
+            raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+        # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
+        # same memory, so it is at least as fast and as small.
+        modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
+        factors = _interleaves(interleave, profile.layers, len(names), engine)
+        given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
+                 "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
+                 "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
+                 "interleaves_searched": factors}
+        return Options(batch, rates, memory_limits(memory_limit, names),
+                        candidate_chunks(batch, profile.batch_sizes, chunks, equal=engine == "distributed"),
+                        modes, factors, given)
+
+    def record(self) -> dict[str, Any]:
+        """The options as JSON for the plan file."""
+        limit = self.given["memory_limit"]
+        shown = list(limit) if isinstance(limit, (list, tuple)) else limit
+        return {**self.given, "memory_limit": shown,
+                "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
+
+
+def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: str) -> list[int]:
+    """The stages-per-device factors to search: ``[asked]``, or for ``"auto"`` 1 and, where it
+    can run and be searched exactly, 2."""
+    if asked == "auto":
+        fits = interleaved.split_count(len(layers), devices, 2) <= interleaved.BUDGET
+        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) and fits else [1]
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        raise ValueError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
+    if asked > 1:
+        if engine != "local":
+            raise ValueError(f"interleave={asked}: the distributed engine runs one stage per process; "
+                             "use interleave=1 (or 'auto') with engine='distributed'")
+        if devices < 2 or 2 * asked > len(layers):
+            raise ValueError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
+                             f"got {devices} devices and {len(layers)} layers")
+        count = interleaved.split_count(len(layers), devices, asked)
+        if count > interleaved.BUDGET:
+            raise ValueError(f"interleave={asked} would enumerate {count} splits of {len(layers)} layers on "
+                             f"up to {devices} devices, more than {interleaved.BUDGET}; plan fewer "
+                             "devices or use interleave=1")
+    return [asked]
+
+
+def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None = None,
+                     equal: bool = False) -> list[int]:
+    """Micro-batch counts worth trying: the least ``m`` for each distinct ``ceil(B/m)`` within
+    the profiled sizes (for equal micro-batch size, fewer micro-batches is never slower); with
+    ``equal`` (the distributed engine needs one micro-batch shape) only divisors of ``B`` —
+    a divisor is always the least ``m`` of its size, so no better count is lost."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    low, high = min(sizes), max(sizes)
+    if chunks is not None:
+        size = -(-batch_size // chunks) if 1 <= chunks <= batch_size else 0
+        if not low <= size <= high:
+            raise ValueError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} "
+                             f"samples, outside 1..{batch_size} or the profiled sizes {low}..{high}; "
+                             "choose another chunks or profile more batch sizes")
+        if equal and batch_size % chunks:
+            raise ValueError(f"chunks={chunks} does not divide batch size {batch_size}, and the distributed "
+                             "engine needs equal micro-batches; choose a divisor of the batch size")
+        return [chunks]
+    found = {}
+    for m in range(1, batch_size + 1):
+        found.setdefault(-(-batch_size // m), m)
+    usable = [m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m)]
+    if not usable:
+        shape = "equal micro-batches" if equal else "micro-batches"
+        raise ValueError(f"batch size {batch_size} cannot be split into {shape} of the profiled "
+                         f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
+                         f"size of at least {low}{' that a profiled size divides' if equal else ''}")
+    return sorted(usable)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """``16GiB``, ``500MB``, ``1e9`` or a number → bytes."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number):]
+    try:
+        return float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
+
+
+def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:
+    """Bytes per device: one value for all, one per device, or the CUDA capacity / no limit."""
+    if isinstance(limit, (list, tuple)):
+        if len(limit) != len(names):
+            raise ValueError(f"{len(limit)} memory limits for {len(names)} devices; give one, or one per device")
+        values = [_default_limit(n) if v is None else parse_bytes(v) for v, n in zip(limit, names)]
+    elif limit is None:
+        values = [_default_limit(n) for n in names]
+    else:
+        values = [parse_bytes(limit)] * len(names)
+    if min(values) <= 0:
+        raise ValueError(f"memory limits must be positive, got {values}")
+    return np.asarray(values, dtype=float)
+
+
+def _default_limit(name: str) -> float:
+    if not name.startswith("cuda"):
+        return math.inf
+    from ..device import DeviceError, ops_for
+
+    try:
+        capacity = ops_for(name).capacity()
+    except DeviceError as error:
+        raise ValueError(f"cannot read the memory of {name} here ({error}); pass memory_limit "
+                         "(e.g. '16GiB') to plan for it") from None
+    return math.inf if capacity is None else float(capacity)
+
+
+def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[str]:
+    """Plan devices as names: the profile's, its first ``n``, or those given."""
+    if devices is None:
+        return list(profile.devices)
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"device count must be at least 1, got {devices}")
+        if devices <= len(profile.devices):
+            return list(profile.devices[:devices])
+        if all(d.startswith("cpu") for d in profile.devices):
+            return ["cpu"] * devices
+        raise ValueError(f"{devices} devices requested but the profile measured {len(profile.devices)} "
+                         f"({', '.join(profile.devices)}); name the devices or profile on all of them")
+    names = [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    if not names:
+        raise ValueError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
+    return names

@@ -1,0 +1,135 @@
+"""What the planner's searches share: a :class:`Candidate` ``(chunks, mode)`` with what does not
+depend on the split, the :class:`Choice` a search returns, and split helpers (:func:`reach`, the
+greedy split and the min-max bisection, also used by :mod:`autopipe.planning.compare`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CostModel, SizeCosts
+
+__all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
+    stages per device (:mod:`autopipe.planning.interleaved`)."""
+
+    bounds: tuple[int, ...]
+    chunks: int
+    mode: str
+    iteration_ms: float
+    interleave: int = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ``(chunks, mode)`` pair and what does not depend on the split: the prefix sums of its
+    forward lane (``costs.forward``) and backward lane with recomputation (``back``); row ``d``
+    of ``copy_forward`` and ``copy_back``: the copy of a cut at each position from device ``d``
+    to ``d + 1`` (its main input) and back (that input's gradient), 0 at both ends; the least
+    possible largest forward and backward compute lanes (``floors``); their weights ``(m-1, w)``
+    in the time; all work at the top speed; and a lower bound on its time (``lower_bound``)."""
+
+    lower_bound: float
+    chunks: int
+    mode: str
+    effective: str
+    costs: SizeCosts
+    back: np.ndarray
+    copy_forward: np.ndarray
+    copy_back: np.ndarray
+    floors: tuple[float, float]
+    weights: tuple[int, int]
+    work: float
+
+    @staticmethod
+    def of(model: CostModel, chunks: int, mode: str, devices: int) -> Candidate:
+        """``lower_bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the
+        top speed of the first ``k`` devices, the ``k - 1`` cheapest cuts, and
+        ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
+        speed (``M`` likewise), where ``X*``, ``M*`` are the floors (copies only add lanes) and
+        ``w`` is ``m-1``, or ``m-2`` with ``except_last`` (``V ≥ (m-2)·M``)."""
+        costs = model.at(model.micro_batch_size(chunks))
+        effective = "never" if mode == "except_last" and chunks == 1 else mode
+        back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
+        speeds = model.speeds[:devices]
+        floors = least_largest(costs.forward, speeds, 1e-3)[0], least_largest(back, speeds, 1e-3)[0]
+        weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
+        copy_forward, copy_back = _cut_costs(model, costs, devices)
+        count = np.arange(1, min(devices, model.layers) + 1)
+        spread, top = np.cumsum(speeds)[count - 1], np.maximum.accumulate(speeds)[count - 1]
+        cut = np.min(copy_forward[:-1] + copy_back[:-1], axis=0, initial=math.inf)
+        cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
+        total = float(costs.forward[-1] + back[-1])
+        lower_bound = float(np.min(total / top + cheapest[count - 1]
+                             + weights[0] * np.maximum(floors[0], costs.forward[-1] / spread)
+                             + weights[1] * np.maximum(floors[1], back[-1] / spread)))
+        return Candidate(lower_bound, chunks, mode, effective, costs, back, copy_forward, copy_back, floors, weights,
+                         total / float(np.max(speeds)))
+
+    def caps(self, best: float, least_sum: float) -> tuple[float, float]:
+        """Largest forward and backward lane a plan better than ``best`` can have when its lane
+        sum is at least ``least_sum``: ``best > S + (m-1)·X + w·M`` with each maximum at least
+        its floor."""
+        spare = best - least_sum
+        (weight_x, weight_m), (floor_x, floor_m) = self.weights, self.floors
+        return ((spare - weight_m * floor_m) / weight_x if weight_x > 0 else math.inf,
+                (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
+
+
+def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> tuple[float, float]:
+    """The least ``max_s work_s / v_s`` over contiguous splits of the layers (prefix sums
+    ``prefix``) onto the devices in order, a device taking no layer allowed, as ``(low, high)``
+    with ``low`` at most the optimum, the cap ``high`` feasible for :func:`greedy_split` and
+    ``high - low`` within ``tolerance · high``.  Bisection on the cap, 255 caps at a time, from
+    the average to the average plus a largest layer per device (every device then takes at
+    least its share less one layer)."""
+    total, spread = float(prefix[-1]), float(np.sum(speeds))
+    largest = float(np.max(np.diff(prefix), initial=0.0))
+    low = max(total / spread, largest / float(np.max(speeds)))
+    high = (total + len(speeds) * largest) / spread * (1 + 1e-9)
+    while high - low > tolerance * high:
+        caps = np.linspace(low, high, 257)[1:-1]
+        feasible = _greedy(prefix, speeds, caps)[-1] == len(prefix) - 1
+        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
+        low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
+    return low, high
+
+
+def greedy_split(prefix: np.ndarray, speeds: np.ndarray, cap: float) -> list[int]:
+    """The stage end on each device when each in turn takes the most layers whose work fits
+    ``cap · speed``."""
+    return _greedy(prefix, speeds, np.array([cap]))[1:, 0].tolist()
+
+
+def _greedy(prefix: np.ndarray, speeds: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """Stage ends (a row per device after a row of zeros, a column per cap) when each device in
+    turn takes the most layers whose work fits ``cap · speed``."""
+    ends = [np.zeros(len(caps), dtype=int)]
+    for speed in speeds:
+        ends.append(np.searchsorted(prefix, prefix[ends[-1]] + caps * speed, side="right") - 1)
+    return np.array(ends)
+
+
+def _cut_costs(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``d``: the copy of the main input at each position ``c`` (0 … L) from device ``d``
+    to ``d + 1``, and of its gradient back; 0 at both ends, which are no cuts, and on the last
+    device, after which there is none."""
+    nbytes = np.append(costs.input_bytes, 0.0)
+    nbytes[0] = 0.0
+    rows = np.arange(devices - 1)[:, None]
+    forward, back = (np.where(nbytes > 0, model.latency[src, dst] + nbytes * model.per_byte[src, dst], 0.0)
+                     for src, dst in ((rows, rows + 1), (rows + 1, rows)))
+    last = np.zeros((1, len(nbytes)))
+    return np.concatenate((forward, last)), np.concatenate((back, last))
+
+
+def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:
+    """The last stop after each start whose work ``prefix[stop] - prefix[start]`` is within
+    ``budget`` (broadcast against ``starts``), with slack for rounding: never short of it."""
+    limit = (prefix[starts] + np.maximum(budget, 0.0)) * (1 + 1e-9)
+    return np.where(np.asarray(budget) < 0, starts, np.searchsorted(prefix, limit, side="right") - 1)

@@ -1,0 +1,242 @@
+"""One layer run forward and backward on its own copies of its inputs: the bytes it saves and
+makes (recorded once per micro-batch size) and its time in a training pass."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..device import DeviceOps
+from ..errors import ProfileError
+from ..model import Layer
+from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
+from ._progress import Progress
+from .profiles import Stat
+
+__all__: list[str] = []
+
+
+@dataclass
+class Measure:
+    """What one layer did at one micro-batch size.
+
+    The ``saves_*``/``aliases_input`` flags and ``new_output_storage`` let :func:`attribute`
+    count each tensor on a layer boundary once, with the layer that produced it.
+    """
+
+    forward: Stat
+    backward: Stat
+    output_bytes: int
+    stash_bytes: dict[str, int]
+    internal_saved: int
+    saves_input: bool
+    saves_output: bool
+    aliases_input: bool
+    new_output_storage: int
+    output: Any = None
+    stashed: dict[SkipKey, Tensor] = field(default_factory=dict)
+
+
+def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
+                 progress: Progress) -> tuple[list[LayerRun], list[Measure]]:
+    """At one micro-batch size: record each layer once in chain order (its bytes, and the input
+    of the next); the runs then time it."""
+    size = inputs[0].shape[0]
+    args: tuple[Any, ...] = inputs
+    skips: dict[SkipKey, Tensor] = {}
+    runs: list[LayerRun] = []
+    measures: list[Measure] = []
+    for index, layer in enumerate(layers):
+        popped = {key: skips.pop(key) for key in layer.pop}
+        with naming(layer, size):
+            run = LayerRun(layer, args, popped, index > 0, ops)
+            measure = run.record()
+        progress.step(f"{layer.name} b={size}")
+        skips.update(measure.stashed)
+        args = (measure.output,)
+        measure.output, measure.stashed = None, {}
+        runs.append(run)
+        measures.append(measure)
+    return runs, measures
+
+
+def train_pass(runs: list[LayerRun], size: int) -> list[tuple[float, float]]:
+    """One training pass — every layer forward in chain order, then every layer backward in
+    reverse order — and each layer's (forward ms, backward ms).  A layer's graph is dropped
+    after its backward, as autograd does in training."""
+    forward_ms: list[float] = []
+    pending: list[Run] = []
+    for run in runs:
+        with naming(run.layer, size):
+            pending.append(run.forward())
+        forward_ms.append(pending[-1].forward_ms)
+    backward_ms = [0.0] * len(runs)
+    for index in reversed(range(len(runs))):
+        with naming(runs[index].layer, size):
+            backward_ms[index] = runs[index].backward(pending.pop())
+    return list(zip(forward_ms, backward_ms))
+
+
+@contextlib.contextmanager
+def naming(layer: Layer, size: int) -> Iterator[None]:
+    """Name the layer in any failure: a bare shape error deep in a chain is opaque."""
+    try:
+        yield
+    except ProfileError:
+        raise
+    except Exception as error:
+        raise ProfileError(
+            f"profiling layer '{layer.name}' ({type(layer.module).__name__}) at micro-batch size "
+            f"{size} failed: {error}"
+        ) from error
+
+
+@dataclass
+class Run:
+    """One forward of a layer: its time and the tensors it saw and made."""
+
+    forward_ms: float
+    args: Any
+    popped: dict[SkipKey, Tensor]
+    output: Any
+    stashed: dict[SkipKey, Tensor]
+
+    @property
+    def results(self) -> list[Tensor]:
+        """What backward starts from: the outputs and the tensors stashed for later layers."""
+        return tensors(self.output) + list(self.stashed.values())
+
+
+class LayerRun:
+    """Runs one layer forward and backward on fresh copies of its inputs.
+
+    Inputs are detached leaves (requiring grad except for the chain's first layer, whose input
+    needs no gradient in a pipeline either) and each run feeds the layer a *clone* of them: an
+    in-place first op (``ReLU(inplace=True)``) would otherwise modify a leaf that requires grad
+    (an autograd error) or corrupt the input of the next run.  The clone is made before the
+    timer starts; its backward passes the gradient through unchanged.
+    """
+
+    def __init__(self, layer: Layer, args: tuple[Any, ...], popped: dict[SkipKey, Tensor],
+                 input_grad: bool, ops: DeviceOps) -> None:
+        self.layer = layer
+        self.ops = ops
+        self.input_grad = input_grad
+        self.leaves = map_tensors(args, lambda t: _leaf(t, input_grad))
+        self.pop_leaves = {key: _leaf(t, True) for key, t in popped.items()}
+        params = [p for p in layer.module.parameters() if p.requires_grad]
+        self.grad_inputs = [t for t in tensors(self.leaves) + list(self.pop_leaves.values())
+                            if t.requires_grad] + params
+        state = [*layer.module.parameters(), *layer.module.buffers()]
+        self.state_storages = {storage(t)[0] for t in state}
+        self.grads: list[Tensor] | None = None
+
+    def twin(self, module: nn.Module) -> LayerRun:
+        """The same layer on ``module``, a deep copy of its module, with leaves of its own
+        (gradients land in ``.grad`` of the leaves and parameters, so another thread needs its
+        own)."""
+        layer = dataclasses.replace(self.layer, module=module)
+        return LayerRun(layer, self.leaves, self.pop_leaves, self.input_grad, self.ops)
+
+    def forward(self, pack: Callable[[Tensor], Any] | None = None) -> Run:
+        """The layer's forward on clones of its inputs, timed (``pack`` sees what it saves)."""
+        args = map_tensors(self.leaves, lambda t: t.clone())
+        popped = {key: t.clone() for key, t in self.pop_leaves.items()}
+        tracker = SkipTracker()
+        for key, tensor in popped.items():
+            tracker.save(key, tensor)
+        hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack is not None
+                 else contextlib.nullcontext())
+        self.ops.synchronize()
+        timer = self.ops.timer()
+        with use_skip_tracker(tracker), hooks:
+            timer.start()
+            output = self.layer.module(*args)
+            forward_ms = timer.stop()
+        stashed = {k: t for k, t in tracker.tensors.items() if k not in self.pop_leaves}
+        return Run(forward_ms, args, popped, output, stashed)
+
+    def backward(self, run: Run) -> float:
+        """The backward of ``run`` down to the layer's inputs and parameters, timed; the same
+        random output gradients every time."""
+        roots = [t for t in run.results if t.requires_grad]
+        if not roots:
+            return 0.0
+        if self.grads is None:
+            self.grads = [torch.randn_like(t) for t in roots]
+        timer = self.ops.timer()
+        timer.start()
+        torch.autograd.backward(roots, self.grads, inputs=self.grad_inputs or None)
+        backward_ms = timer.stop()
+        for tensor in self.grad_inputs:
+            tensor.grad = None
+        return backward_ms
+
+    def record(self) -> Measure:
+        """One untimed forward and backward under ``saved_tensors_hooks``: what is saved, what
+        the output is."""
+        saved: dict[int, int] = {}
+
+        def pack(tensor: Tensor) -> Tensor:
+            ptr, size = storage(tensor)
+            saved[ptr] = max(saved.get(ptr, 0), size)
+            return tensor
+
+        run = self.forward(pack)
+        self.backward(run)
+        output, stashed = run.output, run.stashed
+        inputs = {storage(t)[0] for t in tensors(run.args)}
+        pops = {storage(t)[0] for t in run.popped.values()}
+        outputs = dict(map(storage, tensors(output)))
+        new_outputs = set(outputs) - inputs
+        return Measure(
+            forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
+            output_bytes=sum(nbytes(t) for t in tensors(output)),
+            stash_bytes={str(k): nbytes(t) for k, t in stashed.items()},
+            internal_saved=sum(n for ptr, n in saved.items()
+                               if ptr not in self.state_storages | inputs | pops | set(outputs)),
+            saves_input=bool(inputs & set(saved)),
+            saves_output=bool(new_outputs & set(saved)),
+            aliases_input=bool(inputs & set(outputs)),
+            new_output_storage=sum(outputs[ptr] for ptr in new_outputs),
+            output=map_tensors(output, lambda t: t.detach()),
+            stashed={k: t.detach() for k, t in stashed.items()},
+        )
+
+
+def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
+    return tensor.detach().requires_grad_(requires_grad and tensor.is_floating_point())
+
+
+def tensors(value: Any) -> list[Tensor]:
+    """The tensors in a layer's output or arguments (a tensor, or nested tuples/lists/dicts)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors(item)]
+    return []
+
+
+def map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: map_tensors(item, fn) for key, item in value.items()}
+    return value
+
+
+def storage(tensor: Tensor) -> tuple[int, int]:
+    untyped = tensor.untyped_storage()
+    return untyped.data_ptr(), untyped.nbytes()
+
+
+def nbytes(tensor: Tensor) -> int:
+    return tensor.nelement() * tensor.element_size()

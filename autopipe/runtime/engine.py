@@ -1,0 +1,50 @@
+"""The engine of a :class:`~autopipe.runtime.pipeline.Pipeline`: stages, their worker threads and the
+schedule, running one phase of one call at a time."""
+from __future__ import annotations
+
+from ..timeline import Event
+from .run import Run
+from .schedule import Phase, actions
+from .stage import Stage
+from .worker import Worker
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """The stages, their workers and the schedule: runs one phase of one call at a time.
+
+    Kept apart from the ``nn.Module``: the worker threads and the finalizer reference only
+    the engine, so a dropped pipeline is collected, and its collection closes the workers.
+    """
+
+    def __init__(self, stages: list[Stage], schedule: str) -> None:
+        self.stages = stages
+        self.schedule = schedule
+        self.workers = [Worker(stage) for stage in stages]
+        self.last: list[Event] = []
+        self.closed = False
+
+    def run_phase(self, run: Run, phase: Phase) -> None:
+        """Run ``phase`` of ``run`` on every stage; re-raises the first stage failure once every
+        stage has stopped."""
+        self.start_phase(run, phase)
+        self.finish_phase(run, phase)
+
+    def start_phase(self, run: Run, phase: Phase) -> None:
+        if self.closed:
+            raise RuntimeError("this pipeline was closed; its worker threads are gone")
+        run.begin_phase()
+        for stage, worker in zip(self.stages, self.workers):
+            worker.submit(run, actions(self.schedule, phase, stage.index, len(self.stages), run.chunks))
+
+    def finish_phase(self, run: Run, phase: Phase) -> None:
+        run.wait_phase()
+        if phase != "forward" or not run.grad_enabled:
+            self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for worker in self.workers:
+                worker.close()
