@@ -79,7 +79,7 @@ def test_train_step_interleaved_1f1b(balance: list[int], checkpoint: str) -> Non
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 @pytest.mark.parametrize("balance, interleave", [([1, 2, 2, 3], 1), ([1, 3, 2, 2], 1), ([1, 2, 2, 3], 2)])
 def test_train_step_1f1b_skips(balance: list[int], interleave: int, checkpoint: str) -> None:
-    x, y = torch.randn(9, 8), torch.randn(9, 8)
+    x = torch.randn(9, 8)
     model = skip_model()
     with torch.no_grad():
         out_width = model(x).shape[1]

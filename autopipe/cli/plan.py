@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="local", choices=["local", "distributed"],
                         help="what will run the plan: the in-process runtime (local) or "
                              "torch.distributed.pipelining under torchrun (distributed)")
+    parser.add_argument("--schedule", default="gpipe", choices=["auto", "gpipe", "1f1b"],
+                        help="gpipe (fill-drain: pipe(x), loss.backward()), 1f1b (fewer micro-batches in "
+                             "flight; train with pipe.train_step) or auto (the faster prediction)")
     parser.add_argument("--interleave", default="auto",
                         help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
-                  chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
+                  chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
+                  schedule=args.schedule)
     print(summary(chosen))
     if args.compare:
         print()

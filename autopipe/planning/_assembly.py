@@ -5,23 +5,19 @@ import math
 from typing import Any, Sequence
 
 from ..profiling.profiles import Profile
-from .cost import CostModel, Evaluation, recomputations
+from .cost import CostModel, recomputations
 from .plans import Plan, Prediction, StagePlan, placement
-from .simulate import simulate
+from .simulate import evaluate
 
 __all__ = ["build_plan"]
 
 
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
-               options: dict[str, Any], interleave: int = 1) -> Plan:
-    """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
+               options: dict[str, Any], interleave: int = 1, schedule: str = "gpipe") -> Plan:
+    """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
+    fill-drain)."""
     where = placement(len(bounds) - 1, interleave)
-    if interleave == 1:
-        evaluation = model.evaluate(bounds, chunks, mode)
-    else:
-        lanes = model.stage_lanes(bounds, chunks, mode, where)
-        simulation = simulate(lanes, chunks, mode, where)
-        evaluation = Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)
+    evaluation = evaluate(model, bounds, chunks, mode, schedule, where)
     layers = profile.layers
     stages = [
         StagePlan(index=s, device=model.devices[where[s]], start=bounds[s], stop=bounds[s + 1],
@@ -37,5 +33,5 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)
     return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
-                batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule="gpipe",
+                batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
                 stages=stages, predicted=predicted, options=options, interleave=interleave)

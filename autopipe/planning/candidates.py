@@ -15,14 +15,15 @@ __all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
 
 @dataclass(frozen=True)
 class Choice:
-    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
-    stages per device (:mod:`autopipe.planning.interleaved`)."""
+    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time, its
+    stages per device (:mod:`autopipe.planning.interleaved`) and its schedule."""
 
     bounds: tuple[int, ...]
     chunks: int
     mode: str
     iteration_ms: float
     interleave: int = 1
+    schedule: str = "gpipe"
 
 
 @dataclass(frozen=True)

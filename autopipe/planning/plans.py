@@ -172,7 +172,7 @@ class Plan:
             batch_size=f.int("batch_size", 1),
             chunks=f.int("chunks", 1),
             checkpoint=f.str("checkpoint"),
-            schedule=f.str("schedule"),
+            schedule=f.str("schedule") if f.has("schedule") else "gpipe",
             stages=f.list_of("stages", StagePlan.from_json),
             predicted=Prediction.from_json(f.get("predicted")),
             options=f.get("options").value if f.has("options") else {},

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Schedule", "SCHEDULES", "Task", "order", "in_flight", "priority", "checkpointed"]
+__all__ = ["Schedule", "SCHEDULES", "Task", "order", "in_flight", "saved_sets", "priority", "checkpointed"]
 
 Schedule = Literal["gpipe", "1f1b"]
 #: the schedules a plan can name.
@@ -54,6 +54,18 @@ def in_flight(schedule: str, stage: int, stages: int, chunks: int) -> int:
     if schedule == "1f1b":
         return min(stages - stage, chunks)
     raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+
+
+def saved_sets(schedule: str, mode: str, stage: int, stages: int, chunks: int) -> int:
+    """Most micro-batches whose saved tensors (not only inputs) ``stage`` holds at once under
+    checkpoint ``mode``: all in flight with ``never``; one with ``always`` (the one being
+    recomputed); with ``except_last`` one, except in 1F1B on a stage with a warm-up, where the
+    last micro-batch keeps its saved tensors while earlier ones recompute for their backwards
+    (``F(m-1) B(m-1-w) …``): two."""
+    if mode == "never":
+        return in_flight(schedule, stage, stages, chunks)
+    warm = schedule == "1f1b" and min(stages - stage - 1, chunks - 1) > 0
+    return 2 if mode == "except_last" and warm else 1
 
 
 def checkpointed(mode: str, micro_batch: int, chunks: int) -> bool:

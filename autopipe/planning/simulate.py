@@ -22,12 +22,12 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .cost import StageLanes
+from .cost import CostModel, Evaluation, StageLanes
 from .plans import Plan
 from .schedules import checkpointed, order, priority
 from ..timeline import Event
 
-__all__ = ["Simulation", "simulate", "simulate_plan"]
+__all__ = ["Simulation", "simulate", "simulate_plan", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,15 @@ def simulate_plan(plan: Plan) -> Simulation:
     lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
                         float(s.memory_bytes)) for s in plan.stages]
     return simulate(lanes, plan.chunks, plan.checkpoint, plan.placement, plan.schedule)
+
+
+def evaluate(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, schedule: str = "gpipe",
+             placement: Sequence[int] | None = None) -> Evaluation:
+    """Cost a split under ``schedule`` with stage ``s`` on device ``placement[s]`` (default
+    ``s``): fill-drain with one stage per device by the closed form
+    (:meth:`CostModel.evaluate`), anything else by simulation."""
+    if schedule == "gpipe" and (placement is None or list(placement) == list(range(len(placement)))):
+        return model.evaluate(bounds, chunks, mode)
+    lanes = model.stage_lanes(bounds, chunks, mode, placement, schedule)
+    simulation = simulate(lanes, chunks, mode, placement, schedule)
+    return Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)

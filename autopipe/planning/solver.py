@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..profiling.profiles import Profile
-from . import interleaved
+from . import interleaved, one_f_one_b
 from ._assembly import build_plan
 from ._infeasible import infeasible, smallest_memory
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
@@ -66,6 +66,10 @@ def plan(
     stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
     2 where the local engine runs the plan, more than one device is given and the enumeration
     is within :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
+    ``schedule`` is ``"gpipe"`` (fill-drain: ``pipe(x)`` then ``loss.backward()``), ``"1f1b"``
+    (fewer micro-batches in flight, trained with :meth:`~autopipe.Pipeline.train_step`; searched
+    by :mod:`autopipe.planning.one_f_one_b`, a heuristic priced by simulation) or ``"auto"``
+    (the faster prediction of the two; local engine only).
     """
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
@@ -73,16 +77,21 @@ def plan(
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
     choice = None
-    for factor in options.interleaves:
+    for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
             choice = solve(model, options.candidates, options.modes, options.limits)
         else:
             choice = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
                                         choice) or choice
+    record = options.record()
+    if "1f1b" in options.schedules:
+        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, options.limits, choice)
+        choice = outcome.choice or choice
+        record["1f1b_search_complete"] = outcome.complete
     if choice is None:
         raise PlanningError(infeasible(model, options))
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
-                      choice.interleave)
+    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, record,
+                      choice.interleave, choice.schedule)
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:

@@ -21,7 +21,7 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm

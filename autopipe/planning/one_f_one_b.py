@@ -1,0 +1,108 @@
+"""The planner's search for 1F1B plans: one stage per device, stages on devices ``0..k-1``.
+
+1F1B (:mod:`autopipe.planning.schedules`) holds at most ``k - s`` micro-batches on stage
+``s`` instead of all ``m``, so under a memory limit it may need no checkpointing where
+fill-drain does.  Its phases interleave and its time has no closed form: a split's time is the
+simulator's.  The search is a heuristic, not exact like fill-drain's
+(:mod:`autopipe.planning.solver`): for each ``(chunks, mode, k)``, taken in order of a lower
+bound on any such plan and only while that bound is under the best time found, a min-max DP
+gives the split of least largest compute lane ``(F + W + R) / v`` whose every stage fits its
+device's memory with 1F1B's in-flight count, and the simulator prices it.  The lower bound is
+the larger of all work spread over the ``k`` devices' total speed and one micro-batch's
+forward and backward through the chain at the top speed; a ``(chunks, mode, k)`` whose bound
+reaches the best time is never better, so the search skips it.
+
+The DP over stages ``s`` and cut positions is ``O(k · L²)`` per ``(chunks, mode, k)``; at most
+:data:`CELLS` cells are spent in all (the plan's options record whether the search finished).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .candidates import Choice
+from .cost import CostModel, recomputations
+from .simulate import evaluate
+
+__all__ = ["CELLS", "Outcome", "search"]
+
+#: DP cells (stages × cut pairs) the search spends at most, over all groups.
+CELLS = 60_000_000
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The best 1F1B plan found (``None`` if none fits or none beats the plan given) and
+    whether every group whose bound was under the best time was searched."""
+
+    choice: Choice | None
+    complete: bool
+
+
+def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+           best: Choice | None) -> Outcome:
+    """A 1F1B plan faster than ``best`` (any schedule), over ``candidates`` micro-batch counts,
+    checkpoint ``modes`` and stage counts up to the devices given."""
+    groups = sorted((_bound(model, chunks, mode, k), chunks, mode, k)
+                    for chunks in candidates for mode in modes
+                    for k in range(1, min(len(limits), model.layers) + 1))
+    spent, found = 0, None
+    for bound, chunks, mode, k in groups:
+        if best is not None and bound >= best.iteration_ms:
+            return Outcome(found, True)
+        cells = k * model.layers * (model.layers + 1) // 2
+        if spent + cells > CELLS:
+            return Outcome(found, False)
+        spent += cells
+        bounds = _split(model, chunks, mode, k, limits)
+        if bounds is None:
+            continue
+        time = evaluate(model, bounds, chunks, mode, "1f1b").iteration_ms
+        if best is None or time < best.iteration_ms:
+            best = found = Choice(tuple(bounds), chunks, mode, time, schedule="1f1b")
+    return Outcome(found, True)
+
+
+def _bound(model: CostModel, chunks: int, mode: str, k: int) -> float:
+    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches into ``k`` stages
+    on devices ``0..k-1`` (copies only add time)."""
+    costs = model.at(model.micro_batch_size(chunks))
+    forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
+    work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
+    speeds = model.speeds[:k]
+    return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)))
+
+
+def _split(model: CostModel, chunks: int, mode: str, k: int, limits: np.ndarray) -> list[int] | None:
+    """Bounds of the ``k``-stage split of least largest compute lane whose stages fit their
+    devices' memory under 1F1B, or ``None`` if none fits."""
+    layers = model.layers
+    costs = model.at(model.micro_batch_size(chunks))
+    recompute = 1.0 if recomputations(mode, chunks) else 0.0
+    lane = costs.forward * (1.0 + recompute) + costs.backward
+    start, stop = np.triu_indices(layers + 1, 1)  # every stage [start, stop), start < stop
+    work = lane[stop] - lane[start]
+    largest = np.full(layers + 1, math.inf)
+    largest[0] = 0.0
+    choices = []
+    for s in range(k):
+        memory = model.schedule_memory(costs, start, stop, chunks, mode, "1f1b", s, k)
+        value = np.where(memory <= limits[s], np.maximum(largest[start], work / model.speeds[s]), math.inf)
+        order = np.lexsort((value, stop))  # per stop, its least value first
+        first = np.concatenate(([True], np.diff(stop[order]) > 0))
+        picked = order[first]
+        nxt = np.full(layers + 1, math.inf)
+        nxt[stop[picked]] = value[picked]
+        choice = np.full(layers + 1, -1)
+        choice[stop[picked]] = start[picked]
+        largest = nxt
+        choices.append(choice)
+    if not math.isfinite(largest[layers]):
+        return None
+    bounds = [layers]
+    for choice in reversed(choices):
+        bounds.append(int(choice[bounds[-1]]))
+    return bounds[::-1]
