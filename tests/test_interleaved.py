@@ -81,7 +81,7 @@ def test_search_against_brute_force(seed: int) -> None:
         if rng.random() < 0.5:
             limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
         expected = brute_force(model, chunks, modes, limits)
-        found = interleaved.search(model, chunks, modes, limits, 2, None)
+        found = interleaved.search(model, chunks, modes, limits, 2, None).choice
         if math.isinf(expected):
             assert found is None
             continue
@@ -89,7 +89,7 @@ def test_search_against_brute_force(seed: int) -> None:
         assert found.interleave == 2 and len(found.bounds) - 1 in (4, 6)
         # given a better plan to beat, it returns nothing unless it beats it
         contiguous = solve(model, chunks, modes, limits)
-        beaten = interleaved.search(model, chunks, modes, limits, 2, contiguous)
+        beaten = interleaved.search(model, chunks, modes, limits, 2, contiguous).choice
         if contiguous is not None and contiguous.iteration_ms <= expected:
             assert beaten is None
         else:

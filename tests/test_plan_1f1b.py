@@ -58,7 +58,8 @@ def test_1f1b_plans_fit_or_fail_with_the_reason() -> None:
         chosen = plan(profile, memory_limit=limit, schedule="1f1b")
         assert max(s.memory_bytes for s in chosen.stages) <= limit
         assert chosen.schedule == "1f1b" and chosen.interleave == 1
-        assert chosen.options["1f1b_search_complete"] is True
+        bound = chosen.predicted.lower_bound_ms
+        assert bound is not None and bound <= chosen.predicted.iteration_ms
     with pytest.raises(PlanningError, match="no plan fits"):
         plan(profile, memory_limit=500, schedule="1f1b")
     with pytest.raises(ValueError, match="one stage per device"):

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flight; train with pipe.train_step) or auto (the faster prediction)")
     parser.add_argument("--interleave", default="auto",
                         help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
+    parser.add_argument("--time-limit", type=float, default=1.0,
+                        help="seconds to search (default 1): the best plan found and a proven lower bound; "
+                             "0 for no limit")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--compare", action="store_true",
                         help="also price equal-layer, parameter-balanced and time-only min-max splits")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
-                  schedule=args.schedule)
+                  schedule=args.schedule, time_limit=args.time_limit or None)
     print(summary(chosen))
     if args.compare:
         print()
@@ -98,4 +101,11 @@ def summary(chosen: Plan) -> str:
         f"engine: {chosen.options.get('engine', 'local')}",
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
         f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
+        *([] if predicted.gap is None else [_bound_line(predicted.lower_bound_ms, predicted.gap)]),
     ])
+
+
+def _bound_line(lower_bound_ms: float | None, gap: float) -> str:
+    """The proven lower bound and the gap: 0 says the plan is optimal for the cost model."""
+    verdict = "optimal (search finished)" if gap == 0 else "time limit reached; --time-limit for more"
+    return f"lower bound:   {lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"

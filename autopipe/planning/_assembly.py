@@ -13,9 +13,11 @@ __all__ = ["build_plan"]
 
 
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
-               options: dict[str, Any], interleave: int = 1, schedule: str = "gpipe") -> Plan:
+               options: dict[str, Any], interleave: int = 1, schedule: str = "gpipe",
+               lower_bound: float | None = None) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
-    fill-drain)."""
+    fill-drain); ``lower_bound`` is what the search proved of the optimum (default: this plan's
+    time, i.e. optimal)."""
     where = placement(len(bounds) - 1, interleave)
     evaluation = evaluate(model, bounds, chunks, mode, schedule, where)
     layers = profile.layers
@@ -31,7 +33,8 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
     used = len(stages) // interleave
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
-    predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)
+    least = evaluation.iteration_ms if lower_bound is None else min(lower_bound, evaluation.iteration_ms)
+    predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble, least)
     return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
                 batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
                 stages=stages, predicted=predicted, options=options, interleave=interleave)

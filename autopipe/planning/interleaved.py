@@ -35,6 +35,7 @@ import numpy as np
 
 from .cost import CostModel, recomputations
 from .plans import placement
+from ._budget import Budget, Outcome
 from .candidates import Choice
 from .simulate import simulate
 
@@ -79,30 +80,37 @@ class _Splits:
 
 
 def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
-           interleave: int, best: Choice | None) -> Choice | None:
+           interleave: int, best: Choice | None, budget: Budget | None = None) -> Outcome:
     """The best interleaved split strictly faster than ``best`` (any split if ``best`` is
-    ``None``), or ``None``.
+    ``None``; the outcome's choice is ``None`` if none is), and a lower bound on the time of
+    ``best`` and of every interleaved split.
 
     Each ``(chunks, mode, device count)`` is taken in order of its least possible time (all its
     work spread evenly over its devices), and within it each split in order of its bound; both
-    loops stop at the best time found, so what they skip cannot be faster."""
+    loops stop at the best time found, so what they skip cannot be faster.  When ``budget``
+    runs out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
     groups = {k: _Splits.of(model.layers, k, interleave) for k in range(2, devices + 1)}
     tried = sorted((_work_bound(model, chunks, mode, k), chunks, mode, k)
                    for chunks in candidates for mode in modes for k in groups)
-    found = best
+    found, left = best, math.inf
     for least, chunks, mode, k in tried:
-        if found is not None and least >= found.iteration_ms:
+        if found is not None and least >= found.iteration_ms or math.isfinite(left):
+            left = min(left, least)
             break
         lower = _lower_bounds(model, groups[k], chunks, mode, interleave)
         for row in np.argsort(lower, kind="stable"):
             if found is not None and lower[row] >= found.iteration_ms:
                 break
+            if budget is not None and budget.out():
+                left = float(lower[row])
+                break
             bounds = tuple(int(b) for b in groups[k].bounds[row])
             ms = time_of(model, bounds, chunks, mode, interleave, limits)
             if found is None and math.isfinite(ms) or found is not None and ms < found.iteration_ms:
                 found = Choice(bounds, chunks, mode, ms, interleave)
-    return None if found is best else found
+    upper = math.inf if found is None else found.iteration_ms
+    return Outcome(None if found is best else found, min(upper, left))
 
 
 def _work_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:

@@ -13,57 +13,53 @@ forward and backward through the chain at the top speed; a ``(chunks, mode, k)``
 reaches the best time is never better, so the search skips it.
 
 The DP over stages ``s`` and cut positions is ``O(k · L²)`` per ``(chunks, mode, k)``; at most
-:data:`CELLS` cells are spent in all (the plan's options record whether the search finished).
+:data:`CELLS` cells are spent in all, and none after the planner's time limit.  Since the split
+of a group is not proven the fastest of its group, the lower bound this search proves is the
+least group bound, not its plan's time: a 1F1B plan's gap is rarely 0.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
 from .simulate import evaluate
 
-__all__ = ["CELLS", "Outcome", "search"]
+__all__ = ["CELLS", "search"]
 
 #: DP cells (stages × cut pairs) the search spends at most, over all groups.
 CELLS = 60_000_000
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """The best 1F1B plan found (``None`` if none fits or none beats the plan given) and
-    whether every group whose bound was under the best time was searched."""
-
-    choice: Choice | None
-    complete: bool
-
-
 def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
-           best: Choice | None) -> Outcome:
-    """A 1F1B plan faster than ``best`` (any schedule), over ``candidates`` micro-batch counts,
-    checkpoint ``modes`` and stage counts up to the devices given."""
+           best: Choice | None, budget: Budget | None = None) -> Outcome:
+    """A 1F1B plan faster than ``best`` (any schedule; ``None`` in the outcome if none is
+    found), over ``candidates`` micro-batch counts, checkpoint ``modes`` and stage counts up to
+    the devices given, and a lower bound on the time of ``best`` and of every 1F1B plan: the
+    least bound of the groups (searched or not, as the split the DP picks need not be the
+    fastest of its group)."""
     groups = sorted((_bound(model, chunks, mode, k), chunks, mode, k)
                     for chunks in candidates for mode in modes
                     for k in range(1, min(len(limits), model.layers) + 1))
-    spent, found = 0, None
-    for bound, chunks, mode, k in groups:
-        if best is not None and bound >= best.iteration_ms:
-            return Outcome(found, True)
+    spent, found = 0, best
+    for least, chunks, mode, k in groups:
         cells = k * model.layers * (model.layers + 1) // 2
-        if spent + cells > CELLS:
-            return Outcome(found, False)
+        over = found is not None and least >= found.iteration_ms
+        if over or spent + cells > CELLS or budget is not None and budget.out():
+            break
         spent += cells
         bounds = _split(model, chunks, mode, k, limits)
         if bounds is None:
             continue
         time = evaluate(model, bounds, chunks, mode, "1f1b").iteration_ms
-        if best is None or time < best.iteration_ms:
-            best = found = Choice(tuple(bounds), chunks, mode, time, schedule="1f1b")
-    return Outcome(found, True)
+        if found is None or time < found.iteration_ms:
+            found = Choice(tuple(bounds), chunks, mode, time, schedule="1f1b")
+    upper = math.inf if found is None else found.iteration_ms
+    return Outcome(None if found is best else found, min(upper, groups[0][0]))
 
 
 def _bound(model: CostModel, chunks: int, mode: str, k: int) -> float:

@@ -66,21 +66,32 @@ class Prediction:
     """Predicted times of one training iteration (forward phase + backward phase), in ms.
 
     ``bubble_fraction`` is the share of device-time (devices × iteration) in which a device
-    computes nothing.
+    computes nothing.  ``lower_bound_ms`` is what the planner proved: no plan it searched is
+    faster (equal to ``iteration_ms`` when its search finished); :attr:`gap` how far above that
+    this plan may be.
     """
 
     iteration_ms: float
     forward_ms: float
     backward_ms: float
     bubble_fraction: float
+    lower_bound_ms: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """``(iteration_ms - lower_bound_ms) / iteration_ms`` (``None`` if no bound is known)."""
+        if self.lower_bound_ms is None or not self.iteration_ms > 0:
+            return None if self.lower_bound_ms is None else 0.0
+        return max(0.0, (self.iteration_ms - self.lower_bound_ms) / self.iteration_ms)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "gap": self.gap}
 
     @staticmethod
     def from_json(f: Fields) -> "Prediction":
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
-                          f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0))
+                          f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0),
+                          f.optional("lower_bound_ms", lambda key: f.float(key, 0.0)))
 
 
 @dataclass

@@ -43,6 +43,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ._budget import Budget
 from ._arrays import Columns, largest_after, pairs, prefix_argmin, ragged_arange, states, uniform
 from .candidates import Candidate, Choice, reach
 from .completion import Completions
@@ -92,8 +93,10 @@ class Search:
     lower bounds of ``completions`` (built with caps no smaller than ``best`` allows)."""
 
     def __init__(self, model: CostModel, candidate: Candidate, limits: np.ndarray, best: float,
-                 completions: Completions) -> None:
+                 completions: Completions, budget: Budget | None = None) -> None:
         self.model = model
+        self.budget = budget
+        self.finished = False  # whether run() searched every split (else the budget ran out)
         self.candidate = candidate
         self.m = candidate.chunks
         self.mode = candidate.effective
@@ -117,13 +120,19 @@ class Search:
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
 
     def run(self) -> Choice | None:
-        """The best split strictly better than ``best``, or ``None``."""
+        """The best split strictly better than ``best``, or ``None``; :attr:`finished` says
+        whether every split was searched before the budget ran out."""
         one = np.zeros(1, dtype=int)
         labels = _Labels(one, one, np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros(1), one - 1)
         for stage in range(self.devices):
+            if self.budget is not None and self.budget.out():
+                break
             labels = self._step(stage, labels)
             if not len(labels.x):
+                self.finished = True
                 break
+        else:
+            self.finished = True
         if self.bounds is None:
             return None
         return Choice(self.bounds, self.m, self.candidate.mode, self.best)

@@ -21,6 +21,7 @@ import numpy as np
 from ..profiling.profiles import Profile
 from . import interleaved, one_f_one_b
 from ._assembly import build_plan
+from ._budget import Budget, Outcome
 from ._infeasible import infeasible, smallest_memory
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
 from .completion import Completions
@@ -53,6 +54,7 @@ def plan(
     chunks: int | None = None,
     engine: str = "local",
     interleave: int | str = "auto",
+    time_limit: float | None = 1.0,
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
@@ -70,51 +72,74 @@ def plan(
     (fewer micro-batches in flight, trained with :meth:`~autopipe.Pipeline.train_step`; searched
     by :mod:`autopipe.planning.one_f_one_b`, a heuristic priced by simulation) or ``"auto"``
     (the faster prediction of the two; local engine only).
+
+    The search stops after ``time_limit`` seconds (``None``: never) with the best plan found;
+    ``plan.predicted.lower_bound_ms`` is a proven lower bound on every plan searched and
+    ``plan.predicted.gap`` how far above it the plan may be (0 when the search finished:
+    the plan is then optimal for the cost model).
     """
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
-    choice = None
+    budget = Budget(time_limit)
+    choice, lower = None, math.inf
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
-            choice = solve(model, options.candidates, options.modes, options.limits)
+            outcome = solve_within(model, options.candidates, options.modes, options.limits, budget)
         else:
-            choice = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
-                                        choice) or choice
-    record = options.record()
+            outcome = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
+                                         choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     if "1f1b" in options.schedules:
-        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, options.limits, choice)
-        choice = outcome.choice or choice
-        record["1f1b_search_complete"] = outcome.complete
+        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, options.limits, choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     if choice is None:
+        if budget.spent:
+            raise PlanningError(f"no plan that fits was found within time_limit={time_limit} s; "
+                                "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, record,
-                      choice.interleave, choice.schedule)
+    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
+                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms))
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
     """The best plan over the micro-batch counts ``candidates`` and ``modes``, or ``None`` if
-    none fits in memory.
+    none fits in memory (:func:`solve_within` without a time limit)."""
+    return solve_within(model, candidates, modes, limits, Budget(None)).choice
+
+
+def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+                 budget: Budget) -> Outcome:
+    """The best plan found over the micro-batch counts ``candidates`` and ``modes`` within
+    ``budget``, and a lower bound on the optimum (equal to the plan's time when the search
+    finished: it is then exact).
 
     Candidates are scouted in order of their cheap bound while it is under the best time: a
     coarse grid of caps gives each a lower bound and plans.  Then each is searched exactly
     for a strictly better plan (after a finer grid around its best plan), those with the best
-    plans first, so that the others are cut off early.  Ties go to the plan found first.
+    plans first, so that the others are cut off early.  Ties go to the plan found first.  When
+    the time is up, what is left contributes its bound: a candidate not scouted its cheap bound,
+    one not searched to the end its grid's.
     """
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
                    key=lambda c: (c.lower_bound, c.chunks, MODES.index(c.mode)))
     best = _seed(model, pairs[0], limits)
-    leads = []
+    leads, left = [], [math.inf]
     for pair in pairs:
         if best is not None and pair.lower_bound >= best.iteration_ms:
+            break
+        if budget.out():
+            left.append(pair.lower_bound)  # the least of those not scouted (sorted by it)
             break
         leads.append(_scout(model, pair, limits, best))
         best = _better(best, leads[-1].plan)
     for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        best = _search(model, lead, limits, best)
-    return best
+        best, unresolved = _search(model, lead, limits, best, budget)
+        left.append(unresolved)
+    upper = math.inf if best is None else best.iteration_ms
+    return Outcome(best, min(upper, *left))
 
 
 @dataclass(frozen=True)
@@ -147,17 +172,24 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
-def _search(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None) -> Choice | None:
+def _search(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None,
+            budget: Budget) -> tuple[Choice | None, float]:
     """``best`` or a better plan of ``lead.candidate``: the plans of a grid of caps around its
-    best plan, then the exact DP — each only while its lower bound is under the best time."""
+    best plan, then the exact DP — each only while its lower bound is under the best time —
+    and a lower bound on the candidate's plans left unsearched when ``budget`` ran out (``inf``
+    when none was)."""
     if best is not None and lead.least >= best.iteration_ms:
-        return best
+        return best, math.inf
+    if budget.out():
+        return best, lead.least
     completions = _grid(model, lead.candidate, limits, best, lead.lanes, lead.floor)
     best = _better(best, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
     if best is not None and completions.least() >= best.iteration_ms:
-        return best
+        return best, math.inf
     cutoff = math.inf if best is None else best.iteration_ms
-    return Search(model, lead.candidate, limits, cutoff, completions).run() or best
+    search = Search(model, lead.candidate, limits, cutoff, completions, budget)
+    found = search.run() or best
+    return found, math.inf if search.finished else completions.least()
 
 
 def _grid(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
