@@ -139,10 +139,21 @@ def test_planner_interleave_options_are_checked() -> None:
         plan(profile, interleave=0)
     with pytest.raises(ValueError, match="needs at least 2 devices"):
         plan(profile, 1, interleave=2)
-    wide = make_profile([1.0] * 40, devices=4)
-    with pytest.raises(ValueError, match=r"would enumerate \d+ splits of 40 layers"):
-        plan(wide, interleave=2)
-    assert plan(wide).options["interleaves_searched"] == [1]  # auto stays within the budget
+
+
+def test_interleaved_beyond_enumeration_gets_a_min_max_split() -> None:
+    """40 layers on 4 devices, 2 stages each: C(39, 7) splits are not enumerated; the min-max
+    split is simulated, fits the memory limit, and its bound stays open (gap reported)."""
+    wide = make_profile([1.0 + (i % 5) for i in range(40)], devices=4, saved_bytes=100, linear=True)
+    chosen = plan(wide, interleave=2, chunks=8, memory_limit=60_000, time_limit=None)
+    assert chosen.interleave == 2 and len(chosen.stages) == 8
+    assert simulate_plan(chosen).iteration_ms == pytest.approx(chosen.predicted.iteration_ms)
+    held = [0] * 4
+    for stage, device in zip(chosen.stages, chosen.placement):
+        held[device] += stage.memory_bytes
+    assert max(held) <= 60_000
+    assert chosen.predicted.lower_bound_ms <= chosen.predicted.iteration_ms
+    assert plan(wide, chunks=8).options["interleaves_searched"] == [1, 2]
 
 
 def test_interleaved_plan_file_round_trip_and_checks(tmp_path) -> None:

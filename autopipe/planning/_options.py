@@ -8,7 +8,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import interleaved
 from ..profiling.profiles import Profile
 from .cost import MODES
 from .plans import SCHEDULES
@@ -92,8 +91,7 @@ def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: 
     """The stages-per-device factors to search: ``[asked]``, or for ``"auto"`` 1 and, where it
     can run and be searched exactly, 2."""
     if asked == "auto":
-        fits = interleaved.split_count(len(layers), devices, 2) <= interleaved.BUDGET
-        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) and fits else [1]
+        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) else [1]
     if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
         raise ValueError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
     if asked > 1:
@@ -103,11 +101,6 @@ def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: 
         if devices < 2 or 2 * asked > len(layers):
             raise ValueError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
                              f"got {devices} devices and {len(layers)} layers")
-        count = interleaved.split_count(len(layers), devices, asked)
-        if count > interleaved.BUDGET:
-            raise ValueError(f"interleave={asked} would enumerate {count} splits of {len(layers)} layers on "
-                             f"up to {devices} devices, more than {interleaved.BUDGET}; plan fewer "
-                             "devices or use interleave=1")
     return [asked]
 
 

@@ -21,8 +21,10 @@ per phase the larger of
 and splits are simulated in order of bound until it reaches the best time found (the
 ``(chunks, mode, device count)`` groups themselves taken in order of their least possible
 work per device, see :func:`search`); a split over a device's memory limit (the sum of its
-stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; beyond
-:data:`BUDGET` of them the planner does not interleave (and says so in the plan's options).
+stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; a group of more
+than :data:`BUDGET` is not enumerated but given one split, the min-max split of
+:mod:`autopipe.planning._minmax` (``O(n · L²)``, each stage within an equal share of its
+device's memory), and its bound stays open: the plan's gap shows what that may cost.
 """
 from __future__ import annotations
 
@@ -36,18 +38,14 @@ import numpy as np
 from .cost import CostModel, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
+from ._minmax import min_max_split
 from .candidates import Choice
 from .simulate import simulate
 
-__all__ = ["BUDGET", "split_count", "search", "time_of"]
+__all__ = ["BUDGET", "search", "time_of"]
 
 #: splits (over all device counts) that the planner enumerates for one interleave factor.
 BUDGET = 200_000
-
-
-def split_count(layers: int, devices: int, interleave: int) -> int:
-    """Splits of ``layers`` into ``interleave`` stages on each of 2..``devices`` devices."""
-    return sum(math.comb(layers - 1, k * interleave - 1) for k in range(2, devices + 1))
 
 
 def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
@@ -86,31 +84,60 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``best`` and of every interleaved split.
 
     Each ``(chunks, mode, device count)`` is taken in order of its least possible time (all its
-    work spread evenly over its devices), and within it each split in order of its bound; both
-    loops stop at the best time found, so what they skip cannot be faster.  When ``budget``
-    runs out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
+    work spread evenly over its devices); one of at most :data:`BUDGET` splits is enumerated,
+    each split in order of its bound, a larger one gets the min-max split of
+    :mod:`autopipe.planning._minmax` (its bound then stays open).  Both loops stop at the best
+    time found, so what they skip cannot be faster.  When ``budget`` runs out, the bound of what
+    is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
-    groups = {k: _Splits.of(model.layers, k, interleave) for k in range(2, devices + 1)}
     tried = sorted((_work_bound(model, chunks, mode, k), chunks, mode, k)
-                   for chunks in candidates for mode in modes for k in groups)
+                   for chunks in candidates for mode in modes for k in range(2, devices + 1))
     found, left = best, math.inf
+    enumerated: dict[int, _Splits] = {}
     for least, chunks, mode, k in tried:
-        if found is not None and least >= found.iteration_ms or math.isfinite(left):
+        if found is not None and least >= found.iteration_ms or math.isfinite(left) and budget is not None \
+                and budget.spent:
             left = min(left, least)
             break
-        lower = _lower_bounds(model, groups[k], chunks, mode, interleave)
-        for row in np.argsort(lower, kind="stable"):
-            if found is not None and lower[row] >= found.iteration_ms:
+        if math.comb(model.layers - 1, k * interleave - 1) > BUDGET:
+            left = min(left, least)
+            rows = [_min_max(model, chunks, mode, k, interleave, limits)]
+            lower = np.full(1, least)
+        else:
+            if k not in enumerated:
+                enumerated[k] = _Splits.of(model.layers, k, interleave)
+            splits = enumerated[k]
+            lower = _lower_bounds(model, splits, chunks, mode, interleave)
+            rows = [tuple(int(b) for b in splits.bounds[row]) for row in np.argsort(lower, kind="stable")]
+            lower = np.sort(lower, kind="stable")
+        for bounds, bound in zip(rows, lower):
+            if found is not None and bound >= found.iteration_ms:
                 break
             if budget is not None and budget.out():
-                left = float(lower[row])
+                left = min(left, float(bound))
                 break
-            bounds = tuple(int(b) for b in groups[k].bounds[row])
+            if bounds is None:
+                continue
             ms = time_of(model, bounds, chunks, mode, interleave, limits)
             if found is None and math.isfinite(ms) or found is not None and ms < found.iteration_ms:
                 found = Choice(bounds, chunks, mode, ms, interleave)
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, left))
+
+
+def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
+             limits: np.ndarray) -> tuple[int, ...] | None:
+    """The split of least largest stage lane, each stage within its device's limit shared
+    equally by the device's ``interleave`` stages (so that their sum fits)."""
+    costs = model.at(model.micro_batch_size(chunks))
+    where = placement(devices * interleave, interleave)
+
+    def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        memory = model.memory(costs, start, stop, chunks, mode, model.held_bytes(costs, start, stop))
+        return memory <= limits[where[s]] / interleave
+
+    bounds = min_max_split(model, chunks, mode, model.speeds[where], fits)
+    return None if bounds is None else tuple(bounds)
 
 
 def _work_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:

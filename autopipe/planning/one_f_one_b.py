@@ -27,6 +27,7 @@ import numpy as np
 from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
+from ._minmax import min_max_split
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -75,30 +76,9 @@ def _bound(model: CostModel, chunks: int, mode: str, k: int) -> float:
 def _split(model: CostModel, chunks: int, mode: str, k: int, limits: np.ndarray) -> list[int] | None:
     """Bounds of the ``k``-stage split of least largest compute lane whose stages fit their
     devices' memory under 1F1B, or ``None`` if none fits."""
-    layers = model.layers
     costs = model.at(model.micro_batch_size(chunks))
-    recompute = 1.0 if recomputations(mode, chunks) else 0.0
-    lane = costs.forward * (1.0 + recompute) + costs.backward
-    start, stop = np.triu_indices(layers + 1, 1)  # every stage [start, stop), start < stop
-    work = lane[stop] - lane[start]
-    largest = np.full(layers + 1, math.inf)
-    largest[0] = 0.0
-    choices = []
-    for s in range(k):
-        memory = model.schedule_memory(costs, start, stop, chunks, mode, "1f1b", s, k)
-        value = np.where(memory <= limits[s], np.maximum(largest[start], work / model.speeds[s]), math.inf)
-        order = np.lexsort((value, stop))  # per stop, its least value first
-        first = np.concatenate(([True], np.diff(stop[order]) > 0))
-        picked = order[first]
-        nxt = np.full(layers + 1, math.inf)
-        nxt[stop[picked]] = value[picked]
-        choice = np.full(layers + 1, -1)
-        choice[stop[picked]] = start[picked]
-        largest = nxt
-        choices.append(choice)
-    if not math.isfinite(largest[layers]):
-        return None
-    bounds = [layers]
-    for choice in reversed(choices):
-        bounds.append(int(choice[bounds[-1]]))
-    return bounds[::-1]
+
+    def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        return model.schedule_memory(costs, start, stop, chunks, mode, "1f1b", s, k) <= limits[s]
+
+    return min_max_split(model, chunks, mode, model.speeds[:k], fits)

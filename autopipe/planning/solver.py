@@ -66,8 +66,8 @@ def plan(
     ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
     micro-batches only), costed as in :mod:`autopipe.planning.cost`.  ``interleave`` is the number of
     stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
-    2 where the local engine runs the plan, more than one device is given and the enumeration
-    is within :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
+    2 where the local engine runs the plan and more than one device is given (the plan's options
+    record what was tried).
     ``schedule`` is ``"gpipe"`` (fill-drain: ``pipe(x)`` then ``loss.backward()``), ``"1f1b"``
     (fewer micro-batches in flight, trained with :meth:`~autopipe.Pipeline.train_step`; searched
     by :mod:`autopipe.planning.one_f_one_b`, a heuristic priced by simulation) or ``"auto"``
