@@ -19,8 +19,8 @@ per phase the larger of
   (``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might not happen),
 
 and splits are simulated in order of bound until it reaches the best time found (the
-``(chunks, mode, device count)`` groups themselves taken in order of their least possible
-work per device, see :func:`search`); a split over a device's memory limit (the sum of its
+``(chunks, mode, device count)`` groups themselves taken in order of a bound on all their
+splits, see :func:`search`); a split over a device's memory limit (the sum of its
 stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; a group of more
 than :data:`BUDGET` is not enumerated but given one split, the min-max split of
 :mod:`autopipe.planning._minmax` (``O(n · L²)``, each stage within an equal share of its
@@ -83,14 +83,14 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``None``; the outcome's choice is ``None`` if none is), and a lower bound on the time of
     ``best`` and of every interleaved split.
 
-    Each ``(chunks, mode, device count)`` is taken in order of its least possible time (all its
-    work spread evenly over its devices); one of at most :data:`BUDGET` splits is enumerated,
+    Each ``(chunks, mode, device count)`` is taken in order of a lower bound on its time
+    (:func:`_group_bound`); one of at most :data:`BUDGET` splits is enumerated,
     each split in order of its bound, a larger one gets the min-max split of
     :mod:`autopipe.planning._minmax` (its bound then stays open).  Both loops stop at the best
     time found, so what they skip cannot be faster.  When ``budget`` runs out, the bound of what
     is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
-    tried = sorted((_work_bound(model, chunks, mode, k), chunks, mode, k)
+    tried = sorted((_group_bound(model, chunks, mode, k, interleave), chunks, mode, k)
                    for chunks in candidates for mode in modes for k in range(2, devices + 1))
     found, left = best, math.inf
     enumerated: dict[int, _Splits] = {}
@@ -140,11 +140,21 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
     return None if bounds is None else tuple(bounds)
 
 
-def _work_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:
-    """All the work of one iteration over the total speed of ``devices`` devices."""
+def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> float:
+    """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
+    the larger of all its work over the devices' total speed and the chain: one micro-batch
+    through every stage (``Σ F_s/v_s ≥ F/v_max``) plus ``m - 1`` on the slowest lane (at least
+    the average of the ``n`` stages')."""
     costs = model.at(model.micro_batch_size(chunks))
-    work = chunks * (costs.forward[-1] + costs.backward[-1]) + recomputations(mode, chunks) * costs.forward[-1]
-    return float(work / np.sum(model.speeds[:devices]))
+    forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
+    recomputed = recomputations(mode, chunks)
+    speeds = model.speeds[:devices]
+    spread, top, stages = float(np.sum(speeds)), float(np.max(speeds)), devices * interleave
+    lane = backward + (forward if recomputed else 0.0)  # the slowest lane with recomputation
+    first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
+    return (max(chunks * forward / spread, forward / top * (1 + (chunks - 1) / stages))
+            + max((chunks * backward + recomputed * forward) / spread,
+                  first / top + (chunks - 1) * lane / (stages * top)))
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:

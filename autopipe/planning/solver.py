@@ -6,9 +6,10 @@ on its time.  After a first plan (the greedy split of least largest forward lane
 are taken in order of that bound until it reaches the best time found, and a coarse grid of lane
 caps (:class:`~autopipe.planning.completion.Completions`) gives each a lower bound and a few plans.  Then,
 those with the best plans first, each candidate whose bound is still under the best time gets a
-finer grid around its best plan (a tighter bound, more plans) and, if that bound is still under,
-the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned by that
-grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is optimal.
+finer grid around its best plan (a tighter bound, more plans) and then, if that bound is still
+under, the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned
+by that grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is
+optimal; stopped by the time limit, the least bound of what is left is a proven lower bound.
 """
 from __future__ import annotations
 
@@ -117,11 +118,11 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     finished: it is then exact).
 
     Candidates are scouted in order of their cheap bound while it is under the best time: a
-    coarse grid of caps gives each a lower bound and plans.  Then each is searched exactly
-    for a strictly better plan (after a finer grid around its best plan), those with the best
-    plans first, so that the others are cut off early.  Ties go to the plan found first.  When
-    the time is up, what is left contributes its bound: a candidate not scouted its cheap bound,
-    one not searched to the end its grid's.
+    coarse grid of caps gives each a lower bound and plans.  Then each gets a finer grid around
+    its best plan (a tighter bound, more plans), and then each is searched exactly for a
+    strictly better plan, those with the best plans first, so that the others are cut off
+    early.  Ties go to the plan found first.  When the time is up, what is left contributes its
+    bound: a candidate not scouted its cheap bound, one not searched to the end its grid's.
     """
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
                    key=lambda c: (c.lower_bound, c.chunks, MODES.index(c.mode)))
@@ -135,8 +136,17 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
             break
         leads.append(_scout(model, pair, limits, best))
         best = _better(best, leads[-1].plan)
+    refined = []
     for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        best, unresolved = _search(model, lead, limits, best, budget)
+        if best is not None and lead.least >= best.iteration_ms:
+            continue
+        if budget.out():
+            left.append(lead.least)
+            continue
+        refined.append(_refine(model, lead, limits, best))
+        best = _better(best, refined[-1].plan)
+    for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
+        best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
     upper = math.inf if best is None else best.iteration_ms
     return Outcome(best, min(upper, *left))
@@ -172,24 +182,38 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
-def _search(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None,
+@dataclass(frozen=True)
+class _Refined:
+    """A candidate's finer grid of caps around its best lanes: the grid, a lower bound on the
+    candidate's plans better than the best time when it was built, and its best plan."""
+
+    candidate: Candidate
+    completions: Completions
+    least: float
+    plan: Choice | None
+
+
+def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None) -> _Refined:
+    """A finer grid of caps around ``lead``'s best plan: a tighter bound and more plans, before
+    any exact search, so that a time limit leaves small gaps."""
+    completions = _grid(model, lead.candidate, limits, best, lead.lanes, lead.floor)
+    found = _better(lead.plan, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
+    return _Refined(lead.candidate, completions, max(lead.least, completions.least()), found)
+
+
+def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice | None,
             budget: Budget) -> tuple[Choice | None, float]:
-    """``best`` or a better plan of ``lead.candidate``: the plans of a grid of caps around its
-    best plan, then the exact DP — each only while its lower bound is under the best time —
-    and a lower bound on the candidate's plans left unsearched when ``budget`` ran out (``inf``
-    when none was)."""
-    if best is not None and lead.least >= best.iteration_ms:
+    """``best`` or a better plan of ``grid.candidate`` by the exact DP (only while the grid's
+    bound is under the best time), and a lower bound on the candidate's plans left unsearched
+    when ``budget`` ran out (``inf`` when none was)."""
+    if best is not None and grid.least >= best.iteration_ms:
         return best, math.inf
     if budget.out():
-        return best, lead.least
-    completions = _grid(model, lead.candidate, limits, best, lead.lanes, lead.floor)
-    best = _better(best, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
-    if best is not None and completions.least() >= best.iteration_ms:
-        return best, math.inf
+        return best, grid.least
     cutoff = math.inf if best is None else best.iteration_ms
-    search = Search(model, lead.candidate, limits, cutoff, completions, budget)
+    search = Search(model, grid.candidate, limits, cutoff, grid.completions, budget)
     found = search.run() or best
-    return found, math.inf if search.finished else completions.least()
+    return found, math.inf if search.finished else grid.least
 
 
 def _grid(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
