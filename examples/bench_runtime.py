@@ -54,6 +54,7 @@ import autopipe  # noqa: E402
 from autopipe.planning.cost import StageLanes  # noqa: E402
 from autopipe.planning.plans import placement  # noqa: E402
 from autopipe.planning.simulate import simulate  # noqa: E402
+from autopipe.planning.solver import PlanningError  # noqa: E402
 
 
 def main() -> None:
@@ -148,13 +149,29 @@ def _limited_plans(profile: autopipe.Profile, args: argparse.Namespace) -> dict[
     """Fill-drain's best plan and the planner's choice under ``--memory-limit`` per device."""
     if args.memory_limit == "none":
         return {}
-    limit = (float(args.memory_limit) if args.memory_limit != "auto" else
-             max(s.memory_bytes for s in autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch,
-                                                       checkpoint="never", schedule="1f1b", interleave=1).stages))
+    limit = float(args.memory_limit) if args.memory_limit != "auto" else _forcing_limit(profile, args)
+    if limit is None:
+        print("memory-limit rows left out: no 1F1B plan without checkpointing fits where fill-drain "
+              "must checkpoint, at these micro-batch counts")
+        return {}
     tag = f"limit {limit / 2**20:.0f} MiB:"
     options = {"batch_size": args.batch, "memory_limit": limit}
     return {f"{tag} fill-drain": autopipe.plan(profile, ["cpu", "cpu"], schedule="gpipe", **options),
             f"{tag} planner's choice": autopipe.plan(profile, ["cpu", "cpu"], schedule="auto", **options)}
+
+
+def _forcing_limit(profile: autopipe.Profile, args: argparse.Namespace) -> float | None:
+    """The peak stage memory of a 1F1B plan without checkpointing (most micro-batches first)
+    under which no fill-drain plan fits without checkpointing, or ``None``."""
+    for m in sorted((int(c) for c in args.chunks.split(",")), reverse=True):
+        one = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m, checkpoint="never",
+                            schedule="1f1b")
+        limit = float(max(s.memory_bytes for s in one.stages))
+        try:
+            autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, checkpoint="never", memory_limit=limit)
+        except PlanningError:
+            return limit
+    return None
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
