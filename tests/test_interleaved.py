@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from synthetic import make_profile, random_profile
 from test_runtime import mlp
 from test_solver import model_of
@@ -199,3 +200,42 @@ def test_turns_serve_waiters_by_rank() -> None:
         raise RuntimeError
     with turns.hold(9):
         pass
+
+
+def test_breadth_first_by_hand() -> None:
+    """The case of test_shared_device_by_hand under the breadth-first rule: device 0 runs all of
+    stage 0's forwards before stage 2's, and the iteration is shorter here."""
+    stages = lanes([1.0, 0.5, 1.0, 1.0])
+    events = simulate(stages, 3, "never", [0, 1, 0, 1], turns="breadth_first").events
+    table = {(e.stage, e.micro_batch): (e.start_ms, e.end_ms) for e in events if e.kind == "F"}
+    assert [table[(0, j)] for j in range(3)] == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    assert [table[(2, j)] for j in range(3)] == [(3.0, 4.0), (4.0, 5.0), (5.0, 6.0)]
+    assert [table[(1, j)] for j in range(3)] == [(1.0, 1.5), (2.0, 2.5), (3.0, 3.5)]
+    assert [table[(3, j)] for j in range(3)] == [(4.0, 5.0), (5.0, 6.0), (6.0, 7.0)]
+    depth = simulate(stages, 3, "never", [0, 1, 0, 1])
+    breadth = simulate(stages, 3, "never", [0, 1, 0, 1], turns="breadth_first")
+    assert breadth.forward_ms < depth.forward_ms
+
+
+def test_planner_records_the_faster_turn_rule_and_the_runtime_follows_it() -> None:
+    rng = random.Random(11)
+    chosen_rules = set()
+    for _ in range(12):
+        profile = random_profile(rng, rng.randint(4, 8), 2)
+        chosen = plan(profile, interleave=2, time_limit=None)
+        stages = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms, 0.0)
+                  for s in chosen.stages]
+        times = {rule: simulate(stages, chosen.chunks, chosen.checkpoint, chosen.placement, turns=rule).iteration_ms
+                 for rule in ("depth_first", "breadth_first")}
+        assert chosen.predicted.iteration_ms == pytest.approx(min(times.values()))
+        assert times[chosen.turns] == pytest.approx(min(times.values()))
+        chosen_rules.add(chosen.turns)
+    assert chosen_rules == {"depth_first", "breadth_first"}
+
+
+@pytest.mark.timeout(60)
+def test_breadth_first_turns_change_nothing_in_the_results() -> None:
+    from test_runtime import assert_transparent
+    x = torch.randn(10, 6, requires_grad=True)
+    pipe = assert_transparent(mlp(), x, [2, 2, 2, 1], 4, "except_last", interleave=2, turns="breadth_first")
+    assert {stage.turns.rule for stage in pipe.stages} == {"breadth_first"}

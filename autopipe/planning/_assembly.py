@@ -14,12 +14,12 @@ __all__ = ["build_plan"]
 
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
                options: dict[str, Any], interleave: int = 1, schedule: str = "gpipe",
-               lower_bound: float | None = None) -> Plan:
+               lower_bound: float | None = None, turns: str = "depth_first") -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
     fill-drain); ``lower_bound`` is what the search proved of the optimum (default: this plan's
     time, i.e. optimal)."""
     where = placement(len(bounds) - 1, interleave)
-    evaluation = evaluate(model, bounds, chunks, mode, schedule, where)
+    evaluation = evaluate(model, bounds, chunks, mode, schedule, where, turns)
     layers = profile.layers
     stages = [
         StagePlan(index=s, device=model.devices[where[s]], start=bounds[s], stop=bounds[s + 1],
@@ -37,4 +37,4 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble, least)
     return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
                 batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
-                stages=stages, predicted=predicted, options=options, interleave=interleave)
+                stages=stages, predicted=predicted, options=options, interleave=interleave, turns=turns)

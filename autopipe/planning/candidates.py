@@ -16,7 +16,8 @@ __all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
 @dataclass(frozen=True)
 class Choice:
     """The best plan the search found: stage bounds, chunks, checkpoint mode, its time, its
-    stages per device (:mod:`autopipe.planning.interleaved`) and its schedule."""
+    stages per device (:mod:`autopipe.planning.interleaved`), its schedule and the turn rule of
+    its shared devices."""
 
     bounds: tuple[int, ...]
     chunks: int
@@ -24,6 +25,7 @@ class Choice:
     iteration_ms: float
     interleave: int = 1
     schedule: str = "gpipe"
+    turns: str = "depth_first"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ the pipeline::
     device 1:        [ s1 ]      [ s3 ]
 
 Stages sharing a device take turns, so there is no closed form: a split's time is the
-simulator's (:func:`autopipe.planning.simulate.simulate`, the rule the runtime follows).  The search is
+simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
+of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.  The search is
 exact by enumeration with pruning: a lower bound on every split is computed at once with numpy,
 per phase the larger of
 
@@ -40,9 +41,10 @@ from .plans import placement
 from ._budget import Budget, Outcome
 from ._minmax import min_max_split
 from .candidates import Choice
+from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["BUDGET", "search", "time_of"]
+__all__ = ["BUDGET", "search", "time_of", "timed"]
 
 #: splits (over all device counts) that the planner enumerates for one interleave factor.
 BUDGET = 200_000
@@ -50,16 +52,23 @@ BUDGET = 200_000
 
 def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
             limits: np.ndarray) -> float:
-    """The simulated iteration ms of one interleaved split, or ``inf`` if a device's stages
-    overflow its memory."""
+    """The simulated iteration ms of one interleaved split under its faster turn rule, or
+    ``inf`` if a device's stages overflow its memory."""
+    return timed(model, bounds, chunks, mode, interleave, limits)[0]
+
+
+def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
+          limits: np.ndarray) -> tuple[float, str]:
+    """:func:`time_of` and the turn rule that gives it (depth-first on a tie)."""
     where = placement(len(bounds) - 1, interleave)
     lanes = model.stage_lanes(bounds, chunks, mode, where)
     held = np.zeros(len(limits))
     for stage, device in zip(lanes, where):
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
-        return math.inf
-    return simulate(lanes, chunks, mode, where).iteration_ms
+        return math.inf, TURN_RULES[0]
+    times = [(simulate(lanes, chunks, mode, where, turns=rule).iteration_ms, rule) for rule in TURN_RULES]
+    return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
 
 
 @dataclass(frozen=True)
@@ -118,9 +127,9 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
                 break
             if bounds is None:
                 continue
-            ms = time_of(model, bounds, chunks, mode, interleave, limits)
+            ms, rule = timed(model, bounds, chunks, mode, interleave, limits)
             if found is None and math.isfinite(ms) or found is not None and ms < found.iteration_ms:
-                found = Choice(bounds, chunks, mode, ms, interleave)
+                found = Choice(bounds, chunks, mode, ms, interleave, turns=rule)
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, left))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .._jsonio import Fields, read_json, write_json_atomic
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, TURN_RULES
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
@@ -107,7 +107,9 @@ class Plan:
 
     ``interleave`` is the number of stages per device: with ``k = len(stages) / interleave``
     devices, stage ``s`` runs on device ``s % k`` (``devices`` still names one per stage), so
-    each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules.
+    each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules;
+    ``turns`` is how such a device picks among its stages' ready tasks
+    (:data:`~autopipe.planning.schedules.TURN_RULES`, the faster predicted).
     """
 
     model: dict[str, Any]
@@ -121,6 +123,7 @@ class Plan:
     predicted: Prediction
     options: dict[str, Any] = field(default_factory=dict)
     interleave: int = 1
+    turns: str = "depth_first"
 
     @property
     def device_count(self) -> int:
@@ -159,6 +162,7 @@ class Plan:
             "checkpoint": self.checkpoint,
             "schedule": self.schedule,
             "interleave": self.interleave,
+            "turns": self.turns,
             "balance": self.balance,
             "split_points": [{"index": i, "name": n} for i, n in self.split_points],
             "stages": [stage.to_json() for stage in self.stages],
@@ -188,6 +192,7 @@ class Plan:
             predicted=Prediction.from_json(f.get("predicted")),
             options=f.get("options").value if f.has("options") else {},
             interleave=f.int("interleave", 1) if f.has("interleave") else 1,
+            turns=f.str("turns") if f.has("turns") else "depth_first",
         )
         _check_consistent(plan, f)
         return plan
@@ -198,6 +203,8 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
         raise f.error(f"'{plan.checkpoint}' is not one of {list(CHECKPOINT_MODES)}", "checkpoint")
     if plan.schedule not in SCHEDULES:
         raise f.error(f"'{plan.schedule}' is not one of {list(SCHEDULES)}", "schedule")
+    if plan.turns not in TURN_RULES:
+        raise f.error(f"'{plan.turns}' is not one of {list(TURN_RULES)}", "turns")
     if not plan.stages:
         raise f.error("a plan needs at least one stage", "stages")
     if not 1 <= plan.chunks <= plan.batch_size:

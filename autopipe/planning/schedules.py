@@ -18,17 +18,21 @@ saved tensors unless checkpointed, are held): ``m`` of them in fill-drain, at mo
 in 1F1B (:func:`in_flight`).  1F1B needs the loss inside the pipeline (the last stage's
 backward of micro-batch 0 precedes its forward of micro-batch 1), so the runtime runs it
 through :meth:`autopipe.Pipeline.train_step`.  Stages sharing a device (an interleaved plan)
-each keep their own order; the device serves them by :func:`priority`.
+each keep their own order; the device serves them by :func:`priority` under the plan's turn
+rule, whichever the planner predicts faster.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Schedule", "SCHEDULES", "Task", "order", "in_flight", "saved_sets", "priority", "checkpointed"]
+__all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "order", "in_flight", "saved_sets", "priority",
+           "checkpointed"]
 
 Schedule = Literal["gpipe", "1f1b"]
 #: the schedules a plan can name.
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b")
+#: how a device shared by several stages picks among their ready tasks (:func:`priority`).
+TURN_RULES = ("depth_first", "breadth_first")
 #: one task of a stage: ``("F" | "B", micro-batch)``.
 Task = tuple[str, int]
 
@@ -74,8 +78,14 @@ def checkpointed(mode: str, micro_batch: int, chunks: int) -> bool:
     return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
 
 
-def priority(stage: int, kind: str) -> int:
-    """Rank of a ready task (least goes first) when stages share a device: the further along
-    its phase's chain the sooner — forwards later stage first, backwards earlier stage first,
-    and forwards before backwards."""
-    return -stage if kind == "F" else stage
+def priority(stage: int, kind: str, rule: str = "depth_first") -> tuple[int, int]:
+    """Rank of a ready task (least goes first) when stages share a device: forwards before
+    backwards, then by ``rule`` (:data:`TURN_RULES`)::
+
+        depth_first    the further along its phase's chain the sooner: forwards later stage
+                       first (a micro-batch reaches the end sooner), backwards earlier first
+        breadth_first  the reverse: forwards earlier stage first (the first stages run all
+                       their micro-batches before the later ones start), backwards later first
+    """
+    along = -stage if kind == "F" else stage
+    return (0 if kind == "F" else 1), (along if rule == "depth_first" else -along)

@@ -59,13 +59,15 @@ class _Lane:
 
 
 def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: str,
-             placement: Sequence[int] | None = None, schedule: str = "gpipe") -> Simulation:
+             placement: Sequence[int] | None = None, schedule: str = "gpipe",
+             turns: str = "depth_first") -> Simulation:
     """Run one iteration of ``schedule`` over ``chunks`` micro-batches.
 
-    ``placement[s]`` is stage ``s``'s device (default: stage ``s`` on device ``s``)."""
+    ``placement[s]`` is stage ``s``'s device (default: stage ``s`` on device ``s``); ``turns``
+    the rule of a shared device (:func:`~autopipe.planning.schedules.priority`)."""
     where = list(range(len(stages))) if placement is None else list(placement)
     lanes = _lanes(stages, chunks, checkpoint, where, schedule)
-    events, finished = _run(lanes)
+    events, finished = _run(lanes, turns)
     forward_end = max((t for (kind, _, _), t in finished.items() if kind in "FC"), default=0.0)
     end = max(finished.values(), default=0.0)
     return Simulation(events, forward_end, end - forward_end)
@@ -96,7 +98,7 @@ def _lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: str, where: li
     return lanes
 
 
-def _run(lanes: dict[tuple[str, int], _Lane]) -> tuple[list[Event], dict[tuple[str, int, int], float]]:
+def _run(lanes: dict[tuple[str, int], _Lane], turns: str) -> tuple[list[Event], dict[tuple[str, int, int], float]]:
     """List-schedule the lanes' tasks; returns the events (of tasks that take time) and the end
     of every task.
 
@@ -108,7 +110,7 @@ def _run(lanes: dict[tuple[str, int], _Lane]) -> tuple[list[Event], dict[tuple[s
     waiting: dict[tuple[str, int, int], tuple[str, int]] = {}  # missing input → lane that needs it
     free = {lane.resource: 0.0 for lane in lanes.values()}
     ends = {name: 0.0 for name in lanes}
-    heap: list[tuple[float, bool, int, tuple[str, int]]] = []
+    heap: list[tuple[float, bool, tuple[int, int], tuple[str, int]]] = []
     events: list[Event] = []
 
     def offer(name: tuple[str, int]) -> None:
@@ -117,7 +119,7 @@ def _run(lanes: dict[tuple[str, int], _Lane]) -> tuple[list[Event], dict[tuple[s
             return
         needs = lane.tasks[lane.done][3]
         if needs is None or needs in finished:
-            heapq.heappush(heap, _key(lanes, name, free, ends, finished))
+            heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
         else:
             waiting[needs] = name
 
@@ -126,7 +128,7 @@ def _run(lanes: dict[tuple[str, int], _Lane]) -> tuple[list[Event], dict[tuple[s
     while heap:
         key = heapq.heappop(heap)
         name = key[3]
-        fresh = _key(lanes, name, free, ends, finished)
+        fresh = _key(lanes, name, free, ends, finished, turns)
         if fresh > key:
             heapq.heappush(heap, fresh)
             continue
@@ -146,28 +148,28 @@ def _run(lanes: dict[tuple[str, int], _Lane]) -> tuple[list[Event], dict[tuple[s
 
 
 def _key(lanes: dict[tuple[str, int], _Lane], name: tuple[str, int], free: dict[int, float],
-         ends: dict[tuple[str, int], float],
-         finished: dict[tuple[str, int, int], float]) -> tuple[float, bool, int, tuple[str, int]]:
+         ends: dict[tuple[str, int], float], finished: dict[tuple[str, int, int], float],
+         turns: str) -> tuple[float, bool, tuple[int, int], tuple[str, int]]:
     lane = lanes[name]
     kind, _, _, needs = lane.tasks[lane.done]
     ready = max(ends[name], finished[needs] if needs is not None else 0.0)
-    return max(free[lane.resource], ready), lane.resource >= 0, priority(lane.stage, kind), name
+    return max(free[lane.resource], ready), lane.resource >= 0, priority(lane.stage, kind, turns), name
 
 
 def simulate_plan(plan: Plan) -> Simulation:
     """The simulator run on the plan's predicted per-stage lane times, placement and schedule."""
     lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
                         float(s.memory_bytes)) for s in plan.stages]
-    return simulate(lanes, plan.chunks, plan.checkpoint, plan.placement, plan.schedule)
+    return simulate(lanes, plan.chunks, plan.checkpoint, plan.placement, plan.schedule, plan.turns)
 
 
 def evaluate(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, schedule: str = "gpipe",
-             placement: Sequence[int] | None = None) -> Evaluation:
+             placement: Sequence[int] | None = None, turns: str = "depth_first") -> Evaluation:
     """Cost a split under ``schedule`` with stage ``s`` on device ``placement[s]`` (default
-    ``s``): fill-drain with one stage per device by the closed form
-    (:meth:`CostModel.evaluate`), anything else by simulation."""
+    ``s``) and shared devices taking ``turns``: fill-drain with one stage per device by the
+    closed form (:meth:`CostModel.evaluate`), anything else by simulation."""
     if schedule == "gpipe" and (placement is None or list(placement) == list(range(len(placement)))):
         return model.evaluate(bounds, chunks, mode)
     lanes = model.stage_lanes(bounds, chunks, mode, placement, schedule)
-    simulation = simulate(lanes, chunks, mode, placement, schedule)
+    simulation = simulate(lanes, chunks, mode, placement, schedule, turns)
     return Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)

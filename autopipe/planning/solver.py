@@ -102,7 +102,7 @@ def plan(
                                 "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
     return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
-                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms))
+                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns)
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:

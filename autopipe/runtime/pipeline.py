@@ -26,7 +26,7 @@ from ..model.fingerprint import first_difference, model_fingerprint
 from ..model import Layer, layer_chain
 from .microbatch import gather, scatter, tensors_of
 from ..planning.plans import CHECKPOINT_MODES, Plan
-from ..planning.schedules import SCHEDULES
+from ..planning.schedules import SCHEDULES, TURN_RULES
 from ..timeline import Event
 from .engine import Engine
 from .function import PipelineTie
@@ -46,7 +46,8 @@ class Pipeline(nn.Module):
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
     ``"except_last"`` or ``"always"``), ``interleave`` (stages per device: stage ``s`` runs
     on ``devices[s % len(devices)]``; default 1, one stage per device) and ``schedule``
-    (``"gpipe"``, fill-drain, or ``"1f1b"``: :mod:`autopipe.planning.schedules`).  ``model`` is anything :func:`~autopipe.layer_chain`
+    (``"gpipe"``, fill-drain, or ``"1f1b"``: :mod:`autopipe.planning.schedules`); ``turns``
+    (``"depth_first"`` or ``"breadth_first"``) how stages sharing a device take turns.  ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
@@ -90,14 +91,16 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         interleave: int = 1,
         schedule: str = "gpipe",
+        turns: str = "depth_first",
     ) -> None:
         super().__init__()
         layers = layer_chain(model)
         if plan is not None:
             balance, devices, chunks, checkpoint, interleave, schedule = _from_plan(plan, layers, balance, devices)
+            turns = plan.turns
         if balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
-        _check(layers, list(balance), chunks, checkpoint, interleave, schedule)
+        _check(layers, list(balance), chunks, checkpoint, interleave, schedule, turns)
         resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (len(balance) // interleave))
         _check_devices(resolved, len(balance), interleave)
         if deferred_batch_norm:
@@ -105,7 +108,7 @@ class Pipeline(nn.Module):
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self._register_state(layers)
-        self._engine = Engine(_build_stages(layers, self.balance, resolved), schedule)
+        self._engine = Engine(_build_stages(layers, self.balance, resolved, turns), schedule)
         self._dummy = torch.ones((), requires_grad=True)
         weakref.finalize(self, self._engine.close)
 
@@ -236,7 +239,7 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
 
 
 def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int,
-           schedule: str) -> None:
+           schedule: str, turns: str) -> None:
     if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
         raise ValueError(
             f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
@@ -250,6 +253,8 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+    if turns not in TURN_RULES:
+        raise ValueError(f"turns '{turns}' is not one of {list(TURN_RULES)}")
 
 
 def _check_devices(devices: list[torch.device], stages: int, interleave: int) -> None:
@@ -265,11 +270,11 @@ def _deferred(layer: Layer) -> Layer:
     return Layer(layer.name, module, layer.stash, layer.pop, layer.prefix)
 
 
-def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
-    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns."""
+def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device], turns: str) -> list[Stage]:
+    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns (taken by rule ``turns``)."""
     stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
     routes = skip_routes(layers, stage_of_layer, len(balance))
-    turns = [Turns() for _ in devices]
+    shared = [Turns(turns) for _ in devices]
     stages: list[Stage] = []
     start = 0
     for index, count in enumerate(balance):
@@ -277,6 +282,6 @@ def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.d
         chunk = layers[start:start + count]
         for layer in chunk:
             layer.module.to(device)
-        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, turns[index % len(devices)]))
+        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, shared[index % len(devices)]))
         start += count
     return stages

@@ -35,7 +35,7 @@ from .boundary import Boundary
 from .run import Aborted, Run, Saved, StageError
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
-from .turns import Turns, priority
+from .turns import Turns
 
 __all__ = ["Stage"]
 
@@ -276,7 +276,7 @@ class Stage:
 
     def _turn(self, kind: str) -> contextlib.AbstractContextManager[None]:
         """This stage's turn on its device for a ``kind`` ("F" or "B") task."""
-        return self.turns.hold(priority(self.index, kind))
+        return self.turns.hold(self.turns.rank(self.index, kind))
 
 
 def _leaves(value: Value, flags: list[bool]) -> Value:

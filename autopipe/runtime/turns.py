@@ -6,7 +6,7 @@ An interleaved pipeline puts several stages on one device, each with its own wor
 either way the device would not be running the schedule that was planned.  So each compute
 task takes the device's turn first; when the device falls free, the waiting task of least
 :func:`~autopipe.planning.schedules.priority` goes next — the rule :mod:`autopipe.planning.simulate`
-predicts with::
+predicts with, depth-first by default (the plan may choose breadth-first)::
 
     forward  (stage 0 → 3):  later stage first  (a micro-batch reaches the end sooner)
     backward (stage 3 → 0):  earlier stage first
@@ -27,16 +27,22 @@ __all__ = ["Turns", "priority"]
 
 
 class Turns:
-    """One device: one holder at a time, waiters served in order of priority (least first)."""
+    """One device: one holder at a time, waiters served in order of priority (least first) under
+    ``rule`` (:data:`~autopipe.planning.schedules.TURN_RULES`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rule: str = "depth_first") -> None:
+        self.rule = rule
         self._changed = threading.Condition()
         self._busy = False
-        self._waiting: list[int] = []
+        self._waiting: list[tuple[int, int]] = []
+
+    def rank(self, stage: int, kind: str) -> tuple[int, int]:
+        """The rank of stage ``stage``'s ``kind`` task on this device."""
+        return priority(stage, kind, self.rule)
 
     @contextlib.contextmanager
-    def hold(self, rank: int) -> Iterator[None]:
-        """Compute while holding the device; ``rank`` is unique among its stages (see :func:`priority`)."""
+    def hold(self, rank: tuple[int, int]) -> Iterator[None]:
+        """Compute while holding the device; ``rank`` is unique among its stages (see :meth:`rank`)."""
         with self._changed:
             heapq.heappush(self._waiting, rank)
             while self._busy or self._waiting[0] != rank:
