@@ -22,7 +22,7 @@ __all__ = ["min_max_split", "Fits"]
 Fits = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
 
 
-def min_max_split(model: CostModel, chunks: int, mode: str, speeds: Sequence[float],
+def min_max_split(model: CostModel, chunks: int, mode: str, speeds: Sequence[float] | np.ndarray,
                   fits: Fits) -> list[int] | None:
     """Bounds of the ``len(speeds)``-stage split (stage ``s`` at speed ``speeds[s]``) of least
     largest compute lane whose stages fit, or ``None`` if none does."""
