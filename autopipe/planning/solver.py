@@ -79,12 +79,12 @@ def plan(
     ``plan.predicted.gap`` how far above it the plan may be (0 when the search finished:
     the plan is then optimal for the cost model).
     """
+    budget = Budget(time_limit)  # from the start: the cost model counts too
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
-    budget = Budget(time_limit)
     choice, lower = None, math.inf
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
