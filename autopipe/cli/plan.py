@@ -101,11 +101,17 @@ def summary(chosen: Plan) -> str:
         f"engine: {chosen.options.get('engine', 'local')}",
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
         f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
-        *([] if predicted.gap is None else [_bound_line(predicted.lower_bound_ms, predicted.gap)]),
+        *([] if predicted.gap is None else [_bound_line(chosen)]),
     ])
 
 
-def _bound_line(lower_bound_ms: float | None, gap: float) -> str:
+def _bound_line(chosen: Plan) -> str:
     """The proven lower bound and the gap: 0 says the plan is optimal for the cost model."""
-    verdict = "optimal (search finished)" if gap == 0 else "time limit reached; --time-limit for more"
-    return f"lower bound:   {lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"
+    gap = chosen.predicted.gap or 0.0
+    if gap == 0:
+        verdict = "optimal (search finished)"
+    elif chosen.options.get("time_limit_reached"):
+        verdict = "time limit reached; --time-limit for more"
+    else:
+        verdict = "search finished; the 1F1B and large interleaved searches prove only weak bounds"
+    return f"lower bound:   {chosen.predicted.lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"

@@ -101,7 +101,8 @@ def plan(
             raise PlanningError(f"no plan that fits was found within time_limit={time_limit} s; "
                                 "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
+    record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent}
+    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, record,
                       choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns)
 
 
