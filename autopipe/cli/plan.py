@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flight; train with pipe.train_step) or auto (the faster prediction)")
     parser.add_argument("--interleave", default="auto",
                         help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
+    parser.add_argument("--placement", default="given", choices=["given", "search"],
+                        help="given: stage s on the s-th device; search: also choose which device each "
+                             "stage runs on (where speeds or copy costs differ)")
     parser.add_argument("--time-limit", type=float, default=1.0,
                         help="seconds to search (default 1): the best plan found and a proven lower bound; "
                              "0 for no limit")
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
-                  schedule=args.schedule, time_limit=args.time_limit or None)
+                  schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
     print(summary(chosen))
     if args.compare:
         print()

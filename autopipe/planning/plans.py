@@ -82,7 +82,8 @@ class Prediction:
         """``(iteration_ms - lower_bound_ms) / iteration_ms`` (``None`` if no bound is known)."""
         if self.lower_bound_ms is None or not self.iteration_ms > 0:
             return None if self.lower_bound_ms is None else 0.0
-        return max(0.0, (self.iteration_ms - self.lower_bound_ms) / self.iteration_ms)
+        gap = (self.iteration_ms - self.lower_bound_ms) / self.iteration_ms
+        return gap if gap > 1e-9 else 0.0  # below that, rounding between equal sums
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "gap": self.gap}

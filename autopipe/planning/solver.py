@@ -21,6 +21,7 @@ import numpy as np
 
 from ..profiling.profiles import Profile
 from . import interleaved, one_f_one_b
+from . import placement as placements
 from ._assembly import build_plan
 from ._budget import Budget, Outcome
 from ._infeasible import infeasible, smallest_memory
@@ -56,6 +57,7 @@ def plan(
     engine: str = "local",
     interleave: int | str = "auto",
     time_limit: float | None = 1.0,
+    placement: str = "given",
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
@@ -77,33 +79,52 @@ def plan(
     The search stops after ``time_limit`` seconds (``None``: never) with the best plan found;
     ``plan.predicted.lower_bound_ms`` is a proven lower bound on every plan searched and
     ``plan.predicted.gap`` how far above it the plan may be (0 when the search finished:
-    the plan is then optimal for the cost model).
+    the plan is then optimal for the cost model).  ``placement="search"`` also searches which
+    device each stage runs on where the order matters (:mod:`autopipe.planning.placement`);
+    ``"given"`` places stage ``s`` on the ``s``-th device.
     """
     budget = Budget(time_limit)  # from the start: the cost model counts too
+    if placement not in placements.PLACEMENTS:
+        raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
-    choice, lower = None, math.inf
-    for factor in options.interleaves if "gpipe" in options.schedules else []:
-        if factor == 1:
-            outcome = solve_within(model, options.candidates, options.modes, options.limits, budget)
-        else:
-            outcome = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
-                                         choice, budget)
-        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
-    if "1f1b" in options.schedules:
-        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, options.limits, choice, budget)
-        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
+    searched, complete = placements.orders(model, placement)
+    choice, lower, order = None, math.inf, searched[0]
+    for candidate_order in searched:
+        found, bound = _search_all(placements.permuted(model, candidate_order), options,
+                                   options.limits[list(candidate_order)], budget)
+        lower = min(lower, bound)
+        if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
+            choice, order = found, candidate_order
     if choice is None:
         if budget.spent:
             raise PlanningError(f"no plan that fits was found within time_limit={time_limit} s; "
                                 "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
-    record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent}
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, record,
+    record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
+              "placement": placement, "placements_searched": "all" if complete else len(searched),
+              "device_order": list(order)}
+    return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
                       choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns)
+
+
+def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget) -> tuple[Choice | None, float]:
+    """Every search the options ask for (fill-drain, interleaved, 1F1B) on devices in
+    ``model``'s order: the best plan found and a lower bound on every plan searched."""
+    choice, lower = None, math.inf
+    for factor in options.interleaves if "gpipe" in options.schedules else []:
+        if factor == 1:
+            outcome = solve_within(model, options.candidates, options.modes, limits, budget)
+        else:
+            outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
+    if "1f1b" in options.schedules:
+        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
+    return choice, lower
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
