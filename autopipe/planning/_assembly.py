@@ -14,10 +14,10 @@ __all__ = ["build_plan"]
 
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
                options: dict[str, Any], interleave: int = 1, schedule: str = "gpipe",
-               lower_bound: float | None = None, turns: str = "depth_first") -> Plan:
+               lower_bound: float | None = None, turns: str = "depth_first", digest: str | None = None) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
     fill-drain); ``lower_bound`` is what the search proved of the optimum (default: this plan's
-    time, i.e. optimal)."""
+    time, i.e. optimal); ``digest`` the profile's, if already computed."""
     where = placement(len(bounds) - 1, interleave)
     evaluation = evaluate(model, bounds, chunks, mode, schedule, where, turns)
     layers = profile.layers
@@ -35,6 +35,6 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
     least = evaluation.iteration_ms if lower_bound is None else min(lower_bound, evaluation.iteration_ms)
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble, least)
-    return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
+    return Plan(model=profile.model, profile_digest=profile.digest if digest is None else digest, devices=[stage.device for stage in stages],
                 batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
                 stages=stages, predicted=predicted, options=options, interleave=interleave, turns=turns)

@@ -25,9 +25,10 @@ class Budget:
         self.end = math.inf if seconds is None else time.perf_counter() + seconds
         self.spent = False
 
-    def out(self) -> bool:
-        """Whether the time is up (and stays up once it was)."""
-        self.spent = self.spent or time.perf_counter() >= self.end
+    def out(self, expected: float = 0.0) -> bool:
+        """Whether the time is up, or would be after a step ``expected`` to take that many
+        seconds (and stays up once it was)."""
+        self.spent = self.spent or time.perf_counter() + expected >= self.end
         return self.spent
 
 

@@ -14,6 +14,7 @@ optimal; stopped by the time limit, the least bound of what is left is a proven 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -83,7 +84,8 @@ def plan(
     device each stage runs on where the order matters (:mod:`autopipe.planning.placement`);
     ``"given"`` places stage ``s`` on the ``s``-th device.
     """
-    budget = Budget(time_limit)  # from the start: the cost model counts too
+    budget = Budget(time_limit)  # from the start: the cost model and the profile's digest count too
+    digest = profile.digest
     if placement not in placements.PLACEMENTS:
         raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
     names = device_names(profile, devices)
@@ -108,7 +110,7 @@ def plan(
               "placement": placement, "placements_searched": "all" if complete else len(searched),
               "device_order": list(order)}
     return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
-                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns)
+                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
 
 
 def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget) -> tuple[Choice | None, float]:
@@ -149,24 +151,26 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
                    key=lambda c: (c.lower_bound, c.chunks, MODES.index(c.mode)))
     best = _seed(model, pairs[0], limits)
-    leads, left = [], [math.inf]
+    leads, left, longest = [], [math.inf], 0.0  # longest: the slowest step of the current kind
     for pair in pairs:
         if best is not None and pair.lower_bound >= best.iteration_ms:
             break
-        if budget.out():
+        if budget.out(2 * longest):  # steps vary; twice the slowest so far
             left.append(pair.lower_bound)  # the least of those not scouted (sorted by it)
             break
+        start = time.perf_counter()
         leads.append(_scout(model, pair, limits, best))
-        best = _better(best, leads[-1].plan)
-    refined = []
+        best, longest = _better(best, leads[-1].plan), max(longest, time.perf_counter() - start)
+    refined, longest = [], 0.0
     for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
         if best is not None and lead.least >= best.iteration_ms:
             continue
-        if budget.out():
+        if budget.out(2 * longest):  # steps vary; twice the slowest so far
             left.append(lead.least)
             continue
+        start = time.perf_counter()
         refined.append(_refine(model, lead, limits, best))
-        best = _better(best, refined[-1].plan)
+        best, longest = _better(best, refined[-1].plan), max(longest, time.perf_counter() - start)
     for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
         best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
