@@ -14,7 +14,7 @@ from .errors import DeviceError
 
 __all__ = [
     "check_device_name",
-    "CHECKPOINT_MODES", "CHECKPOINT_CHOICES", "ENGINES", "PHASES", "SCHEDULES",
+    "CHECKPOINT_MODES", "CHECKPOINT_CHOICES", "ENGINES", "PHASES", "SCHEDULES", "TURN_RULES", "TurnRule",
     "CheckpointChoice", "CheckpointMode", "EngineName", "EventKind", "Lane", "Phase", "Schedule", "TaskKind",
 ]
 
@@ -25,10 +25,14 @@ CheckpointMode = Literal["never", "except_last", "always"]
 CheckpointChoice = Literal["auto", "never", "except_last", "always"]
 #: The order of micro-batches: fill-drain, or one forward one backward.
 Schedule = Literal["gpipe", "1f1b"]
+#: How a device shared by several stages picks among their ready tasks: the task furthest along
+#: its phase first (``depth_first``), or the earliest micro-batch first (``breadth_first``).
+TurnRule = Literal["depth_first", "breadth_first"]
 #: What runs a plan: the in-process runtime or ``torch.distributed.pipelining``.
 EngineName = Literal["local", "distributed"]
-#: The two halves of a training step that a pipeline runs one after the other.
-Phase = Literal["forward", "backward"]
+#: What one call of the runtime's engine runs: the forwards, the backwards, or a whole training
+#: iteration with the loss inside (``"train"``, how 1F1B interleaves them).
+Phase = Literal["forward", "backward", "train"]
 #: A stage's task: forward (``F``) or backward (``B``) of one micro-batch.
 TaskKind = Literal["F", "B"]
 #: What a timeline event shows: a task, a recomputation (``R``) or a copy of activations (``C``) or
@@ -40,6 +44,7 @@ Lane = Literal["compute", "copy"]
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
 CHECKPOINT_CHOICES: tuple[CheckpointChoice, ...] = get_args(CheckpointChoice)
 SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+TURN_RULES: tuple[TurnRule, ...] = get_args(TurnRule)
 ENGINES: tuple[EngineName, ...] = get_args(EngineName)
 PHASES: tuple[Phase, ...] = get_args(Phase)
 

@@ -4,18 +4,22 @@ Every configuration runs one training step (forward + backward, no optimizer) pe
 rounds interleave the configurations, so machine load drifts hit all of them alike; the
 figures are medians after warm-up.  One intra-op thread, so each stage has one core.
 
-The "fill-drain" column is the iteration time that the stages' own measured compute times
-(the pipeline's last trace, per micro-batch means) give in an ideal fill-drain schedule
+The "schedule ms" column is the iteration time that the stages' own measured compute times
+(the pipeline's last trace, per micro-batch means) give in its ideal schedule (fill-drain or 1F1B)
 (simulated, with stages on one device taking turns as the runtime does); the
 "overhead" column is how much slower the pipeline really was, i.e. what the runtime itself
 costs (waits, copies, Python) beyond the schedule's bubbles and the split's imbalance.
 
 Pipelines only (``replicas=1``; ``bench_parallelism.py`` puts them next to data parallelism).
 Splits come from the planner on the committed profile (``profiles/resnet18-128.json``): for each
-micro-batch count m the planner's best split at that m, and the planner's own choice of split,
+micro-batch count m the planner's best split at that m under fill-drain and under 1F1B
+(``1f1b``, trained with ``Pipeline.train_step``), and the planner's own choice of split,
 m, checkpointing and stages per device (it may interleave two stages on each device), and its
 best plan with one stage per device; each row prints the planner's predicted time next to the
-measured one.
+measured one.  ``--memory-limit`` (default ``auto``: the peak stage memory of the fastest 1F1B
+plan without checkpointing) adds two rows planned under that limit per device: the best
+fill-drain plan (which must checkpoint to fit) and the planner's choice with
+``schedule="auto"`` (1F1B, holding at most ``stages - s`` micro-batches on stage ``s``).
 ``--balance 7,8`` runs a fixed split instead; ``--distributed`` adds the planner's choice for
 torch.distributed.pipelining (one stage per process: 2 processes, 1 thread each), run there, as
 speedup over its own single-device run.
@@ -28,6 +32,7 @@ every thread (:mod:`autopipe._allocator`), so that the plain model (on the main 
 stages (on worker threads) differ only in what they compute.
 
     python examples/bench_runtime.py [--rounds 7] [--chunks 1,2,4,8] [--balance 7,8] [--distributed]
+                                     [--memory-limit auto|none|BYTES]
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ import autopipe  # noqa: E402
 from autopipe.planning.cost import StageLanes  # noqa: E402
 from autopipe.planning.plans import placement  # noqa: E402
 from autopipe.planning.simulate import simulate  # noqa: E402
+from autopipe.planning.solver import PlanningError  # noqa: E402
 
 
 def main() -> None:
@@ -62,6 +68,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="image side")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--checkpoint", default="never", choices=["never", "except_last", "always"])
+    parser.add_argument("--memory-limit", default="auto",
+                        help="per-device limit for the memory-limit rows: auto, none (no such rows) or bytes")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -82,8 +90,7 @@ def main() -> None:
     speedups = {name: statistics.median(p / ms for (p, _), (ms, _) in zip(samples["plain"], values))
                 for name, values in samples.items()}
     print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'of medians':>10s} {'predicted':>10s} "
-          f"{'error':>7s} "
-          f"{'fill-drain ms':>14s} {'overhead':>9s}")
+          f"{'error':>7s} {'schedule ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
         ideal = prediction = ""
         if name in nets:
@@ -122,10 +129,14 @@ def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, au
     plans["planner's choice"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, replicas=1)
     plans["best not interleaved"] = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, interleave=1,
                                                   replicas=1)
+    plans.update({f"planned 1f1b m={m}": autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m,
+                                                        checkpoint=args.checkpoint, schedule="1f1b", replicas=1)
+                  for m in chunk_counts})
+    plans.update(_limited_plans(profile, args))
     predicted["plain"] = autopipe.plan(profile, ["cpu"], batch_size=args.batch, chunks=1).predicted.iteration_ms
     for label, plan in plans.items():
         shared = f" x{plan.interleave}/device" if plan.interleave > 1 else ""
-        name = f"{label} {plan.balance}{shared} m={plan.chunks} {plan.checkpoint}"
+        name = f"{label} {plan.balance}{shared} m={plan.chunks} {plan.checkpoint} {plan.schedule}"
         nets[name] = autopipe.Pipeline(model, plan)
         predicted[name] = plan.predicted.iteration_ms
     if args.distributed:
@@ -136,13 +147,48 @@ def _pipelines(model: nn.Module, args: argparse.Namespace) -> tuple[dict[str, au
     return nets, predicted
 
 
+def _limited_plans(profile: autopipe.Profile, args: argparse.Namespace) -> dict[str, autopipe.Plan]:
+    """Fill-drain's best plan and the planner's choice under ``--memory-limit`` per device."""
+    if args.memory_limit == "none":
+        return {}
+    limit = float(args.memory_limit) if args.memory_limit != "auto" else _forcing_limit(profile, args)
+    if limit is None:
+        print("memory-limit rows left out: no 1F1B plan without checkpointing fits where fill-drain "
+              "must checkpoint, at these micro-batch counts")
+        return {}
+    tag = f"limit {limit / 2**20:.0f} MiB:"
+    options = {"batch_size": args.batch, "memory_limit": limit, "replicas": 1}
+    return {f"{tag} fill-drain": autopipe.plan(profile, ["cpu", "cpu"], schedule="gpipe", **options),
+            f"{tag} planner's choice": autopipe.plan(profile, ["cpu", "cpu"], schedule="auto", **options)}
+
+
+def _forcing_limit(profile: autopipe.Profile, args: argparse.Namespace) -> float | None:
+    """The peak stage memory of a 1F1B plan without checkpointing (most micro-batches first)
+    under which no fill-drain plan fits without checkpointing, or ``None``."""
+    for m in sorted((int(c) for c in args.chunks.split(",")), reverse=True):
+        one = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m, checkpoint="never",
+                            schedule="1f1b", replicas=1)
+        limit = float(max(s.memory_bytes for s in one.stages))
+        try:
+            autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, checkpoint="never", memory_limit=limit,
+                          replicas=1)
+        except PlanningError:
+            return limit
+    return None
+
+
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One training step (no optimizer): ``train_step`` on a 1F1B pipeline, else a caller's loss
+    and backward."""
     loss_fn = nn.CrossEntropyLoss()
 
     def step() -> None:
         for p in model.parameters():
             p.grad = None
-        loss_fn(model(x), y).backward()
+        if isinstance(model, autopipe.Pipeline) and model.schedule != "gpipe":
+            model.train_step(x, target=y, loss_fn=loss_fn)
+        else:
+            loss_fn(model(x), y).backward()
 
     return step
 
@@ -171,8 +217,9 @@ def _concurrency(x: torch.Tensor) -> float:
 
 
 def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
-    """The fill-drain iteration time of the stage compute times in ``pipe``'s last trace: what
-    the pipeline would take with no runtime overhead at all (its per-micro-batch means)."""
+    """The iteration time of the pipeline's schedule (fill-drain or 1F1B) over the stage compute
+    times in ``pipe``'s last trace: what the pipeline would take with no runtime overhead at
+    all (its per-micro-batch means)."""
     events = pipe.last_trace()
     chunks = max(e.micro_batch for e in events) + 1
 
@@ -181,7 +228,7 @@ def _fill_drain_ms(pipe: autopipe.Pipeline) -> float:
 
     stages = len(pipe.stages)
     lanes = [StageLanes(mean(s, "F"), mean(s, "B"), mean(s, "R"), 0.0, 0.0, 0.0) for s in range(stages)]
-    return simulate(lanes, chunks, pipe.checkpoint, placement(stages, pipe.interleave)).iteration_ms
+    return simulate(lanes, chunks, pipe.checkpoint, placement(stages, pipe.interleave), pipe.schedule).iteration_ms
 
 
 def _interleaved(steps: dict[str, Callable[[], None]], nets: dict[str, autopipe.Pipeline],

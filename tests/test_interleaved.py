@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from synthetic import make_profile, random_profile
 from helpers import mlp, model_of
 
@@ -80,7 +81,7 @@ def test_search_against_brute_force(seed: int) -> None:
         if rng.random() < 0.5:
             limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
         expected = brute_force(model, chunks, modes, limits)
-        found = interleaved.search(model, chunks, modes, limits, 2, None)
+        found = interleaved.search(model, chunks, modes, limits, 2, None).choice
         if math.isinf(expected):
             assert found is None
             continue
@@ -88,7 +89,7 @@ def test_search_against_brute_force(seed: int) -> None:
         assert found.interleave == 2 and len(found.bounds) - 1 in (4, 6)
         # given a better plan to beat, it returns nothing unless it beats it
         contiguous = solve(model, chunks, modes, limits)
-        beaten = interleaved.search(model, chunks, modes, limits, 2, contiguous)
+        beaten = interleaved.search(model, chunks, modes, limits, 2, contiguous).choice
         if contiguous is not None and contiguous.iteration_ms <= expected:
             assert beaten is None
         else:
@@ -138,10 +139,21 @@ def test_planner_interleave_options_are_checked() -> None:
         plan(profile, interleave=0)
     with pytest.raises(ValueError, match="needs at least 2 devices"):
         plan(profile, 1, interleave=2)
-    wide = make_profile([1.0] * 40, devices=4)
-    with pytest.raises(ValueError, match=r"would enumerate \d+ splits of 40 layers"):
-        plan(wide, interleave=2)
-    assert plan(wide).options["interleaves_searched"] == [1]  # auto stays within the budget
+
+
+def test_interleaved_beyond_enumeration_gets_a_min_max_split() -> None:
+    """40 layers on 4 devices, 2 stages each: C(39, 7) splits are not enumerated; the min-max
+    split is simulated, fits the memory limit, and its bound stays open (gap reported)."""
+    wide = make_profile([1.0 + (i % 5) for i in range(40)], devices=4, saved_bytes=100, linear=True)
+    chosen = plan(wide, interleave=2, chunks=8, memory_limit=60_000, time_limit=None)
+    assert chosen.interleave == 2 and len(chosen.stages) == 8
+    assert simulate_plan(chosen).iteration_ms == pytest.approx(chosen.predicted.iteration_ms)
+    held = [0] * 4
+    for stage, device in zip(chosen.stages, chosen.placement):
+        held[device] += stage.memory_bytes
+    assert max(held) <= 60_000
+    assert chosen.predicted.lower_bound_ms <= chosen.predicted.iteration_ms
+    assert plan(wide, chunks=8).options["interleaves_searched"] == [1, 2]
 
 
 def test_interleaved_plan_file_round_trip_and_checks(tmp_path) -> None:
@@ -187,3 +199,42 @@ def test_turns_serve_waiters_by_rank() -> None:
         raise RuntimeError
     with turns.hold(9):
         pass
+
+
+def test_breadth_first_by_hand() -> None:
+    """The case of test_shared_device_by_hand under the breadth-first rule: device 0 runs all of
+    stage 0's forwards before stage 2's, and the iteration is shorter here."""
+    stages = lanes([1.0, 0.5, 1.0, 1.0])
+    events = simulate(stages, 3, "never", [0, 1, 0, 1], turns="breadth_first").events
+    table = {(e.stage, e.micro_batch): (e.start_ms, e.end_ms) for e in events if e.kind == "F"}
+    assert [table[(0, j)] for j in range(3)] == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    assert [table[(2, j)] for j in range(3)] == [(3.0, 4.0), (4.0, 5.0), (5.0, 6.0)]
+    assert [table[(1, j)] for j in range(3)] == [(1.0, 1.5), (2.0, 2.5), (3.0, 3.5)]
+    assert [table[(3, j)] for j in range(3)] == [(4.0, 5.0), (5.0, 6.0), (6.0, 7.0)]
+    depth = simulate(stages, 3, "never", [0, 1, 0, 1])
+    breadth = simulate(stages, 3, "never", [0, 1, 0, 1], turns="breadth_first")
+    assert breadth.forward_ms < depth.forward_ms
+
+
+def test_planner_records_the_faster_turn_rule_and_the_runtime_follows_it() -> None:
+    rng = random.Random(11)
+    chosen_rules = set()
+    for _ in range(12):
+        profile = random_profile(rng, rng.randint(4, 8), 2)
+        chosen = plan(profile, interleave=2, time_limit=None)
+        stages = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms, 0.0)
+                  for s in chosen.stages]
+        times = {rule: simulate(stages, chosen.chunks, chosen.checkpoint, chosen.placement, turns=rule).iteration_ms
+                 for rule in ("depth_first", "breadth_first")}
+        assert chosen.predicted.iteration_ms == pytest.approx(min(times.values()))
+        assert times[chosen.turns] == pytest.approx(min(times.values()))
+        chosen_rules.add(chosen.turns)
+    assert chosen_rules == {"depth_first", "breadth_first"}
+
+
+@pytest.mark.timeout(60)
+def test_breadth_first_turns_change_nothing_in_the_results() -> None:
+    from test_runtime import assert_transparent
+    x = torch.randn(10, 6, requires_grad=True)
+    pipe = assert_transparent(mlp(), x, [2, 2, 2, 1], 4, "except_last", interleave=2, turns="breadth_first")
+    assert {stage.turns.rule for stage in pipe.stages} == {"breadth_first"}

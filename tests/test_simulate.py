@@ -59,3 +59,48 @@ def test_text_timeline_shows_bubbles_and_micro_batches():
     assert rows[0].split("|")[1] == "FFff......bbbbBBBB"
     assert rows[1].split("|")[1] == "..FFffbbbbBBBB...."
     assert rows[-1].strip().endswith("18.0 ms")
+
+
+# -- 1F1B --------------------------------------------------------------------------------
+
+def test_1f1b_equal_stages_takes_as_long_as_fill_drain():
+    """Equal stages: both schedules take (m + S - 1)(F + B)."""
+    stages = [StageLanes(1.0, 2.0, 0.0, 0.0, 0.0, 0.0)] * 3
+    for chunks in (1, 2, 4, 7):
+        expected = (chunks + 2) * 3.0
+        assert simulate(stages, chunks, "never", schedule="1f1b").iteration_ms == pytest.approx(expected)
+        assert simulate(stages, chunks, "never").iteration_ms == pytest.approx(expected)
+
+
+def test_1f1b_events_by_hand():
+    """Two stages, F=1, B=2, three micro-batches: stage 0 runs F0 F1 B0 F2 B1 B2."""
+    stages = [StageLanes(1.0, 2.0, 0.0, 0.0, 0.0, 0.0)] * 2
+    events = simulate(stages, 3, "never", schedule="1f1b").events
+    rows = {s: [(e.kind, e.micro_batch, e.start_ms) for e in sorted(events, key=lambda e: e.start_ms)
+                if e.stage == s] for s in (0, 1)}
+    assert rows[0] == [("F", 0, 0.0), ("F", 1, 1.0), ("B", 0, 4.0), ("F", 2, 6.0), ("B", 1, 7.0), ("B", 2, 10.0)]
+    assert rows[1] == [("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 4.0), ("B", 1, 5.0), ("F", 2, 7.0), ("B", 2, 8.0)]
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+def test_1f1b_respects_every_dependency(mode):
+    """Random lanes and placements: every task starts after its input and its worker's previous
+    task, no device runs two tasks at once, and the time is at least the busiest device's work."""
+    rng = random.Random(mode)
+    for _ in range(100):
+        chunks = rng.randint(1, 6)
+        count = rng.randint(1, 5)
+        stages = random_stages(rng, count, chunks, mode)
+        devices = rng.randint(1, count)
+        where = [s % devices for s in range(count)]
+        simulation = simulate(stages, chunks, mode, where, schedule="1f1b")
+        at = {(e.stage, e.kind, e.micro_batch): e for e in simulation.events}
+        for e in simulation.events:
+            needs = {"F": (e.stage, "C"), "B": (e.stage, "G"), "C": (e.stage - 1, "F"), "G": (e.stage + 1, "B")}
+            before = at.get((*needs[e.kind], e.micro_batch))
+            assert before is None or before.end_ms <= e.start_ms + 1e-9
+        for device in range(devices):
+            busy = sorted((e.start_ms, e.end_ms) for e in simulation.events
+                          if e.lane == "compute" and where[e.stage] == device)
+            assert all(a[1] <= b[0] + 1e-9 for a, b in zip(busy, busy[1:]))
+            assert simulation.iteration_ms >= sum(end - start for start, end in busy) - 1e-9

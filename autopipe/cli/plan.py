@@ -26,11 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="local", choices=["local", "distributed"],
                         help="what will run the plan: the in-process runtime (local) or "
                              "torch.distributed.pipelining under torchrun (distributed)")
+    parser.add_argument("--schedule", default="gpipe", choices=["auto", "gpipe", "1f1b"],
+                        help="gpipe (fill-drain: pipe(x), loss.backward()), 1f1b (fewer micro-batches in "
+                             "flight; train with pipe.train_step) or auto (the faster prediction)")
     parser.add_argument("--interleave", default="auto",
                         help="stages per device, placed round-robin: auto (1 or 2, chosen), 1, 2, ...")
     parser.add_argument("--replicas", default="auto",
                         help="copies of the pipeline trained side by side (data parallel): auto (chosen among "
                              "the divisors of the device count) or a count dividing it; 1 = pipeline only")
+    parser.add_argument("--placement", default="given", choices=["given", "search"],
+                        help="given: stage s on the s-th device; search: also choose which device each "
+                             "stage runs on (where speeds or copy costs differ)")
+    parser.add_argument("--time-limit", type=float, default=1.0,
+                        help="seconds to search (default 1): the best plan found and a proven lower bound; "
+                             "0 for no limit")
     parser.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     parser.add_argument("--compare", action="store_true",
                         help="also price pure data parallel, the best pipeline-only plan and equal-layer, "
@@ -44,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                    optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
-                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
+                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
+                   schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
     devices = _devices(args.devices)
     chosen = plan(profile, devices, replicas=_replicas(args.replicas), **options)
     print(summary(chosen))
@@ -114,4 +124,17 @@ def summary(chosen: Plan) -> str:
         f"engine: {chosen.options.get('engine', 'local')}",
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
         f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
+        *([] if predicted.gap is None else [_bound_line(chosen)]),
     ])
+
+
+def _bound_line(chosen: Plan) -> str:
+    """The proven lower bound and the gap: 0 says the plan is optimal for the cost model."""
+    gap = chosen.predicted.gap or 0.0
+    if gap == 0:
+        verdict = "optimal (search finished)"
+    elif chosen.options.get("time_limit_reached"):
+        verdict = "time limit reached; --time-limit for more"
+    else:
+        verdict = "search finished; the 1F1B and large interleaved searches prove only weak bounds"
+    return f"lower bound:   {chosen.predicted.lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"

@@ -4,25 +4,24 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .._vocab import CheckpointMode
+from .._vocab import CheckpointMode, Schedule, TurnRule
 from ..profiling.profiles import Profile
-from .cost import CostModel, Evaluation, recomputations
+from .cost import CostModel, recomputations
 from .plans import Plan, Prediction, StagePlan, placement
-from .simulate import simulate
+from .simulate import evaluate
 
 __all__ = ["build_plan"]
 
 
-def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
-               options: dict[str, Any], interleave: int = 1) -> Plan:
-    """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
+def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int,
+               mode: CheckpointMode, options: dict[str, Any], interleave: int = 1, schedule: Schedule = "gpipe",
+               lower_bound: float | None = None, turns: TurnRule = "depth_first",
+               digest: str | None = None) -> Plan:
+    """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
+    fill-drain); ``lower_bound`` is what the search proved of the optimum (default: this plan's
+    time, i.e. optimal); ``digest`` the profile's, if already computed."""
     where = placement(len(bounds) - 1, interleave)
-    if interleave == 1:
-        evaluation = model.evaluate(bounds, chunks, mode)
-    else:
-        lanes = model.stage_lanes(bounds, chunks, mode, where)
-        simulation = simulate(lanes, chunks, mode, where)
-        evaluation = Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)
+    evaluation = evaluate(model, bounds, chunks, mode, schedule, where, turns)
     layers = profile.layers
     stages = [
         StagePlan(index=s, device=model.devices[where[s]], start=bounds[s], stop=bounds[s + 1],
@@ -36,7 +35,10 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     busy = sum(chunks * (s.forward + s.backward) + recomputed * s.recompute for s in evaluation.stages)
     used = len(stages) // interleave
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
-    predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)
-    return Plan(model=profile.model, profile_digest=profile.digest, devices=[stage.device for stage in stages],
-                batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule="gpipe",
-                stages=stages, predicted=predicted, options=options, interleave=interleave)
+    least = evaluation.iteration_ms if lower_bound is None else min(lower_bound, evaluation.iteration_ms)
+    predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble,
+                           lower_bound_ms=least)
+    return Plan(model=profile.model, profile_digest=profile.digest if digest is None else digest,
+                devices=[stage.device for stage in stages],
+                batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
+                stages=stages, predicted=predicted, options=options, interleave=interleave, turns=turns)

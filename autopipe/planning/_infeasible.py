@@ -17,8 +17,9 @@ def infeasible(model: CostModel, options: Options) -> str:
     """Why no plan fits: the memory limits given and the smallest limit that would fit."""
     need, chunks, mode = smallest_memory(model, options.candidates, options.modes, len(options.limits))
     limits = ", ".join("none" if math.isinf(v) else f"{int(v)}" for v in options.limits)
+    plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
     return (f"no plan fits the memory limits ({limits} bytes per device); the smallest per-device "
-            f"memory limit that would fit is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
+            f"memory limit that would fit {plans}is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
             f"with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices or allow "
             "checkpointing")
 

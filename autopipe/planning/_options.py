@@ -8,10 +8,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._vocab import check_device_name
-from .._vocab import CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule
+from .._vocab import (CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule,
+                      check_device_name)
 from ..profiling.profiles import Profile
-from . import interleaved
 
 __all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
 
@@ -27,20 +26,14 @@ class Options:
     modes: list[CheckpointMode]
     interleaves: list[int]
     given: dict[str, Any]
+    schedules: list[str]
 
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
               checkpoint: CheckpointChoice, optimizer_state_factor: float, schedule: Schedule,
               speeds: Sequence[float] | None, chunks: int | None, engine: EngineName,
               interleave: int | str = "auto") -> Options:
-        # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
-        # for it.  A gpipe plan runs on the distributed engine with schedule='1f1b' when chunks ≥
-        # stages, holding no more activations than planned (≤ stages - s micro-batches in flight).
-        if schedule != "gpipe":
-            known = f"; '{schedule}' is not a schedule" if schedule not in SCHEDULES else ""
-            raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe' "
-                             "(the distributed engine can run a gpipe plan with schedule='1f1b' "
-                             "when chunks >= stages)")
+        schedules = _schedules(schedule, engine, interleave)
         if checkpoint not in CHECKPOINT_CHOICES:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
         if optimizer_state_factor < 0:
@@ -53,14 +46,20 @@ class Options:
         # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
         # same memory, so it is at least as fast and as small.
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
-        factors = _interleaves(interleave, profile.layers, len(names), engine)
+        factors = _interleaves(interleave, profile.layers, len(names), engine) if "gpipe" in schedules else [1]
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
                  "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
                  "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
-                 "interleaves_searched": factors}
+                 "interleaves_searched": factors, "schedule": schedule}
         return Options(batch, rates, memory_limits(memory_limit, names),
                         candidate_chunks(batch, profile.batch_sizes, chunks, equal=engine == "distributed"),
-                        modes, factors, given)
+                        modes, factors, given, schedules)
+
+    @property
+    def modes_1f1b(self) -> list[str]:
+        """Checkpoint modes for 1F1B: with ``auto`` also ``always``, which there holds less than
+        ``except_last`` (:func:`~autopipe.planning.schedules.saved_sets`)."""
+        return [*self.modes, "always"] if self.given["checkpoint"] == "auto" else self.modes
 
     def record(self) -> dict[str, Any]:
         """The options as JSON for the plan file."""
@@ -70,12 +69,29 @@ class Options:
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
 
 
+def _schedules(asked: Schedule | str, engine: EngineName, interleave: int | str) -> list[Schedule]:
+    """The schedules to search: ``[asked]``, or both for ``"auto"`` on the local engine."""
+    if asked not in ("auto", *SCHEDULES):
+        raise ValueError(f"schedule '{asked}' is not one of {['auto', *SCHEDULES]}")
+    if engine == "distributed":
+        # the distributed engine's 1F1B is torch's, not the simulated one; a gpipe plan runs on it
+        # with schedule='1f1b' when chunks ≥ stages, holding no more activations than planned
+        if asked == "1f1b":
+            raise ValueError("the planner prices schedule='1f1b' for the local engine only; use 'gpipe' "
+                             "(the distributed engine can run a gpipe plan with schedule='1f1b' "
+                             "when chunks >= stages)")
+        return ["gpipe"]
+    if asked == "1f1b" and interleave not in ("auto", 1):
+        raise ValueError(f"the planner searches 1f1b plans with one stage per device; use interleave=1 "
+                         f"(or 'auto'), not {interleave!r}, or schedule='gpipe'")
+    return list(SCHEDULES) if asked == "auto" else [asked]
+
+
 def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: EngineName) -> list[int]:
     """The stages-per-device factors to search: ``[asked]``, or for ``"auto"`` 1 and, where it
     can run and be searched exactly, 2."""
     if asked == "auto":
-        fits = interleaved.split_count(len(layers), devices, 2) <= interleaved.BUDGET
-        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) and fits else [1]
+        return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) else [1]
     if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
         raise ValueError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
     if asked > 1:
@@ -85,11 +101,6 @@ def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: 
         if devices < 2 or 2 * asked > len(layers):
             raise ValueError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
                              f"got {devices} devices and {len(layers)} layers")
-        count = interleaved.split_count(len(layers), devices, asked)
-        if count > interleaved.BUDGET:
-            raise ValueError(f"interleave={asked} would enumerate {count} splits of {len(layers)} layers on "
-                             f"up to {devices} devices, more than {interleaved.BUDGET}; plan fewer "
-                             "devices or use interleave=1")
     return [asked]
 
 

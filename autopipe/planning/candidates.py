@@ -16,14 +16,17 @@ __all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
 
 @dataclass(frozen=True)
 class Choice:
-    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time and its
-    stages per device (:mod:`autopipe.planning.interleaved`)."""
+    """The best plan the search found: stage bounds, chunks, checkpoint mode, its time, its
+    stages per device (:mod:`autopipe.planning.interleaved`), its schedule and the turn rule of
+    its shared devices."""
 
     bounds: tuple[int, ...]
     chunks: int
     mode: CheckpointMode
     iteration_ms: float
     interleave: int = 1
+    schedule: str = "gpipe"
+    turns: str = "depth_first"
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,10 @@ stages share that device's compute and there is no closed form: :meth:`CostModel
 prices the stages (no copy between stages on one device) and the simulator
 (:mod:`autopipe.planning.simulate`) gives the time.
 
-Only this fill-drain (GPipe) schedule is modelled, and the planner refuses ``schedule="1f1b"``
-rather than price 1F1B as fill-drain: that would be no proven bound on 1F1B's time (its phases
-interleave).  A gpipe plan may still run on the distributed engine with ``1f1b`` (which needs
-``m ≥`` stages); it then holds at most ``stages - s`` micro-batches on stage ``s``, no more memory
-than planned.
+1F1B (:mod:`autopipe.planning.schedules`) interleaves the phases: no closed form, its time is
+the simulator's (:func:`autopipe.planning.simulate.evaluate`).  A gpipe plan may also run
+on the distributed engine with ``1f1b`` (which needs ``m ≥`` stages); it then holds at most
+``stages - s`` micro-batches on stage ``s``, no more memory than planned.
 
 Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
 
@@ -71,6 +70,11 @@ micro-batch keeps input and saved tensors, the others only their inputs) need th
 with the ``distributed`` engine also those it passes along (stash before the stage, pop at or
 after its end).  The bracketed term is the ``distributed`` engine's receive buffer: every stage
 but the first keeps one more copy of its input per micro-batch.
+
+Other schedules hold fewer micro-batches: ``m`` above is the stage's
+:func:`~autopipe.planning.schedules.in_flight` count (``min(stages - s, m)`` in 1F1B), and the
+saved tensors count :func:`~autopipe.planning.schedules.saved_sets` times (1F1B with
+``except_last`` may hold two sets where fill-drain holds one).
 """
 from __future__ import annotations
 
@@ -81,8 +85,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._vocab import ENGINES, CheckpointMode, EngineName
+from .._vocab import ENGINES, CheckpointMode, EngineName, Schedule
 from .graph import build_graph, chain_of
+from .schedules import in_flight, saved_sets
 from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
@@ -282,16 +287,27 @@ class CostModel:
         received = inputs * chunks * (np.asarray(start) > 0) if self.relayed else 0.0
         return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks + received
 
+    def schedule_memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
+                        schedule: Schedule, stage: int, stages: int) -> Any:
+        """Peak bytes of stage ``stage`` (of ``stages``) holding layers ``[start, stop)`` under
+        ``schedule``: :meth:`memory` of its micro-batches in flight, plus the saved tensors it
+        holds beyond what that counts (bounds may be index arrays)."""
+        held = in_flight(schedule, stage, stages, chunks)
+        memory = self.memory(costs, start, stop, held, mode, self.held_bytes(costs, start, stop))
+        extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
+        return memory + extra * costs.sum(costs.saved, start, stop) if extra else memory
+
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode) -> Evaluation:
-        """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
+        """Cost the fill-drain split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])``
+        on device ``s`` (other schedules and placements: :func:`autopipe.planning.simulate.evaluate`)."""
         stages = self.stage_lanes(bounds, chunks, mode)
         forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
         return Evaluation(stages, forward_ms, backward_ms)
 
     def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
-                    placement: Sequence[int] | None = None) -> list[StageLanes]:
-        """Every stage's lanes and memory, stage ``s`` on device ``placement[s]`` (default ``s``);
-        a tensor between stages on one device is not copied."""
+                    placement: Sequence[int] | None = None, schedule: Schedule = "gpipe") -> list[StageLanes]:
+        """Every stage's lanes and memory under ``schedule``, stage ``s`` on device
+        ``placement[s]`` (default ``s``); a tensor between stages on one device is not copied."""
         costs = self.at(self.micro_batch_size(chunks))
         count = len(bounds) - 1
         where = list(range(count)) if placement is None else list(placement)
@@ -310,8 +326,7 @@ class CostModel:
         for s in range(count):
             forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
             recompute = forward if recomputations(mode, chunks) else 0.0
-            held = self.held_bytes(costs, bounds[s], bounds[s + 1])
-            memory = self.memory(costs, bounds[s], bounds[s + 1], chunks, mode, held)
+            memory = self.schedule_memory(costs, bounds[s], bounds[s + 1], chunks, mode, schedule, s, count)
             stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
         return stages
 

@@ -10,7 +10,8 @@ the pipeline::
     device 1:        [ s1 ]      [ s3 ]
 
 Stages sharing a device take turns, so there is no closed form: a split's time is the
-simulator's (:func:`autopipe.planning.simulate.simulate`, the rule the runtime follows).  The search is
+simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
+of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.  The search is
 exact by enumeration with pruning: a lower bound on every split is computed at once with numpy,
 per phase the larger of
 
@@ -19,10 +20,12 @@ per phase the larger of
   (``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might not happen),
 
 and splits are simulated in order of bound until it reaches the best time found (the
-``(chunks, mode, device count)`` groups themselves taken in order of their least possible
-work per device, see :func:`search`); a split over a device's memory limit (the sum of its
-stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; beyond
-:data:`BUDGET` of them the planner does not interleave (and says so in the plan's options).
+``(chunks, mode, device count)`` groups themselves taken in order of a bound on all their
+splits, see :func:`search`); a split over a device's memory limit (the sum of its
+stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; a group of more
+than :data:`BUDGET` is not enumerated but given one split, the min-max split of
+:mod:`autopipe.planning._minmax` (``O(n · L²)``, each stage within an equal share of its
+device's memory), and its bound stays open: the plan's gap shows what that may cost.
 """
 from __future__ import annotations
 
@@ -33,35 +36,39 @@ from typing import Sequence
 
 import numpy as np
 
-from .._vocab import CheckpointMode
 from .cost import CostModel, recomputations
 from .plans import placement
+from ._budget import Budget, Outcome
+from ._minmax import min_max_split
 from .candidates import Choice
+from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["BUDGET", "split_count", "search", "time_of"]
+__all__ = ["BUDGET", "search", "time_of", "timed"]
 
 #: splits (over all device counts) that the planner enumerates for one interleave factor.
 BUDGET = 200_000
 
 
-def split_count(layers: int, devices: int, interleave: int) -> int:
-    """Splits of ``layers`` into ``interleave`` stages on each of 2..``devices`` devices."""
-    return sum(math.comb(layers - 1, k * interleave - 1) for k in range(2, devices + 1))
-
-
-def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: CheckpointMode, interleave: int,
+def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
             limits: np.ndarray) -> float:
-    """The simulated iteration ms of one interleaved split, or ``inf`` if a device's stages
-    overflow its memory."""
+    """The simulated iteration ms of one interleaved split under its faster turn rule, or
+    ``inf`` if a device's stages overflow its memory."""
+    return timed(model, bounds, chunks, mode, interleave, limits)[0]
+
+
+def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
+          limits: np.ndarray) -> tuple[float, str]:
+    """:func:`time_of` and the turn rule that gives it (depth-first on a tie)."""
     where = placement(len(bounds) - 1, interleave)
     lanes = model.stage_lanes(bounds, chunks, mode, where)
     held = np.zeros(len(limits))
     for stage, device in zip(lanes, where):
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
-        return math.inf
-    return simulate(lanes, chunks, mode, where).iteration_ms
+        return math.inf, TURN_RULES[0]
+    times = [(simulate(lanes, chunks, mode, where, turns=rule).iteration_ms, rule) for rule in TURN_RULES]
+    return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
 
 
 @dataclass(frozen=True)
@@ -79,41 +86,87 @@ class _Splits:
         return _Splits(devices, np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers))))
 
 
-def search(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode], limits: np.ndarray,
-           interleave: int, best: Choice | None) -> Choice | None:
+def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+           interleave: int, best: Choice | None, budget: Budget | None = None) -> Outcome:
     """The best interleaved split strictly faster than ``best`` (any split if ``best`` is
-    ``None``), or ``None``.
+    ``None``; the outcome's choice is ``None`` if none is), and a lower bound on the time of
+    ``best`` and of every interleaved split.
 
-    Each ``(chunks, mode, device count)`` is taken in order of its least possible time (all its
-    work spread evenly over its devices), and within it each split in order of its bound; both
-    loops stop at the best time found, so what they skip cannot be faster."""
+    Each ``(chunks, mode, device count)`` is taken in order of a lower bound on its time
+    (:func:`_group_bound`); one of at most :data:`BUDGET` splits is enumerated,
+    each split in order of its bound, a larger one gets the min-max split of
+    :mod:`autopipe.planning._minmax` (its bound then stays open).  Both loops stop at the best
+    time found, so what they skip cannot be faster.  When ``budget`` runs out, the bound of what
+    is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
-    groups = {k: _Splits.of(model.layers, k, interleave) for k in range(2, devices + 1)}
-    tried = sorted((_work_bound(model, chunks, mode, k), chunks, mode, k)
-                   for chunks in candidates for mode in modes for k in groups)
-    found = best
+    tried = sorted((_group_bound(model, chunks, mode, k, interleave), chunks, mode, k)
+                   for chunks in candidates for mode in modes for k in range(2, devices + 1))
+    found, left = best, math.inf
+    enumerated: dict[int, _Splits] = {}
     for least, chunks, mode, k in tried:
-        if found is not None and least >= found.iteration_ms:
+        if found is not None and least >= found.iteration_ms or math.isfinite(left) and budget is not None \
+                and budget.spent:
+            left = min(left, least)
             break
-        lower = _lower_bounds(model, groups[k], chunks, mode, interleave)
-        for row in np.argsort(lower, kind="stable"):
-            if found is not None and lower[row] >= found.iteration_ms:
+        if math.comb(model.layers - 1, k * interleave - 1) > BUDGET:
+            left = min(left, least)
+            rows = [_min_max(model, chunks, mode, k, interleave, limits)]
+            lower = np.full(1, least)
+        else:
+            if k not in enumerated:
+                enumerated[k] = _Splits.of(model.layers, k, interleave)
+            splits = enumerated[k]
+            lower = _lower_bounds(model, splits, chunks, mode, interleave)
+            rows = [tuple(int(b) for b in splits.bounds[row]) for row in np.argsort(lower, kind="stable")]
+            lower = np.sort(lower, kind="stable")
+        for bounds, bound in zip(rows, lower):
+            if found is not None and bound >= found.iteration_ms:
                 break
-            bounds = tuple(int(b) for b in groups[k].bounds[row])
-            ms = time_of(model, bounds, chunks, mode, interleave, limits)
+            if budget is not None and budget.out():
+                left = min(left, float(bound))
+                break
+            if bounds is None:
+                continue
+            ms, rule = timed(model, bounds, chunks, mode, interleave, limits)
             if found is None and math.isfinite(ms) or found is not None and ms < found.iteration_ms:
-                found = Choice(bounds, chunks, mode, ms, interleave)
-    return None if found is best else found
+                found = Choice(bounds, chunks, mode, ms, interleave, turns=rule)
+    upper = math.inf if found is None else found.iteration_ms
+    return Outcome(None if found is best else found, min(upper, left))
 
 
-def _work_bound(model: CostModel, chunks: int, mode: CheckpointMode, devices: int) -> float:
-    """All the work of one iteration over the total speed of ``devices`` devices."""
+def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
+             limits: np.ndarray) -> tuple[int, ...] | None:
+    """The split of least largest stage lane, each stage within its device's limit shared
+    equally by the device's ``interleave`` stages (so that their sum fits)."""
     costs = model.at(model.micro_batch_size(chunks))
-    work = chunks * (costs.forward[-1] + costs.backward[-1]) + recomputations(mode, chunks) * costs.forward[-1]
-    return float(work / np.sum(model.speeds[:devices]))
+    where = placement(devices * interleave, interleave)
+
+    def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        memory = model.memory(costs, start, stop, chunks, mode, model.held_bytes(costs, start, stop))
+        return memory <= limits[where[s]] / interleave
+
+    bounds = min_max_split(model, chunks, mode, model.speeds[where], fits)
+    return None if bounds is None else tuple(bounds)
 
 
-def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: CheckpointMode, interleave: int) -> np.ndarray:
+def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> float:
+    """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
+    the larger of all its work over the devices' total speed and the chain: one micro-batch
+    through every stage (``Σ F_s/v_s ≥ F/v_max``) plus ``m - 1`` on the slowest lane (at least
+    the average of the ``n`` stages')."""
+    costs = model.at(model.micro_batch_size(chunks))
+    forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
+    recomputed = recomputations(mode, chunks)
+    speeds = model.speeds[:devices]
+    spread, top, stages = float(np.sum(speeds)), float(np.max(speeds)), devices * interleave
+    lane = backward + (forward if recomputed else 0.0)  # the slowest lane with recomputation
+    first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
+    return (max(chunks * forward / spread, forward / top * (1 + (chunks - 1) / stages))
+            + max((chunks * backward + recomputed * forward) / spread,
+                  first / top + (chunks - 1) * lane / (stages * top)))
+
+
+def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:
     """A lower bound on the simulated time of every split (the module docstring's)."""
     costs = model.at(model.micro_batch_size(chunks))
     bounds = splits.bounds

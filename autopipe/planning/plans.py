@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._vocab import CHECKPOINT_MODES, SCHEDULES, CheckpointMode, Schedule
 from .._jsonio import Fields, read_json, write_json_atomic
+from .._vocab import CHECKPOINT_MODES, SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
@@ -71,6 +71,9 @@ class Prediction:
     ``bubble_fraction`` is the share of device-time (devices × iteration) in which a device
     computes nothing.  ``reduction_ms`` is how much the gradient reduction between replicas
     adds after the backward phase (0 with one replica); ``iteration_ms`` includes it.
+    ``lower_bound_ms`` is what the planner proved: no plan it searched is
+    faster (equal to ``iteration_ms`` when its search finished); :attr:`gap` how far above that
+    this plan may be.
     """
 
     iteration_ms: float
@@ -78,15 +81,25 @@ class Prediction:
     backward_ms: float
     bubble_fraction: float
     reduction_ms: float = 0.0
+    lower_bound_ms: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """``(iteration_ms - lower_bound_ms) / iteration_ms`` (``None`` if no bound is known)."""
+        if self.lower_bound_ms is None or not self.iteration_ms > 0:
+            return None if self.lower_bound_ms is None else 0.0
+        gap = (self.iteration_ms - self.lower_bound_ms) / self.iteration_ms
+        return gap if gap > 1e-9 else 0.0  # below that, rounding between equal sums
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "gap": self.gap}
 
     @staticmethod
     def from_json(f: Fields) -> Prediction:
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
                           f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0),
-                          f.float("reduction_ms", 0.0) if f.has("reduction_ms") else 0.0)
+                          f.float("reduction_ms", 0.0) if f.has("reduction_ms") else 0.0,
+                          f.float("lower_bound_ms", 0.0) if f.has("lower_bound_ms") else None)
 
 
 @dataclass
@@ -102,7 +115,9 @@ class Plan:
 
     ``interleave`` is the number of stages per device: with ``k = len(stages) / interleave``
     devices, stage ``s`` runs on device ``s % k`` (``devices`` still names one per stage), so
-    each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules.
+    each device holds ``interleave`` chunks of the chain, as in torch's interleaved schedules;
+    ``turns`` is how such a device picks among its stages' ready tasks
+    (:data:`~autopipe.planning.schedules.TURN_RULES`, the faster predicted).
 
     ``replicas`` copies of this pipeline train side by side (data parallel), replica ``r`` on
     ``replica_devices[r]`` (one device per stage, like ``devices``, which is replica 0's), each
@@ -123,6 +138,7 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     interleave: int = 1
     replicas: int = 1
+    turns: TurnRule = "depth_first"
     replica_devices: list[list[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -173,6 +189,7 @@ class Plan:
             "interleave": self.interleave,
             "replicas": self.replicas,
             "replica_devices": self.replica_devices,
+            "turns": self.turns,
             "balance": self.balance,
             "split_points": [{"index": i, "name": n} for i, n in self.split_points],
             "stages": [stage.to_json() for stage in self.stages],
@@ -197,7 +214,7 @@ class Plan:
             batch_size=f.int("batch_size", 1),
             chunks=f.int("chunks", 1),
             checkpoint=f.str("checkpoint"),
-            schedule=f.str("schedule"),
+            schedule=f.str("schedule") if f.has("schedule") else "gpipe",
             stages=f.list_of("stages", StagePlan.from_json),
             predicted=Prediction.from_json(f.get("predicted")),
             options=f.get("options").value if f.has("options") else {},
@@ -205,6 +222,7 @@ class Plan:
             replicas=f.int("replicas", 1) if f.has("replicas") else 1,
             replica_devices=([_names(item) for item in f.get("replica_devices").items()]
                              if f.has("replica_devices") else []),
+            turns=f.str("turns") if f.has("turns") else "depth_first",
         )
         _check_consistent(plan, f)
         return plan
@@ -221,6 +239,8 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
         raise f.error(f"'{plan.checkpoint}' is not one of {list(CHECKPOINT_MODES)}", "checkpoint")
     if plan.schedule not in SCHEDULES:
         raise f.error(f"'{plan.schedule}' is not one of {list(SCHEDULES)}", "schedule")
+    if plan.turns not in TURN_RULES:
+        raise f.error(f"'{plan.turns}' is not one of {list(TURN_RULES)}", "turns")
     if not plan.stages:
         raise f.error("a plan needs at least one stage", "stages")
     if not 1 <= plan.replicas <= plan.batch_size:

@@ -174,6 +174,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     if len(rates) != len(names):
         raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
     best: Plan | None = None
+    lowest: float | None = math.inf  # the least lower bound over the replica counts planned
     tried: dict[str, float | None] = {}
     failures: list[str] = []
     for count in counts:
@@ -186,10 +187,14 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
             failures.append(f"{count} replicas: {error}")
             continue
         tried[str(count)] = candidate.predicted.iteration_ms
+        bound = candidate.predicted.lower_bound_ms
+        lowest = None if bound is None or lowest is None else min(lowest, bound)
         if best is None or candidate.predicted.iteration_ms < best.predicted.iteration_ms:
             best = candidate
     if best is None:
         raise PlanningError("no replica count fits the memory limits; " + " | ".join(failures))
+    if lowest is not None:  # each count's bound (its pipeline's; the reduction adds to it) holds
+        best.predicted = replace(best.predicted, lower_bound_ms=min(lowest, best.predicted.iteration_ms))
     measured = reduction_time(profile, engine, 2, 1.0)[1]
     best.options.update({
         "devices": names, "batch_size": batch, "replicas": replicas, "replicas_searched": tried,
@@ -226,7 +231,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
     layers = model.layers
-    if interleaved.split_count(layers, len(devices), 1) + 1 > interleaved.BUDGET:
+    if sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > interleaved.BUDGET:
         options["replica_split"] = "pipeline-optimal"
         return pipeline
     limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]

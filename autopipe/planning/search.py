@@ -43,6 +43,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ._budget import Budget
 from ._arrays import Columns, largest_after, pairs, prefix_argmin, ragged_arange, states, uniform
 from .candidates import Candidate, Choice, reach
 from .completion import Completions
@@ -54,6 +55,10 @@ __all__ = ["Search"]
 _Key = tuple
 # Label pairs compared at once by _dominated.
 _PAIRS = 2_000_000
+
+
+class _OutOfTime(Exception):
+    """The budget ran out in the middle of a stage of the DP."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,10 @@ class Search:
     lower bounds of ``completions`` (built with caps no smaller than ``best`` allows)."""
 
     def __init__(self, model: CostModel, candidate: Candidate, limits: np.ndarray, best: float,
-                 completions: Completions) -> None:
+                 completions: Completions, budget: Budget | None = None) -> None:
         self.model = model
+        self.budget = budget
+        self.finished = False  # whether run() searched every split (else the budget ran out)
         self.candidate = candidate
         self.m = candidate.chunks
         self.mode = candidate.effective
@@ -117,16 +124,26 @@ class Search:
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
 
     def run(self) -> Choice | None:
-        """The best split strictly better than ``best``, or ``None``."""
+        """The best split strictly better than ``best``, or ``None``; :attr:`finished` says
+        whether every split was searched before the budget ran out."""
         one = np.zeros(1, dtype=int)
         labels = _Labels(one, one, np.zeros(1), np.zeros(1), np.full(1, -math.inf), np.zeros(1), one - 1)
-        for stage in range(self.devices):
-            labels = self._step(stage, labels)
-            if not len(labels.x):
-                break
+        try:
+            for stage in range(self.devices):
+                self._check_time()
+                labels = self._step(stage, labels)
+                if not len(labels.x):
+                    break
+            self.finished = True
+        except _OutOfTime:
+            pass
         if self.bounds is None:
             return None
         return Choice(self.bounds, self.m, self.candidate.mode, self.best)
+
+    def _check_time(self) -> None:
+        if self.budget is not None and self.budget.out():
+            raise _OutOfTime
 
     def _step(self, stage: int, labels: _Labels) -> _Labels:
         """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
@@ -218,6 +235,8 @@ class Search:
         rows: list[int] = []
         extra: list[tuple[float, float, int]] = []
         for row, (state, stop) in enumerate(zip(moves.state.tolist(), moves.stop.tolist())):
+            if row % 1024 == 0:
+                self._check_time()
             for copy_in, copy_grad, key in self._commitments(stage, int(starts[state]), stop,
                                                                self.keys[keys[state]]):
                 rows.append(row)
@@ -327,6 +346,7 @@ class Search:
         least = (labels.total + self.candidate.copy_forward[stage, labels.start]
                  + self.completions.lower_bound(stage + 1, labels.start, labels.x, labels.peak))
         labels = labels.take(np.flatnonzero(least < self.best))
+        self._check_time()
         labels = labels.take(np.flatnonzero(~_dominated(labels, self.m)))
         self.trace.append((labels.start, labels.ref))
         return replace(labels, ref=np.arange(len(labels.x)))

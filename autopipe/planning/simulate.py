@@ -1,36 +1,42 @@
-"""An event simulator of the fill-drain schedule: the per-stage timeline the cost model predicts.
+"""An event simulator of a schedule: the per-stage timeline the cost model predicts.
 
-Each lane (a stage's compute, or its incoming copy) serves micro-batches in order; a
-micro-batch starts on a lane when the lane's resource is free and the micro-batch has left the
-previous lane.  A copy lane is a resource of its own; a compute lane uses its device, which
-stages placed on one device (an interleaved plan) share, one task at a time.  When a device
-falls free, the earliest task to be ready starts, and among tasks ready at once the one
-furthest along its phase's chain (the runtime's rule, :class:`~autopipe.runtime.turns.Turns`)::
+Each stage's worker runs its tasks in the schedule's order (:func:`~autopipe.planning.schedules.order`);
+a task starts when the worker is free, its input has arrived and its device is free.  Inputs
+arrive on copy lanes, each a resource of its own that serves its copies in order: ``C`` into
+stage ``s`` after stage ``s-1``'s forward, ``G`` into stage ``s`` after stage ``s+1``'s
+backward (skips are priced into these lanes, :mod:`autopipe.planning.cost`).  Stages placed on
+one device (an interleaved plan) share it, one task at a time: when a device falls free, the
+earliest task to be ready starts, and among tasks ready at once the one of least
+:func:`~autopipe.planning.schedules.priority` (the runtime's rule, :class:`~autopipe.runtime.turns.Turns`)::
 
     device 0:  s0 F0  s0 F1  s2 F0  s2 F1        stages 0 and 2 on device 0,
     device 1:         s1 F0  s1 F1  s3 F0 ...    1 and 3 on device 1
 
-With one stage per device this is the permutation flow shop of :mod:`autopipe.planning.cost`, whose
-closed form it shares no code with, so tests can hold one against the other.
+Fill-drain with one stage per device is the permutation flow shop of
+:mod:`autopipe.planning.cost`, whose closed form it shares no code with, so tests can hold one
+against the other.
 """
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from .._vocab import CheckpointMode, EventKind, Lane
-from .cost import StageLanes
+from .._vocab import CheckpointMode, Lane, Schedule, TurnRule
+from .cost import CostModel, Evaluation, StageLanes
 from .plans import Plan
+from .schedules import checkpointed, order, priority
 from ..timeline import Event
 
-__all__ = ["Simulation", "simulate", "simulate_plan"]
+__all__ = ["Simulation", "simulate", "simulate_plan", "evaluate"]
 
 
 @dataclass(frozen=True)
 class Simulation:
-    """The events of one iteration and its phase lengths (ms)."""
+    """The events of one iteration and its phase lengths (ms).
+
+    ``forward_ms`` ends with the last forward; ``backward_ms`` is the rest of the iteration
+    (in 1F1B backwards also run before that end)."""
 
     events: list[Event]
     forward_ms: float
@@ -41,98 +47,130 @@ class Simulation:
         return self.forward_ms + self.backward_ms
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Lane:
-    """A stage's compute or copy lane: the resource it uses and each job's duration."""
+    """A worker or copy lane: its tasks in order, each ``(kind, micro-batch, duration, the
+    task it waits for)``, and the resource it uses (a device index, or its own negative id)."""
 
     stage: int
     lane: Lane
-    kind: EventKind
     resource: int
-    durations: list[float]
+    tasks: list[tuple[str, int, float, tuple[str, int, int] | None]] = field(default_factory=list)
+    done: int = 0
 
 
 def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
-             placement: Sequence[int] | None = None) -> Simulation:
-    """Run one iteration: all forwards (micro-batches 0..m-1), then all backwards (m-1..0).
+             placement: Sequence[int] | None = None, schedule: Schedule = "gpipe",
+             turns: TurnRule = "depth_first") -> Simulation:
+    """Run one iteration of ``schedule`` over ``chunks`` micro-batches.
 
-    ``placement[s]`` is stage ``s``'s device (default: stage ``s`` on device ``s``)."""
+    ``placement[s]`` is stage ``s``'s device (default: stage ``s`` on device ``s``); ``turns``
+    the rule of a shared device (:func:`~autopipe.planning.schedules.priority`)."""
     where = list(range(len(stages))) if placement is None else list(placement)
-    forward_events, forward_end = _run(_forward_lanes(stages, chunks, where), list(range(chunks)), 0.0)
-    backward_events, backward_end = _run(_backward_lanes(stages, chunks, checkpoint, where),
-                                         list(reversed(range(chunks))), forward_end)
-    return Simulation(forward_events + backward_events, forward_end, backward_end - forward_end)
+    lanes = _lanes(stages, chunks, checkpoint, where, schedule)
+    events, finished = _run(lanes, turns)
+    forward_end = max((t for (kind, _, _), t in finished.items() if kind in "FC"), default=0.0)
+    end = max(finished.values(), default=0.0)
+    return Simulation(events, forward_end, end - forward_end)
 
 
-def _forward_lanes(stages: Sequence[StageLanes], chunks: int, where: list[int]) -> list[_Lane]:
-    lanes: list[_Lane] = []
-    for index, stage in enumerate(stages):
-        if index > 0:
-            lanes.append(_Lane(index, "copy", "C", -len(lanes) - 1, [stage.copy_in] * chunks))
-        lanes.append(_Lane(index, "compute", "F", where[index], [stage.forward] * chunks))
+def _lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: str, where: list[int],
+           schedule: str) -> dict[tuple[str, int], _Lane]:
+    """Every stage's worker lane (``"compute"``) and copy lanes (``"C"`` and ``"G"``, in the
+    order their sender produces), keyed by ``(lane, stage)``; each task names the task it
+    waits for as ``(kind, stage, micro-batch)``."""
+    count = len(stages)
+    lanes: dict[tuple[str, int], _Lane] = {}
+    for s, stage in enumerate(stages):
+        work = lanes[("compute", s)] = _Lane(s, "compute", where[s])
+        for kind, j in order(schedule, s, count, chunks):
+            if kind == "F":
+                work.tasks.append(("F", j, stage.forward, ("C", s, j) if s > 0 else None))
+            else:
+                recompute = stage.recompute if checkpointed(checkpoint, j, chunks) else 0.0
+                work.tasks.append(("B", j, stage.backward + recompute, ("G", s, j) if s < count - 1 else None))
+    for s, stage in enumerate(stages):
+        for kind, sender, duration in (("C", s - 1, stage.copy_in), ("G", s + 1, stage.copy_grad)):
+            if 0 <= sender < count:
+                lane = lanes[(kind, s)] = _Lane(s, "copy", -len(lanes) - 1)
+                made = "F" if kind == "C" else "B"
+                lane.tasks = [(kind, j, duration, (made, sender, j))
+                              for task, j, _, _ in lanes[("compute", sender)].tasks if task == made]
     return lanes
 
 
-def _backward_lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
-                    where: list[int]) -> list[_Lane]:
-    """Backward lanes in execution order; job 0 is the last micro-batch, which ``except_last``
-    does not recompute."""
-    lanes: list[_Lane] = []
-    for index in reversed(range(len(stages))):
-        stage = stages[index]
-        if index < len(stages) - 1:
-            lanes.append(_Lane(index, "copy", "G", -len(lanes) - 1, [stage.copy_grad] * chunks))
-        durations = [stage.backward + stage.recompute] * chunks
-        if checkpoint == "except_last":
-            durations[0] = stage.backward
-        lanes.append(_Lane(index, "compute", "B", where[index], durations))
-    return lanes
+def _run(lanes: dict[tuple[str, int], _Lane], turns: str) -> tuple[list[Event], dict[tuple[str, int, int], float]]:
+    """List-schedule the lanes' tasks; returns the events (of tasks that take time) and the end
+    of every task.
 
-
-def _run(lanes: list[_Lane], order: list[int], start: float) -> tuple[list[Event], float]:
-    """List-schedule ``order``'s micro-batches through ``lanes`` (a chain); returns the events
-    and the end time.
-
-    The next task to start is the one of least key ``(start time, copy before compute, later
-    lane first)``.  A lane waits in the heap once its next job has left the previous lane;
-    a key only grows (when another lane takes the resource), so a stale key is recomputed on
-    pop and pushed back."""
-    jobs = len(order)
-    done = [0] * len(lanes)  # jobs finished per lane
-    left = [[start] * jobs] + [[math.nan] * jobs for _ in lanes[1:]]  # when job j left lane i-1
-    free = {lane.resource: start for lane in lanes}
-    heap = [_key(lanes, 0, free, start)]
+    The next task to start is the one of least key ``(start time, copy before compute,
+    priority)``.  A lane waits in the heap once its next task's input is there; a key only
+    grows (when another lane takes the resource), so a stale key is recomputed on pop and
+    pushed back."""
+    finished: dict[tuple[str, int, int], float] = {}  # (task kind, stage, micro-batch) → end
+    waiting: dict[tuple[str, int, int], tuple[str, int]] = {}  # missing input → lane that needs it
+    free = {lane.resource: 0.0 for lane in lanes.values()}
+    ends = {name: 0.0 for name in lanes}
+    heap: list[tuple[float, bool, tuple[int, int], tuple[str, int]]] = []
     events: list[Event] = []
-    end = start
+
+    def offer(name: tuple[str, int]) -> None:
+        lane = lanes[name]
+        if lane.done == len(lane.tasks):
+            return
+        needs = lane.tasks[lane.done][3]
+        if needs is None or needs in finished:
+            heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
+        else:
+            waiting[needs] = name
+
+    for name in lanes:
+        offer(name)
     while heap:
         key = heapq.heappop(heap)
-        i = -key[2]
-        lane, job = lanes[i], done[i]
-        fresh = _key(lanes, i, free, left[i][job])
+        name = key[3]
+        fresh = _key(lanes, name, free, ends, finished, turns)
         if fresh > key:
             heapq.heappush(heap, fresh)
             continue
-        finish = fresh[0] + lane.durations[job]
-        free[lane.resource] = finish
-        end = max(end, finish)
-        if lane.durations[job] > 0:
-            events.append(Event(lane.stage, lane.lane, lane.kind, order[job], fresh[0], finish))
-        done[i] += 1
-        if done[i] < jobs and not math.isnan(left[i][done[i]]):
-            heapq.heappush(heap, _key(lanes, i, free, left[i][done[i]]))
-        if i + 1 < len(lanes):
-            left[i + 1][job] = finish
-            if done[i + 1] == job:
-                heapq.heappush(heap, _key(lanes, i + 1, free, finish))
-    return events, end
+        lane = lanes[name]
+        kind, j, duration, _ = lane.tasks[lane.done]
+        finish = fresh[0] + duration
+        free[lane.resource] = ends[name] = finish
+        if duration > 0:
+            events.append(Event(lane.stage, lane.lane, kind, j, fresh[0], finish))
+        lane.done += 1
+        made = (kind, lane.stage, j)
+        finished[made] = finish
+        offer(name)
+        if made in waiting:
+            offer(waiting.pop(made))
+    return events, finished
 
 
-def _key(lanes: list[_Lane], i: int, free: dict[int, float], ready: float) -> tuple[float, bool, int]:
-    return max(free[lanes[i].resource], ready), lanes[i].resource >= 0, -i
+def _key(lanes: dict[tuple[str, int], _Lane], name: tuple[str, int], free: dict[int, float],
+         ends: dict[tuple[str, int], float], finished: dict[tuple[str, int, int], float],
+         turns: str) -> tuple[float, bool, tuple[int, int], tuple[str, int]]:
+    lane = lanes[name]
+    kind, _, _, needs = lane.tasks[lane.done]
+    ready = max(ends[name], finished[needs] if needs is not None else 0.0)
+    return max(free[lane.resource], ready), lane.resource >= 0, priority(lane.stage, kind, turns), name
 
 
 def simulate_plan(plan: Plan) -> Simulation:
-    """The simulator run on the plan's predicted per-stage lane times and placement."""
+    """The simulator run on the plan's predicted per-stage lane times, placement and schedule."""
     lanes = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms,
                         float(s.memory_bytes)) for s in plan.stages]
-    return simulate(lanes, plan.chunks, plan.checkpoint, plan.placement)
+    return simulate(lanes, plan.chunks, plan.checkpoint, plan.placement, plan.schedule, plan.turns)
+
+
+def evaluate(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, schedule: str = "gpipe",
+             placement: Sequence[int] | None = None, turns: str = "depth_first") -> Evaluation:
+    """Cost a split under ``schedule`` with stage ``s`` on device ``placement[s]`` (default
+    ``s``) and shared devices taking ``turns``: fill-drain with one stage per device by the
+    closed form (:meth:`CostModel.evaluate`), anything else by simulation."""
+    if schedule == "gpipe" and (placement is None or list(placement) == list(range(len(placement)))):
+        return model.evaluate(bounds, chunks, mode)
+    lanes = model.stage_lanes(bounds, chunks, mode, placement, schedule)
+    simulation = simulate(lanes, chunks, mode, placement, schedule, turns)
+    return Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)

@@ -6,13 +6,15 @@ on its time.  After a first plan (the greedy split of least largest forward lane
 are taken in order of that bound until it reaches the best time found, and a coarse grid of lane
 caps (:class:`~autopipe.planning.completion.Completions`) gives each a lower bound and a few plans.  Then,
 those with the best plans first, each candidate whose bound is still under the best time gets a
-finer grid around its best plan (a tighter bound, more plans) and, if that bound is still under,
-the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned by that
-grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is optimal.
+finer grid around its best plan (a tighter bound, more plans) and then, if that bound is still
+under, the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned
+by that grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is
+optimal; stopped by the time limit, the least bound of what is left is a proven lower bound.
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,8 +23,10 @@ import numpy as np
 from .._vocab import CHECKPOINT_MODES, CheckpointChoice, CheckpointMode, EngineName, Schedule
 from ..errors import PlanningError
 from ..profiling.profiles import Profile
-from . import interleaved
+from . import interleaved, one_f_one_b
+from . import placement as placements
 from ._assembly import build_plan
+from ._budget import Budget, Outcome
 from ._infeasible import infeasible, smallest_memory
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
 from .completion import Completions
@@ -51,6 +55,8 @@ def plan(
     chunks: int | None = None,
     engine: EngineName = "local",
     interleave: int | str = "auto",
+    time_limit: float | None = 1.0,
+    placement: str = "given",
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
@@ -66,7 +72,10 @@ def plan(
         checkpoint: a checkpoint mode, or ``"auto"`` to choose one.
         optimizer_state_factor: optimizer state per parameter byte (2 for SGD with momentum, 3 for
             Adam).
-        schedule: only ``"gpipe"`` (fill-drain) is planned.
+        schedule: ``"gpipe"`` (fill-drain: ``pipe(x)`` then ``loss.backward()``), ``"1f1b"``
+            (fewer micro-batches in flight, trained with :meth:`~autopipe.Pipeline.train_step`;
+            searched by :mod:`autopipe.planning.one_f_one_b`, a heuristic priced by simulation)
+            or ``"auto"`` (the faster prediction of the two; local engine only).
         speeds: relative device speeds (times are divided by them).
         chunks: the micro-batch count, or ``None`` to choose it.
         engine: what will run the plan: ``"local"`` (the in-process runtime) or ``"distributed"``
@@ -74,8 +83,14 @@ def plan(
             micro-batches only).
         interleave: stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or
             ``"auto"``, which also tries 2 where the local engine runs the plan, more than one
-            device is given and the enumeration is within
-            :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
+            device is given (the plan's options record what was tried).
+        time_limit: seconds to search (``None``: no limit); the search then returns the best plan
+            found, ``plan.predicted.lower_bound_ms`` a proven lower bound on every plan searched
+            and ``plan.predicted.gap`` how far above it the plan may be (0 when the search
+            finished: the plan is then optimal for the cost model).
+        placement: ``"given"`` places stage ``s`` on the ``s``-th device; ``"search"`` also
+            searches which device each stage runs on where the order matters
+            (:mod:`autopipe.planning.placement`).
 
     Returns:
         The :class:`Plan`, with its predicted times and the options it was made with.
@@ -87,46 +102,99 @@ def plan(
             sizes, a memory size that cannot be read, ...).
     """
     profile.validate()  # a profile built or edited in memory is checked as a loaded one
+    budget = Budget(time_limit)  # from the start: the cost model and the profile's digest count too
+    digest = profile.digest
+    if placement not in placements.PLACEMENTS:
+        raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state_factor, engine)
-    choice = None
-    for factor in options.interleaves:
-        if factor == 1:
-            choice = solve(model, options.candidates, options.modes, options.limits)
-        else:
-            choice = interleaved.search(model, options.candidates, options.modes, options.limits, factor,
-                                        choice) or choice
+    searched, complete = placements.orders(model, placement)
+    choice, lower, order = None, math.inf, searched[0]
+    for candidate_order in searched:
+        found, bound = _search_all(placements.permuted(model, candidate_order), options,
+                                   options.limits[list(candidate_order)], budget)
+        lower = min(lower, bound)
+        if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
+            choice, order = found, candidate_order
     if choice is None:
+        if budget.spent:
+            raise PlanningError(f"no plan that fits was found within time_limit={time_limit} s; "
+                                "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
-    return build_plan(profile, model, choice.bounds, choice.chunks, choice.mode, options.record(),
-                      choice.interleave)
+    record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
+              "placement": placement, "placements_searched": "all" if complete else len(searched),
+              "device_order": list(order)}
+    return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
+                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
+
+
+def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget) -> tuple[Choice | None, float]:
+    """Every search the options ask for (fill-drain, interleaved, 1F1B) on devices in
+    ``model``'s order: the best plan found and a lower bound on every plan searched."""
+    choice, lower = None, math.inf
+    for factor in options.interleaves if "gpipe" in options.schedules else []:
+        if factor == 1:
+            outcome = solve_within(model, options.candidates, options.modes, limits, budget)
+        else:
+            outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
+    if "1f1b" in options.schedules:
+        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget)
+        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
+    return choice, lower
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
           limits: np.ndarray) -> Choice | None:
     """The best plan over the micro-batch counts ``candidates`` and ``modes``, or ``None`` if
-    none fits in memory.
+    none fits in memory (:func:`solve_within` without a time limit)."""
+    return solve_within(model, candidates, modes, limits, Budget(None)).choice
+
+
+def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+                 budget: Budget) -> Outcome:
+    """The best plan found over the micro-batch counts ``candidates`` and ``modes`` within
+    ``budget``, and a lower bound on the optimum (equal to the plan's time when the search
+    finished: it is then exact).
 
     Candidates are scouted in order of their cheap bound while it is under the best time: a
-    coarse grid of caps gives each a lower bound and plans.  Then each is searched exactly
-    for a strictly better plan (after a finer grid around its best plan), those with the best
-    plans first, so that the others are cut off early.  Ties go to the plan found first.
+    coarse grid of caps gives each a lower bound and plans.  Then each gets a finer grid around
+    its best plan (a tighter bound, more plans), and then each is searched exactly for a
+    strictly better plan, those with the best plans first, so that the others are cut off
+    early.  Ties go to the plan found first.  When the time is up, what is left contributes its
+    bound: a candidate not scouted its cheap bound, one not searched to the end its grid's.
     """
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
                    key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
     best = _seed(model, pairs[0], limits)
-    leads = []
+    leads, left, longest = [], [math.inf], 0.0  # longest: the slowest step of the current kind
     for pair in pairs:
         if best is not None and pair.lower_bound >= best.iteration_ms:
             break
+        if budget.out(2 * longest):  # steps vary; twice the slowest so far
+            left.append(pair.lower_bound)  # the least of those not scouted (sorted by it)
+            break
+        start = time.perf_counter()
         leads.append(_scout(model, pair, limits, best))
-        best = _better(best, leads[-1].plan)
+        best, longest = _better(best, leads[-1].plan), max(longest, time.perf_counter() - start)
+    refined, longest = [], 0.0
     for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        best = _search(model, lead, limits, best)
-    return best
+        if best is not None and lead.least >= best.iteration_ms:
+            continue
+        if budget.out(2 * longest):  # steps vary; twice the slowest so far
+            left.append(lead.least)
+            continue
+        start = time.perf_counter()
+        refined.append(_refine(model, lead, limits, best))
+        best, longest = _better(best, refined[-1].plan), max(longest, time.perf_counter() - start)
+    for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
+        best, unresolved = _search(model, grid, limits, best, budget)
+        left.append(unresolved)
+    upper = math.inf if best is None else best.iteration_ms
+    return Outcome(best, min(upper, *left))
 
 
 @dataclass(frozen=True)
@@ -159,17 +227,38 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
-def _search(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None) -> Choice | None:
-    """``best`` or a better plan of ``lead.candidate``: the plans of a grid of caps around its
-    best plan, then the exact DP — each only while its lower bound is under the best time."""
-    if best is not None and lead.least >= best.iteration_ms:
-        return best
+@dataclass(frozen=True)
+class _Refined:
+    """A candidate's finer grid of caps around its best lanes: the grid, a lower bound on the
+    candidate's plans better than the best time when it was built, and its best plan."""
+
+    candidate: Candidate
+    completions: Completions
+    least: float
+    plan: Choice | None
+
+
+def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None) -> _Refined:
+    """A finer grid of caps around ``lead``'s best plan: a tighter bound and more plans, before
+    any exact search, so that a time limit leaves small gaps."""
     completions = _grid(model, lead.candidate, limits, best, lead.lanes, lead.floor)
-    best = _better(best, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
-    if best is not None and completions.least() >= best.iteration_ms:
-        return best
+    found = _better(lead.plan, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
+    return _Refined(lead.candidate, completions, max(lead.least, completions.least()), found)
+
+
+def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice | None,
+            budget: Budget) -> tuple[Choice | None, float]:
+    """``best`` or a better plan of ``grid.candidate`` by the exact DP (only while the grid's
+    bound is under the best time), and a lower bound on the candidate's plans left unsearched
+    when ``budget`` ran out (``inf`` when none was)."""
+    if best is not None and grid.least >= best.iteration_ms:
+        return best, math.inf
+    if budget.out():
+        return best, grid.least
     cutoff = math.inf if best is None else best.iteration_ms
-    return Search(model, lead.candidate, limits, cutoff, completions).run() or best
+    search = Search(model, grid.candidate, limits, cutoff, grid.completions, budget)
+    found = search.run() or best
+    return found, math.inf if search.finished else grid.least
 
 
 def _grid(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,

@@ -7,7 +7,7 @@ import weakref
 from .._vocab import Phase
 from ..timeline import Event
 from .run import Run
-from .schedule import FillDrain
+from .schedule import actions
 from .stage import Stage
 from .worker import Worker
 
@@ -22,17 +22,17 @@ class Engine:
     engine is collected -- after the pipeline *and* the last output needing them are gone.
     """
 
-    def __init__(self, stages: list[Stage]) -> None:
+    def __init__(self, stages: list[Stage], schedule: str) -> None:
         self.stages = stages
-        self.schedule = FillDrain()
+        self.schedule = schedule
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
         self.closed = False
         weakref.finalize(self, _close_workers, self.workers)
 
     def run_phase(self, run: Run, phase: Phase) -> None:
-        """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
-        first stage failure once every stage has stopped."""
+        """Run ``phase`` of ``run`` on every stage; re-raises the first stage failure once every
+        stage has stopped."""
         self.start_phase(run, phase)
         self.finish_phase(run, phase)
 
@@ -41,11 +41,11 @@ class Engine:
             raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
-            worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
+            worker.submit(run, actions(self.schedule, phase, stage.index, len(self.stages), run.chunks))
 
     def finish_phase(self, run: Run, phase: Phase) -> None:
         run.wait_phase()
-        if phase == "backward" or not run.grad_enabled:
+        if phase != "forward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
 
     def close(self) -> None:

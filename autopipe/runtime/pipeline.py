@@ -14,7 +14,7 @@ values are the model's own, so checkpoints load both ways.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -29,13 +29,14 @@ from ..model.reading import balance_units
 from ._model_calls import model_output
 from .microbatch import scatter, tensors_of
 from ..planning.plans import Plan
+from .._vocab import SCHEDULES, TURN_RULES, Schedule, TurnRule
 from ..timeline import Event
 from .balance import check_balance, stage_of_layer
 from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
 from .replicas import Copies, Replicas, copied_layers, shares_parameters
-from .run import Run
+from .run import Loss, Run
 from .skips import skip_spans, stage_routes
 from .stage import Stage
 from .turns import Turns
@@ -51,9 +52,11 @@ class Pipeline(nn.Module):
     nested Sequential counting as one, as in torchgpipe), ``devices`` (one per device, default
     ``"cpu"`` each; extra devices are ignored, the first ones used, as in torchgpipe),
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
-    ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
-    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything
-    :func:`~autopipe.layer_chain`
+    ``"except_last"`` or ``"always"``), ``interleave`` (stages per device: stage ``s`` runs
+    on ``devices[s % len(devices)]``; default 1, one stage per device) and ``schedule``
+    (``"gpipe"``, fill-drain, or ``"1f1b"``: :mod:`autopipe.planning.schedules`); ``turns``
+    (``"depth_first"`` or ``"breadth_first"``) is how stages sharing a device take turns.
+    ``model`` is anything :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     ``replicas`` (or the plan's) runs that many copies of the pipeline side by side, each on its
@@ -89,6 +92,10 @@ class Pipeline(nn.Module):
       micro-batch recomputes from its inputs as they arrived, and the caller's batch is never
       written.
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
+    * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
+      last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
+      (its backwards start before the last forward), and equivalent to
+      ``f(pipe(*args), y).backward()`` for a ``"gpipe"`` one.
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
@@ -129,16 +136,20 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         interleave: int = 1,
         replicas: int = 1,
+        schedule: Schedule = "gpipe",
+        turns: TurnRule = "depth_first",
     ) -> None:
         super().__init__()
         if plan is not None:
             layers = layer_chain(model)
-            balance, devices, chunks, checkpoint, interleave, replicas = _from_plan(plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave, replicas, schedule = _from_plan(
+                plan, layers, balance, devices)
+            turns = plan.turns
         elif balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
         else:
             layers = balance_units(model)
-        _check(layers, list(balance), chunks, checkpoint, interleave, replicas)
+        _check(layers, list(balance), chunks, checkpoint, interleave, replicas, schedule, turns)
         per_replica = len(balance) // interleave
         resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (per_replica * replicas))
         resolved = _used_devices(resolved, per_replica, interleave, replicas)
@@ -146,14 +157,15 @@ class Pipeline(nn.Module):
         _check_shared(layers, list(balance), groups[0])
         if deferred_batch_norm or replicas > 1:
             layers = [_deferred(layer) for layer in layers]
-        self.plan, self.chunks, self.checkpoint = plan, chunks, checkpoint
+        self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
         self._register_state(layers)
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
         chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
-        self._engines = [Engine(_build_stages(chain, self.balance, group)) for chain, group in zip(chains, groups)]
+        self._engines = [Engine(_build_stages(chain, self.balance, group, turns), schedule)
+                         for chain, group in zip(chains, groups)]
         self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
             for engine in self._engines:
@@ -182,15 +194,60 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
         grad = torch.is_grad_enabled()
-        shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
-        runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
-        replicas = Replicas(self._engines[:len(runs)], runs, self._copies)
+        if grad and self.schedule != "gpipe":
+            raise RuntimeError(
+                f"a '{self.schedule}' pipeline interleaves forwards and backwards, so it needs the loss "
+                "inside: train with pipe.train_step(*inputs, target=..., loss_fn=...); call pipe(x) "
+                "under torch.no_grad() for inference"
+            )
+        replicas = self._replicas(args, grad)
         if grad:
             output = PipelineTie.apply(replicas, self._dummy, *tensors_of(args))
         else:
             replicas.run_phase("forward")
             output = replicas.take_outputs()
         return model_output(self.stages[-1].modules[-1], output)
+
+    def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """One training iteration under the pipeline's schedule, the loss on the last stage.
+
+        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args), target)``
+        for a ``loss_fn`` that is a mean over samples: micro-batch ``j`` of ``n_j`` samples
+        (of ``N``) contributes ``loss_fn(out_j, target_j) · n_j / N``.  ``target`` (a tensor or a
+        tuple of tensors) is split along dim 0 like the inputs.  Parameters get gradients; the
+        inputs do not (use ``pipe(x)`` with a gpipe pipeline for input gradients).
+
+        Args:
+            args: the model's inputs, as for ``pipe(*args)``.
+            target: what ``loss_fn`` compares the output with, one row per sample.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+
+        Returns:
+            The batch's loss (detached, on the last stage's device).
+
+        Raises:
+            Exception: a layer's (or ``loss_fn``'s, on the last stage) own exception, with a note
+                naming the stage, phase and micro-batch.
+            ValueError: ``target`` does not have the inputs' batch size.
+        """
+        targets = scatter((target,), self.replicas) if self.replicas > 1 else [(target,)]
+        replicas = self._replicas(args, True)
+        total = sum(replicas.sizes)
+        for run, share_target in zip(replicas.runs, targets):
+            micro_targets = [parts[0] for parts in scatter(share_target, self.chunks)]
+            if [len(tensors_of(t)[0]) for t in micro_targets] != run.sizes:
+                raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
+                                 f"{total}; give one target row per sample")
+            run.loss = Loss(loss_fn, micro_targets, [n / total for n in run.sizes])
+        replicas.run_phase("train")
+        losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
+        return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
+
+    def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
+        """One call's runs: the batch split into replica shares, each into micro-batches."""
+        shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
+        runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
+        return Replicas(self._engines[:len(runs)], runs, self._copies)
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -236,22 +293,22 @@ class Pipeline(nn.Module):
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int, int]:
+               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int, int, Schedule]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
     check_made_for(plan.model, layers, "plan", "plan this model again")
-    if plan.schedule != "gpipe":
-        raise ValueError(
-            f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
-            "because its caller computes the loss after the forward; plan with schedule='gpipe'"
-        )
     devices_used = [name for group in plan.replica_devices for name in group[: plan.device_count]]
-    return plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas
+    return (plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas,
+            plan.schedule)
 
 
 def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int,
-           replicas: int) -> None:
+           replicas: int, schedule: str, turns: str) -> None:
     check_balance(balance, len(layers))
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+    if turns not in TURN_RULES:
+        raise ValueError(f"turns '{turns}' is not one of {list(TURN_RULES)}")
     if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
         raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
                          f"{len(balance)} stages of balance {balance}")
@@ -261,6 +318,10 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: Che
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+    if turns not in TURN_RULES:
+        raise ValueError(f"turns '{turns}' is not one of {list(TURN_RULES)}")
 
 
 def _used_devices(devices: list[torch.device], per_replica: int, interleave: int,
@@ -304,10 +365,11 @@ def _deferred(layer: Layer) -> Layer:
     return Layer(layer.name, module, layer.stash, layer.pop, layer.prefix)
 
 
-def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
-    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns."""
+def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device],
+                  turns: TurnRule) -> list[Stage]:
+    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns (taken by rule ``turns``)."""
     routes = stage_routes(skip_spans(layers, stage_of_layer(balance)), len(balance))
-    turns = [Turns() for _ in devices]
+    shared = [Turns(turns) for _ in devices]
     stages: list[Stage] = []
     start = 0
     for index, count in enumerate(balance):
@@ -315,6 +377,6 @@ def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.d
         chunk = layers[start:start + count]
         for layer in chunk:
             layer.module.to(device)
-        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, turns[index % len(devices)]))
+        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, shared[index % len(devices)]))
         start += count
     return stages

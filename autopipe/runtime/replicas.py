@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor
 
+from .._vocab import Phase
 from ..device import ops_for
 from ..model import Layer
 from ._model_calls import join_outputs
@@ -121,12 +122,12 @@ class Replicas:
         """The forward's outputs joined in batch order (:func:`join_outputs`), freed from the runs."""
         return join_outputs([run.outputs.pop(j) for run in self.runs for j in range(run.chunks)], self.sizes)
 
-    def run_phase(self, phase: str) -> None:
+    def run_phase(self, phase: Phase) -> None:
         self.start_phase(phase)
         self.finish_phase(phase)
 
-    def start_phase(self, phase: str) -> None:
-        if phase == "forward":
+    def start_phase(self, phase: Phase) -> None:
+        if phase != "backward":  # forward, or a whole training iteration ("train", 1F1B)
             if self.copies is not None:
                 self.copies.broadcast()
             for bn in self.deferred:
@@ -134,7 +135,7 @@ class Replicas:
         for engine, run in self.pairs:
             engine.start_phase(run, phase)
 
-    def finish_phase(self, phase: str) -> None:
+    def finish_phase(self, phase: Phase) -> None:
         """Wait for every replica; then raise the first failure, if any."""
         failure: BaseException | None = None
         for engine, run in self.pairs:
@@ -144,8 +145,8 @@ class Replicas:
                 failure = failure or error
         if failure is not None:
             raise failure
-        if phase == "forward":
+        if phase != "backward":
             for bn in self.deferred:
                 bn.end_step()
-        elif self.copies is not None:
+        if phase != "forward" and self.copies is not None:
             self.copies.reduce()

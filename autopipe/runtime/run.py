@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
 from ..timeline import Event
 
-__all__ = ["Run", "Saved", "Aborted"]
+__all__ = ["Run", "Saved", "Loss", "Aborted"]
 
 
 class Aborted(Exception):
@@ -68,6 +68,17 @@ class Saved:
     rng: RngStates | None = None
 
 
+@dataclass(frozen=True)
+class Loss:
+    """The loss a :meth:`~autopipe.Pipeline.train_step` computes on the last stage: micro-batch
+    ``j``'s is ``fn(output_j, targets[j]) * weights[j]`` (its share of the batch, so the sum is
+    the batch's mean loss)."""
+
+    fn: Callable[..., Tensor]
+    targets: list[Any]
+    weights: list[float]
+
+
 @dataclass
 class Run:
     """The state of one ``pipe(*args)`` call, from its forward to the end of its backward."""
@@ -85,6 +96,8 @@ class Run:
     input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     error: BaseException | None = None
+    loss: Loss | None = None  # set by train_step: the last stage ends in the loss
+
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]

@@ -37,7 +37,7 @@ from .inplace import InputGuard
 from .run import Aborted, Run, Saved
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
-from .turns import Turns, priority
+from .turns import Turns
 
 __all__ = ["Stage"]
 
@@ -109,7 +109,7 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 with self._random(run) as rng:
-                    output, leaving = self._compute(run, args, skips, wrap=run.grad_enabled and not checkpointed,
+                    output, leaving = self._compute(run, j, args, skips, wrap=run.grad_enabled and not checkpointed,
                                                     keep=checkpointed or self.index == 0)
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips)
@@ -135,11 +135,12 @@ class Stage:
         skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
         return args, skips
 
-    def _compute(self, run: Run, args: tuple[Any, ...], skips: dict[SkipKey, Value],
+    def _compute(self, run: Run, j: int, args: tuple[Any, ...], skips: dict[SkipKey, Value],
                  wrap: bool, keep: bool) -> tuple[Value, dict[SkipKey, Value]]:
-        """Run the layers on ``args`` under the caller's autocast; ``wrap`` puts
-        grad-requiring leaves behind a Boundary; ``keep`` leaves ``args`` and ``skips`` as they
-        are even if the first layer writes into its input (:mod:`~autopipe.runtime.inplace`)."""
+        """Run the layers on micro-batch ``j``'s ``args`` under the caller's autocast (the last
+        stage then the loss, in ``train_step``); ``wrap`` puts grad-requiring leaves behind a
+        Boundary; ``keep`` leaves ``args`` and ``skips`` as they are even if the first layer
+        writes into its input (:mod:`~autopipe.runtime.inplace`)."""
         with contextlib.ExitStack() as stack:
             if keep:
                 training = any(m.training for m in self.modules)
@@ -153,7 +154,19 @@ class Stage:
             value = self.modules[0](*args)
             for module in self.modules[1:]:
                 value = module(value)
+        if self.is_last and run.loss is not None:
+            value = self._loss(run, j, value)
         return value, tracker.leaving
+
+    def _loss(self, run: Run, j: int, output: Value) -> Tensor:
+        """Micro-batch ``j``'s weighted loss (``train_step``)."""
+        assert run.loss is not None
+        target = map_tensors(run.loss.targets[j], lambda t: self._pull(run, j, t, "C"))
+        loss = run.loss.fn(output, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a tensor of one element (a mean over the micro-batch), "
+                            f"got {type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}")
+        return loss.reshape(()) * run.loss.weights[j]
 
     def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Value],
                       checkpointed: bool, args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> None:
@@ -193,7 +206,9 @@ class Stage:
     def _backward(self, run: Run, j: int) -> None:
         saved = run.saved[self.index].pop(j)
         inbox = run.inboxes[self.index]
-        if self.is_last:
+        if self.is_last and run.loss is not None:
+            output_grads = None  # the loss's own: ones, once the loss exists
+        elif self.is_last:
             output_grads = [None if g is None else self._pull(run, j, g, "G") for g in run.output_grads[j]]
         else:
             output_grads = inbox.take(("dy", j))
@@ -201,11 +216,12 @@ class Stage:
         with self._turn("B"):
             if saved.output is None:
                 begin = run.ms()
-                saved.output, saved.leaving = self._recompute(run, saved)
+                saved.output, saved.leaving = self._recompute(run, j, saved)
                 run.events.append(Event(self.index, "compute", "R", j, begin, run.ms()))
             assert saved.leaving is not None
             begin = run.ms()
-            pairs = list(zip(tensors_of(saved.output), output_grads))
+            outputs = tensors_of(saved.output)
+            pairs = list(zip(outputs, [torch.ones_like(t) for t in outputs] if output_grads is None else output_grads))
             for key in self.routes.leaving:
                 pairs += zip(tensors_of(saved.leaving[key]), skip_grads[key])
             pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
@@ -215,9 +231,9 @@ class Stage:
             run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
-    def _recompute(self, run: Run, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
+    def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
-            return self._compute(run, saved.args, saved.skips, wrap=True, keep=self.index == 0)
+            return self._compute(run, j, saved.args, saved.skips, wrap=True, keep=self.index == 0)
 
     def _stats_kept(self) -> contextlib.AbstractContextManager[None]:
         """Undo what a recomputation does to plain batch norms' running statistics."""
@@ -265,7 +281,7 @@ class Stage:
 
     def _turn(self, kind: TaskKind) -> contextlib.AbstractContextManager[None]:
         """This stage's turn on its device for a ``kind`` ("F" or "B") task."""
-        return self.turns.hold(priority(self.index, kind))
+        return self.turns.hold(self.turns.rank(self.index, kind))
 
 
 def _leaves(value: Value, flags: list[bool]) -> Value:

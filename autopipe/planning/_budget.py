@@ -1,0 +1,41 @@
+"""The planner's time limit and what a search proves within it.
+
+Every search of the planner returns an :class:`Outcome`: the best plan it found and a lower
+bound on every plan of its search space (proven: from bounds that hold for what it did not
+look at).  A search that finishes proves its best plan optimal, so its bound equals that
+plan's time (gap 0); one stopped by the :class:`Budget` keeps the least bound of what it left.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from .candidates import Choice
+
+__all__ = ["Budget", "Outcome"]
+
+
+class Budget:
+    """A deadline shared by the searches of one ``plan()`` call (``None``: no limit)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"time_limit must be a positive number of seconds or None, got {seconds!r}")
+        self.end = math.inf if seconds is None else time.perf_counter() + seconds
+        self.spent = False
+
+    def out(self, expected: float = 0.0) -> bool:
+        """Whether the time is up, or would be after a step ``expected`` to take that many
+        seconds (and stays up once it was)."""
+        self.spent = self.spent or time.perf_counter() + expected >= self.end
+        return self.spent
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A search's best plan (``None``: none found that fits and beats what it was given) and a
+    lower bound on the time of every plan in its space (``inf`` if none fits)."""
+
+    choice: Choice | None
+    lower_bound: float

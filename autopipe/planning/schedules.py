@@ -1,0 +1,86 @@
+"""The schedules' task orders, shared by the runtime (which runs them) and the simulator (which
+prices them), and what follows from an order: micro-batches in flight and the turn rule.
+
+A schedule gives each stage the list of its tasks, ``("F", j)`` or ``("B", j)`` for
+micro-batch ``j``, in the order its worker runs them.  With ``S`` stages and ``m``
+micro-batches::
+
+    gpipe (fill-drain)    every stage:  F0 F1 … F(m-1)  B(m-1) … B1 B0
+    1f1b                  stage s:      w = min(S-s-1, m) forwards (warm-up), then F and B
+                                        alternate (F(w) B0 F(w+1) B1 …), then the last w B's
+
+    1f1b, S=3, m=4:  stage 0:  F0 F1 F2 B0 F3 B1 B2 B3
+                     stage 1:     F0 F1 B0 F2 B1 F3 B2 B3
+                     stage 2:        F0 B0 F1 B1 F2 B2 F3 B3
+
+A micro-batch is in flight on a stage from its forward to its backward (its inputs, and its
+saved tensors unless checkpointed, are held): ``m`` of them in fill-drain, at most ``S - s``
+in 1F1B (:func:`in_flight`).  1F1B needs the loss inside the pipeline (the last stage's
+backward of micro-batch 0 precedes its forward of micro-batch 1), so the runtime runs it
+through :meth:`autopipe.Pipeline.train_step`.  Stages sharing a device (an interleaved plan)
+each keep their own order; the device serves them by :func:`priority` under the plan's turn
+rule, whichever the planner predicts faster.
+"""
+from __future__ import annotations
+
+from .._vocab import SCHEDULES, TURN_RULES, Schedule, TurnRule
+
+__all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "TurnRule", "order", "in_flight", "saved_sets", "priority",
+           "checkpointed"]
+
+#: one task of a stage: ``("F" | "B", micro-batch)``.
+Task = tuple[str, int]
+
+
+def order(schedule: str, stage: int, stages: int, chunks: int) -> list[Task]:
+    """Stage ``stage``'s tasks (of ``stages``) over ``chunks`` micro-batches, in running order."""
+    if schedule == "gpipe":
+        return [("F", j) for j in range(chunks)] + [("B", j) for j in reversed(range(chunks))]
+    if schedule == "1f1b":
+        warm = min(stages - stage - 1, chunks)
+        tasks = [("F", j) for j in range(warm)]
+        for j in range(chunks - warm):
+            tasks += [("F", warm + j), ("B", j)]
+        return tasks + [("B", j) for j in range(chunks - warm, chunks)]
+    raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+
+
+def in_flight(schedule: str, stage: int, stages: int, chunks: int) -> int:
+    """Most micro-batches whose forward ran and backward did not yet on ``stage``: what its
+    memory holds activations for (``chunks`` in gpipe, ``min(stages - stage, chunks)`` in 1f1b)."""
+    if schedule == "gpipe":
+        return chunks
+    if schedule == "1f1b":
+        return min(stages - stage, chunks)
+    raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
+
+
+def saved_sets(schedule: str, mode: str, stage: int, stages: int, chunks: int) -> int:
+    """Most micro-batches whose saved tensors (not only inputs) ``stage`` holds at once under
+    checkpoint ``mode``: all in flight with ``never``; one with ``always`` (the one being
+    recomputed); with ``except_last`` one, except in 1F1B on a stage with a warm-up, where the
+    last micro-batch keeps its saved tensors while earlier ones recompute for their backwards
+    (``F(m-1) B(m-1-w) …``): two."""
+    if mode == "never":
+        return in_flight(schedule, stage, stages, chunks)
+    warm = schedule == "1f1b" and min(stages - stage - 1, chunks - 1) > 0
+    return 2 if mode == "except_last" and warm else 1
+
+
+def checkpointed(mode: str, micro_batch: int, chunks: int) -> bool:
+    """Whether checkpoint ``mode`` reruns micro-batch ``micro_batch``'s forward before its
+    backward: never, all but the last (``chunks - 1``), or always."""
+    return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
+
+
+def priority(stage: int, kind: str, rule: str = "depth_first") -> tuple[int, int]:
+    """Rank of a ready task (least goes first) when stages share a device: forwards before
+    backwards, then by ``rule`` (:data:`TURN_RULES`)::
+
+        depth_first    the further along its phase's chain the sooner: forwards later stage
+                       first (a micro-batch reaches the end sooner), backwards earlier first
+        breadth_first  the reverse: forwards earlier stage first (the first stages run all
+                       their micro-batches before the later ones start), backwards later first
+    """
+    along = -stage if kind == "F" else stage
+    return (0 if kind == "F" else 1), (along if rule == "depth_first" else -along)

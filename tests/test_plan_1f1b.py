@@ -1,0 +1,104 @@
+"""The planner's schedules: 1F1B memory by hand, the choice under a memory limit, plan files and
+the runtime running a 1F1B plan."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from synthetic import make_profile
+from torch import nn
+
+import autopipe
+from autopipe.cli import main
+from autopipe.planning.cost import CostModel
+from autopipe.planning.plans import Plan
+from autopipe.planning.simulate import simulate_plan
+from autopipe.planning.solver import PlanningError, plan
+
+
+def eight_layers(devices: int = 4):
+    """8 equal layers; each saves 1000 bytes per sample and outputs 10 per sample."""
+    return make_profile([1.0] * 8, sizes=(1, 2, 4, 8), devices=devices, saved_bytes=1000, output_bytes=10,
+                        linear=True)
+
+
+def test_1f1b_memory_by_hand() -> None:
+    """4 stages of 2 layers, 8 micro-batches of 1 sample: stage s holds min(4 - s, 8) of them."""
+    model = CostModel(eight_layers(), ["cpu"] * 4, [1.0] * 4, 8, 2.0)
+    bounds = [0, 2, 4, 6, 8]
+    never = [lane.memory for lane in model.stage_lanes(bounds, 8, "never", schedule="1f1b")]
+    # saved 2 layers x 1000 per in-flight micro-batch, plus its 10-byte input (none for stage 0)
+    assert never == [4 * 2000, 3 * 2010, 2 * 2010, 1 * 2010]
+    always = [lane.memory for lane in model.stage_lanes(bounds, 8, "always", schedule="1f1b")]
+    assert always == [2000, 3 * 10 + 2000, 2 * 10 + 2000, 10 + 2000]
+    # except_last: stages with a warm-up hold the last micro-batch's saved tensors while recomputing
+    last = [lane.memory for lane in model.stage_lanes(bounds, 8, "except_last", schedule="1f1b")]
+    assert last == [4000, 3 * 10 + 4000, 2 * 10 + 4000, 10 + 2000]
+    gpipe = [lane.memory for lane in model.stage_lanes(bounds, 8, "never")]
+    assert gpipe == [8 * 2000, 8 * 2010, 8 * 2010, 8 * 2010]
+
+
+def test_under_a_memory_limit_auto_chooses_1f1b_without_checkpointing() -> None:
+    profile = eight_layers()
+    gpipe = plan(profile, memory_limit=12000, schedule="gpipe")
+    assert gpipe.checkpoint != "never"  # fill-drain must checkpoint to fit
+    chosen = plan(profile, memory_limit=12000, schedule="auto")
+    assert chosen.schedule == "1f1b" and chosen.checkpoint == "never"
+    assert chosen.predicted.iteration_ms < gpipe.predicted.iteration_ms
+    assert max(s.memory_bytes for s in chosen.stages) <= 12000
+    assert chosen.predicted.iteration_ms == pytest.approx(simulate_plan(chosen).iteration_ms)
+    # without a limit fill-drain (here interleaved) is predicted faster and auto keeps it
+    assert plan(profile, schedule="auto").schedule == "gpipe"
+
+
+def test_1f1b_plans_fit_or_fail_with_the_reason() -> None:
+    profile = eight_layers()
+    for limit in (3000, 6000, 20000):
+        chosen = plan(profile, memory_limit=limit, schedule="1f1b")
+        assert max(s.memory_bytes for s in chosen.stages) <= limit
+        assert chosen.schedule == "1f1b" and chosen.interleave == 1
+        bound = chosen.predicted.lower_bound_ms
+        assert bound is not None and bound <= chosen.predicted.iteration_ms
+    with pytest.raises(PlanningError, match="no plan fits"):
+        plan(profile, memory_limit=500, schedule="1f1b")
+    with pytest.raises(ValueError, match="one stage per device"):
+        plan(profile, schedule="1f1b", interleave=2)
+    with pytest.raises(ValueError, match="schedule 'pipedream' is not one of"):
+        plan(profile, schedule="pipedream")
+
+
+def test_1f1b_plan_file_round_trip_and_old_files_load_as_gpipe(tmp_path) -> None:
+    chosen = plan(eight_layers(), memory_limit=12000, schedule="1f1b")
+    path = chosen.save(tmp_path / "p.json")
+    assert Plan.load(path) == chosen
+    document = json.loads(path.read_text())
+    del document["schedule"]
+    path.write_text(json.dumps(document))
+    assert Plan.load(path).schedule == "gpipe"
+
+
+def test_cli_schedule_option(tmp_path, capsys) -> None:
+    path = eight_layers().save(tmp_path / "profile.json")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--schedule", "auto", "--memory-limit", "12000", "-o", str(out)]) == 0
+    assert "schedule: 1f1b" in capsys.readouterr().out
+    assert Plan.load(out).schedule == "1f1b"
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_runs_a_1f1b_plan() -> None:
+    """A 1F1B plan made for a real model runs it with train_step, as the plain model would."""
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
+    profile = autopipe.profile(model, torch.randn(4, 6), devices=["cpu", "cpu"], batch_sizes=[1, 2, 4],
+                               repeats=1, warmup=0, quiet=True)
+    chosen = plan(profile, schedule="1f1b", chunks=4)
+    pipe = autopipe.Pipeline(model, chosen)
+    assert pipe.schedule == "1f1b"
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    reference = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
+    reference.load_state_dict(model.state_dict())
+    nn.functional.mse_loss(reference(x), y).backward()
+    pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    for (name, param), ref in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, msg=name)

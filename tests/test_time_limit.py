@@ -1,0 +1,108 @@
+"""Planning within a time limit: the plan found and its lower bound bracket the optimum (brute
+force), whatever point the search is stopped at; a finished search has gap 0."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from synthetic import random_profile
+from test_solver import brute_force, model_of
+
+from autopipe.cli import main
+from autopipe.planning import interleaved
+from autopipe.planning._budget import Budget
+from autopipe.planning.plans import Plan
+from autopipe.planning.solver import candidate_chunks, plan, solve_within
+
+
+class StopAfter(Budget):
+    """A budget that runs out at its ``calls``-th check: stops a search at every point in turn,
+    independent of the machine's speed."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__(None)
+        self.calls = calls
+
+    def out(self, expected: float = 0.0) -> bool:
+        self.calls -= 1
+        self.spent = self.spent or self.calls < 0
+        return self.spent
+
+
+def instance(rng: random.Random):
+    """Random ≤ 12 layers × 4 devices: per-pair copies with skips, mixed speeds 1/1.5/2."""
+    layers, devices = rng.randint(2, 12), rng.randint(2, 4)
+    profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=True)
+    model = model_of(profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)])
+    limits = np.full(devices, math.inf)
+    if rng.random() < 0.5:
+        limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
+    return model, candidate_chunks(profile.batch_size, profile.batch_sizes), limits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bounds_bracket_the_optimum_wherever_the_search_stops(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(8):
+        model, chunks, limits = instance(rng)
+        modes = ["never", "except_last"]
+        expected = brute_force(model, chunks, modes, limits)
+        finished = solve_within(model, chunks, modes, limits, Budget(None))
+        assert finished.lower_bound == pytest.approx(expected, rel=1e-9)
+        if math.isfinite(expected):
+            assert finished.choice.iteration_ms == pytest.approx(expected, rel=1e-9)
+        for calls in range(0, 10, 2):
+            outcome = solve_within(model, chunks, modes, limits, StopAfter(calls))
+            assert outcome.lower_bound <= expected * (1 + 1e-9)
+            if outcome.choice is not None:
+                assert outcome.choice.iteration_ms >= expected * (1 - 1e-9)
+
+
+def test_interleaved_bound_brackets_its_optimum() -> None:
+    rng = random.Random(7)
+    for _ in range(10):
+        model, chunks, limits = instance(rng)
+        if model.layers < 4:
+            continue
+        modes = ["never", "except_last"]
+        exact = interleaved.search(model, chunks, modes, limits, 2, None)
+        best = math.inf if exact.choice is None else exact.choice.iteration_ms
+        assert exact.lower_bound == pytest.approx(best, rel=1e-9)
+        for calls in range(0, 30, 3):
+            stopped = interleaved.search(model, chunks, modes, limits, 2, None, StopAfter(calls))
+            assert stopped.lower_bound <= best * (1 + 1e-9)
+
+
+def test_plan_records_bound_and_gap(tmp_path, capsys) -> None:
+    profile = random_profile(random.Random(3), 16, 4, skips=3, per_pair=True, sizes=(1, 2, 4, 8))
+    speeds = [1, 1.5, 2, 1]
+    exact = plan(profile, speeds=speeds, time_limit=None, interleave=1)
+    assert exact.predicted.gap == 0 and exact.predicted.lower_bound_ms == exact.predicted.iteration_ms
+    rushed = plan(profile, speeds=speeds, time_limit=1e-6, interleave=1)
+    assert rushed.predicted.lower_bound_ms <= exact.predicted.iteration_ms * (1 + 1e-9)
+    assert rushed.predicted.iteration_ms >= exact.predicted.iteration_ms * (1 - 1e-9)
+    path = rushed.save(tmp_path / "p.json")
+    assert Plan.load(path).predicted == rushed.predicted
+    profile_path = profile.save(tmp_path / "profile.json")
+    assert main(["plan", str(profile_path), "--time-limit", "0", "--interleave", "1"]) == 0
+    assert "gap 0.00% — optimal" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="time_limit must be a positive number"):
+        plan(profile, time_limit=-1)
+
+
+def test_small_hard_instances_finish_within_the_default_limit() -> None:
+    """≤ 12 layers × 4 devices with per-pair copies, skips and mixed speeds: the default one
+    second finishes the search (gap 0) and the plan equals brute force."""
+    rng = random.Random(17)
+    for _ in range(10):
+        layers, devices = rng.randint(2, 12), rng.randint(2, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(1, 3), per_pair=True)
+        speeds = [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)]
+        chosen = plan(profile, speeds=speeds, interleave=1)
+        model = model_of(profile, speeds)
+        expected = brute_force(model, candidate_chunks(profile.batch_size, profile.batch_sizes),
+                               ["never", "except_last"], np.full(devices, math.inf))
+        assert chosen.predicted.gap == 0 and not chosen.options["time_limit_reached"]
+        assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9)
