@@ -3,6 +3,8 @@ planner's cost model of a synthetic profile."""
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import dataclasses
 from typing import Any, Sequence
 
@@ -81,3 +83,27 @@ def untimed(profile: Profile) -> Profile:
         layers.append(dataclasses.replace(layer, forward=forward, backward=backward))
     copies = [dataclasses.replace(fit, latency_ms=0.0, ms_per_byte=0.0) for fit in profile.copies]
     return dataclasses.replace(profile, layers=layers, copies=copies)
+
+
+def all_splits(layers: int, devices: int) -> Any:
+    """Every split of ``layers`` into 1..``devices`` stages, as bounds."""
+    for k in range(1, devices + 1):
+        for cuts in itertools.combinations(range(1, layers), k - 1):
+            yield (0, *cuts, layers)
+
+
+def brute_force(model: CostModel, chunks: Sequence[int], modes: Sequence[str], limits: Sequence[float]) -> float:
+    """Every stage count, split, micro-batch count and mode: the least feasible time."""
+    best = math.inf
+    for bounds in all_splits(model.layers, len(limits)):
+        for m in chunks:
+            for mode in modes:
+                evaluation = model.evaluate(bounds, m, mode)
+                if all(s.memory <= limit for s, limit in zip(evaluation.stages, limits)):
+                    best = min(best, evaluation.iteration_ms)
+    return best
+
+
+def balances(stages: int, layers: int) -> list[int]:
+    """``layers`` over ``stages`` as evenly as possible, the first stages one larger."""
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]

@@ -234,7 +234,7 @@ def test_planner_records_the_faster_turn_rule_and_the_runtime_follows_it() -> No
 
 @pytest.mark.timeout(60)
 def test_breadth_first_turns_change_nothing_in_the_results() -> None:
-    from test_runtime import assert_transparent
+    from helpers import assert_transparent
     x = torch.randn(10, 6, requires_grad=True)
     pipe = assert_transparent(mlp(), x, [2, 2, 2, 1], 4, "except_last", interleave=2, turns="breadth_first")
     assert {stage.turns.rule for stage in pipe.stages} == {"breadth_first"}

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 from synthetic import random_profile
-from test_solver import model_of
+from helpers import model_of
 
 from autopipe.planning._minmax import min_max_split
 from autopipe.planning.cost import recomputations

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 from synthetic import random_profile
-from test_solver import brute_force
+from helpers import brute_force
 
 from autopipe.planning import placement
 from autopipe.planning.cost import CostModel

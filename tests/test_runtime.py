@@ -12,12 +12,8 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from helpers import assert_transparent, mlp
+from helpers import assert_transparent, balances, mlp
 from models import skip_model
-
-
-def balances(stages: int, layers: int) -> list[int]:
-    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
 @pytest.mark.timeout(60)

@@ -8,31 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import model_of
+from helpers import all_splits, brute_force, model_of
 from synthetic import make_profile, random_profile
 
 from autopipe.profiling.profiles import Profile
 from autopipe.planning.solver import PlanningError, candidate_chunks, plan, solve
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def all_splits(layers, devices):
-    for k in range(1, devices + 1):
-        for cuts in itertools.combinations(range(1, layers), k - 1):
-            yield (0, *cuts, layers)
-
-
-def brute_force(model, chunks, modes, limits):
-    """Every stage count, split, micro-batch count and mode: the least feasible time."""
-    best = math.inf
-    for bounds in all_splits(model.layers, len(limits)):
-        for m in chunks:
-            for mode in modes:
-                evaluation = model.evaluate(bounds, m, mode)
-                if all(s.memory <= limit for s, limit in zip(evaluation.stages, limits)):
-                    best = min(best, evaluation.iteration_ms)
-    return best
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 from synthetic import random_profile
-from test_solver import brute_force, model_of
+from helpers import brute_force, model_of
 
 from autopipe.cli import main
 from autopipe.planning import interleaved

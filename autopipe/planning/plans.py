@@ -99,7 +99,8 @@ class Prediction:
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
                           f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0),
                           f.float("reduction_ms", 0.0) if f.has("reduction_ms") else 0.0,
-                          f.float("lower_bound_ms", 0.0) if f.has("lower_bound_ms") else None)
+                          f.float("lower_bound_ms", 0.0) if f.has("lower_bound_ms")
+                          and f.get("lower_bound_ms").value is not None else None)
 
 
 @dataclass

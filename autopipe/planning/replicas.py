@@ -217,10 +217,18 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     pipeline = plan_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
                              speeds=[float(v) for v in speed], engine=engine, **options)
+    searched = pipeline.predicted.gap == 0  # the pipeline search finished: its time is the least
+    bound = pipeline.predicted.lower_bound_ms
     if count > 1 and per > 1:
         pipeline = _least_total(profile, pipeline, count, engine)
+        searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
     replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
-    return with_reduction(profile, pipeline, replica_devices, batch, engine)
+    chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
+    # Exact where every split was priced with its reduction tail; else the pipeline's own bound,
+    # which the tail only adds to.
+    least = chosen.predicted.iteration_ms if searched or count == 1 else bound
+    chosen.predicted = replace(chosen.predicted, lower_bound_ms=least)
+    return chosen
 
 
 def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> Plan:
