@@ -3,6 +3,7 @@ schedule, running one phase of one call at a time."""
 from __future__ import annotations
 
 from ..timeline import Event
+from .memory import StagePeak
 from .run import Run
 from .schedule import FillDrain
 from .stage import Stage
@@ -23,6 +24,7 @@ class Engine:
         self.schedule = FillDrain()
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
+        self.last_memory: list[StagePeak] | None = None
         self.closed = False
 
     def run_phase(self, run: Run, phase: str) -> None:
@@ -42,6 +44,7 @@ class Engine:
         run.wait_phase()
         if phase == "backward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
+            self.last_memory = None if run.meter is None else run.meter.peaks()
 
     def close(self) -> None:
         if not self.closed:

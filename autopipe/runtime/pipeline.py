@@ -29,6 +29,7 @@ from ..planning.plans import CHECKPOINT_MODES, Plan
 from ..timeline import Event
 from .engine import Engine
 from .function import PipelineTie
+from .memory import StageMeter, StagePeak
 from .run import Run
 from .skips import skip_routes
 from .stage import Stage
@@ -62,7 +63,10 @@ class Pipeline(nn.Module):
       :class:`~autopipe.runtime.StageError` naming the stage, phase and micro-batch (the
       original as ``__cause__``) once every stage has stopped; the workers live on, so the
       pipeline stays usable.
-    * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
+    * ``last_trace()``: the measured timeline of the last iteration, for ``bench``; with
+      ``pipe.measure_memory = True``, ``last_memory()``: each stage's peak bytes over it (on
+      CPU every operator then reports its allocations, which slows the step: measure memory
+      and time in different steps).
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
 
@@ -100,6 +104,7 @@ class Pipeline(nn.Module):
         self._register_state(layers)
         self._engine = Engine(_build_stages(layers, self.balance, resolved))
         self._dummy = torch.ones((), requires_grad=True)
+        self.measure_memory = False
         weakref.finalize(self, self._engine.close)
 
     @property
@@ -123,11 +128,19 @@ class Pipeline(nn.Module):
         ]
         autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                     if torch.is_autocast_enabled(kind)]
-        return Run(micro_batches, checkpointed, grad, autocast, torch.get_num_threads(), len(self.stages))
+        run = Run(micro_batches, checkpointed, grad, autocast, torch.get_num_threads(), len(self.stages))
+        if self.measure_memory:
+            run.meter = StageMeter(self.stages)
+        return run
 
     def last_trace(self) -> list[Event]:
         """Events of the last completed iteration (forward and backward), sorted by start."""
         return list(self._engine.last)
+
+    def last_memory(self) -> list[StagePeak] | None:
+        """Each stage's peak bytes over the last completed iteration, if ``measure_memory`` was
+        on when it started (:mod:`autopipe.runtime.memory` says what a stage's bytes are)."""
+        return self._engine.last_memory
 
     def train(self, mode: bool = True) -> "Pipeline":
         super().train(mode)

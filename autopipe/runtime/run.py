@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
 from ..timeline import Event
+
+if TYPE_CHECKING:
+    from .memory import StageMeter
 
 __all__ = ["Run", "Saved", "StageError", "Aborted"]
 
@@ -90,6 +93,7 @@ class Run:
     input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     error: BaseException | None = None
+    meter: StageMeter | None = None  # set when the pipeline measures memory
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]
