@@ -33,24 +33,55 @@ def test_stage_times_divide_by_speed_and_interpolate():
     assert backward == pytest.approx(24.0 * 0.8125 / 2)
 
 
-def test_memory_formula_for_each_checkpoint_mode():
-    profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
-                           saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50)
-    model = model_of(profile, factor=3.0)
-    b, m = 2, 2  # batch 4
-    # stage [1, 3): params 50 * (1 + 1 + 3); saved (2000 + 3000) * b; input = layer 0 output 100 * b
-    state = 50 * 5
-    expected = {"never": state + (10_000 + 200) * m, "always": state + 200 * m + 10_000,
-                "except_last": state + 200 * m + 10_000}
+def test_memory_terms_for_each_checkpoint_mode():
+    """planning.memory's terms, by hand: 3 layers, batch 4 in m = 2 micro-batches of b = 2."""
+    def profile(saved_output):
+        return make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
+                            saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50,
+                            workspace_bytes=[7, 11, 13], output_saved=[False, False, saved_output])
+    model = model_of(profile(False), factor=3.0)
+    b, m = 2, 2
+    # stage [1, 3): params 50 + gradients 50 + optimizer 3 * 50; input (layer 0's output) gradient 100 * b;
+    # largest workspace 13 * b; on CPU the input is the previous stage's memory, not this one's
+    state = 50 * 5 + 100 * b + 13 * b
+    output = 300 * b * m  # held per micro-batch in flight, by the stage or the next one
+    expected = {"never": state + 5000 * b * m + output, "always": state + 5000 * b + output,
+                "except_last": state + 5000 * b + output}
     for mode, value in expected.items():
         assert model.evaluate([0, 1, 3], m, mode).stages[1].memory == value
-    # stage 0's input is the batch itself: input_bytes per sample
-    assert model.evaluate([0, 1, 3], m, "always").stages[0].memory == 10 * 5 + 50 * 2 * m + 2000
-    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
+    # the output among the saved bytes is not counted again
+    saved = model_of(profile(True), factor=3.0)
+    assert saved.evaluate([0, 1, 3], m, "never").stages[1].memory == expected["never"] - output
+    assert saved.evaluate([0, 1, 3], m, "always").stages[1].memory == expected["always"] - 300 * b
+    # stage 0: its input (the batch) needs no gradient and is the caller's memory on CPU
+    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + 1000 * b * m + 100 * b * m + 7 * b
     # distributed: a stage after the first also keeps its received input, once per micro-batch
-    relayed = model_of(profile, factor=3.0, engine="distributed")
-    assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == state + (10_000 + 200) * m + 200 * m
-    assert relayed.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
+    relayed = model_of(profile(False), factor=3.0, engine="distributed")
+    assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == expected["never"] + 100 * b * m
+
+
+def test_memory_terms_on_devices_with_own_memory_and_without_a_measured_workspace():
+    """On CUDA a stage holds a copy of its input per micro-batch; a profile without workspace
+    gets the stated estimate (parameters + input + output of the layer at b)."""
+    profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=["cuda:0", "cuda:1"],
+                           output_bytes=[100, 200, 300], saved_bytes=[1000, 2000, 3000],
+                           param_bytes=[10, 20, 30], input_bytes=50)
+    model = model_of(profile, factor=1.0)
+    b, m = 2, 2
+    terms = model.memory_terms(model.at(b), 1, 3, m, "never", 0.0)
+    assert terms.inputs == 100 * b * m
+    assert terms.transient == max(20 + 100 * b + 200 * b, 30 + 200 * b + 300 * b)
+    assert terms.optimizer == 50
+    assert terms.total == 50 * 3 + 5000 * b * m + 300 * b * m + 100 * b * m + 100 * b + terms.transient
+    assert terms.dominant() == "activations"
+
+
+def test_optimizer_state_names_and_factors():
+    from autopipe.planning.memory import optimizer_factor
+    assert [optimizer_factor(n) for n in ("sgd", "momentum", "adam", 1.5)] == [0.0, 1.0, 2.0, 1.5]
+    for bad in ("lamb", -1.0):
+        with pytest.raises(ValueError, match="optimizer_state"):
+            optimizer_factor(bad)
 
 
 def test_skip_crossing_two_cuts_is_charged_once_on_its_route():

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default="auto", choices=["auto", "never", "except_last", "always"])
     parser.add_argument("--chunks", type=int, default=None, help="fix the micro-batch count (default: chosen)")
     parser.add_argument("--speeds", default=None, help="relative speed per device, e.g. 1,2")
-    parser.add_argument("--optimizer-state-factor", type=float, default=2.0,
-                        help="optimizer state per parameter byte (2: SGD with momentum, 3: Adam)")
+    parser.add_argument("--optimizer-state", default="momentum",
+                        help="what the optimizer keeps per parameter: sgd (nothing), momentum (SGD "
+                             "with momentum, 1x the parameters; default), adam (2x) or a factor")
     parser.add_argument("--engine", default="local", choices=["local", "distributed"],
                         help="what will run the plan: the in-process runtime (local) or "
                              "torch.distributed.pipelining under torchrun (distributed)")
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     chosen = plan(profile, _devices(args.devices), batch_size=args.batch_size,
                   memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
-                  optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
+                  optimizer_state=_optimizer_state(args.optimizer_state), speeds=_speeds(args.speeds),
                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave))
     print(summary(chosen))
     if args.compare:
@@ -95,3 +96,11 @@ def summary(chosen: Plan) -> str:
         f"predicted:     {predicted.iteration_ms:.2f} ms per iteration (forward {predicted.forward_ms:.2f}, "
         f"backward {predicted.backward_ms:.2f}), bubble {100 * predicted.bubble_fraction:.1f}%",
     ])
+
+
+def _optimizer_state(text: str) -> str | float:
+    """An optimizer name as given, a number as a factor (checked by the planner)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text

@@ -11,6 +11,7 @@ import numpy as np
 from . import interleaved
 from ..profiling.profiles import Profile
 from .cost import MODES
+from .memory import optimizer_factor
 from .plans import SCHEDULES
 
 __all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
@@ -30,7 +31,7 @@ class Options:
 
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
-              checkpoint: str, optimizer_state_factor: float, schedule: str,
+              checkpoint: str, optimizer_state: str | float, schedule: str,
               speeds: Sequence[float] | None, chunks: int | None, engine: str,
               interleave: int | str = "auto") -> Options:
         # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
@@ -43,9 +44,7 @@ class Options:
                              "when chunks >= stages)")
         if checkpoint != "auto" and checkpoint not in MODES:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {['auto', *MODES]}")
-        if optimizer_state_factor < 0:
-            raise ValueError(f"optimizer_state_factor must be ≥ 0 (2 for SGD with momentum, 3 for Adam), "
-                             f"got {optimizer_state_factor}")
+        factor = optimizer_factor(optimizer_state)
         batch = profile.batch_size if batch_size is None else int(batch_size)
         rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
         if len(rates) != len(names) or min(rates) <= 0:
@@ -55,7 +54,7 @@ class Options:
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
         factors = _interleaves(interleave, profile.layers, len(names), engine)
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
-                 "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
+                 "checkpoint": checkpoint, "optimizer_state": optimizer_state, "optimizer_state_factor": factor,
                  "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
                  "interleaves_searched": factors}
         return Options(batch, rates, memory_limits(memory_limit, names),

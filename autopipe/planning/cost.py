@@ -53,24 +53,12 @@ interleave).  A gpipe plan may still run on the distributed engine with ``1f1b``
 ``m ≥`` stages); it then holds at most ``stages - s`` micro-batches on stage ``s``, no more memory
 than planned.
 
-Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
-
-    params · (1 + 1 + opt) + buffers + activations + skips · m [+ input(b) · m]
-    activations:  never        (saved(b) + input(b)) · m
-                  always       input(b) · m + saved(b)
-                  except_last  input(b) · m + saved(b)
-
-``saved(b)`` is the stage's bytes saved for backward at size ``b`` — as profiled, the tensors its
-layers create, *excluding* the stage's own input — and ``input(b)`` its main input (the previous
-layer's output, or ``Profile.input_bytes`` per sample for stage 0), which the runtime holds for
-every micro-batch until that micro-batch's backward (all ``m`` are in flight in fill-drain).
-Checkpointed, a micro-batch keeps only its input until its backward reruns the forward, so one
-micro-batch's saved tensors are live at a time: ``always`` and ``except_last`` (whose last
-micro-batch keeps input and saved tensors, the others only their inputs) need the same peak.
-``skips`` are the skip tensors the stage holds per micro-batch: those it sends or receives, and
-with the ``distributed`` engine also those it passes along (stash before the stage, pop at or
-after its end).  The bracketed term is the ``distributed`` engine's receive buffer: every stage
-but the first keeps one more copy of its input per micro-batch.
+Memory of stage ``s`` (bytes) is :func:`autopipe.planning.memory.stage_memory`: parameters,
+gradients, optimizer state, buffers, the saved activations and outputs of the micro-batches
+in flight (all ``m`` in fill-drain; one micro-batch's saved tensors when checkpointed), inputs
+and skips held, the gradient of its input and its largest layer's workspace — term by term in
+that module.  The ``distributed`` engine's receive buffer adds one more copy of the input per
+micro-batch to every stage but the first.
 """
 from __future__ import annotations
 
@@ -82,6 +70,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import build_graph, chain_of
+from .memory import (MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags, stage_memory,
+                     workspace_table)
 from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
@@ -157,9 +147,13 @@ class SizeCosts:
     forward: np.ndarray
     backward: np.ndarray
     saved: np.ndarray
-    state: np.ndarray
-    input_bytes: np.ndarray
+    params: np.ndarray
+    buffers: np.ndarray
+    input_bytes: np.ndarray  # per layer: its main input at b
+    output_bytes: np.ndarray  # per layer: its output at b
     skip_bytes: np.ndarray
+    workspace: np.ndarray  # [start, stop] -> the largest layer workspace in the range
+    output_saved: np.ndarray  # per layer, 1 if its output is among the saved bytes
 
     def sum(self, table: np.ndarray, start: Any, stop: Any) -> Any:
         """``Σ`` of a per-layer table over ``[start, stop)``; either bound may be an index array."""
@@ -199,7 +193,7 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state_factor: float, engine: str = "local") -> None:
+                 batch_size: int, optimizer_state: str | float = "momentum", engine: str = "local") -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
@@ -208,7 +202,8 @@ class CostModel:
         self.devices = list(devices)
         self.speeds = np.asarray(speeds, dtype=float)
         self.batch_size = batch_size
-        self.optimizer_state_factor = optimizer_state_factor
+        self.optimizer_state_factor = optimizer_factor(optimizer_state)
+        self.own_copies = not all(d.startswith("cpu") for d in self.devices)  # see planning.memory
         self.latency, self.per_byte = copy_matrix(profile, devices)
         self._sizes: dict[int, SizeCosts] = {}
         self._per_size = _per_size(profile)
@@ -232,12 +227,17 @@ class CostModel:
         sizes = self.profile.batch_sizes
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
-        forward, backward, saved = (table @ weights for table in self._per_size)
-        state = [l.param_bytes * (2 + self.optimizer_state_factor) + l.buffer_bytes for l in layers]
-        inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
-        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
-                         np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
-                                                                     dtype=float))
+        forward, backward, saved, workspace = (table @ weights for table in self._per_size)
+        outputs = np.asarray([l.output_bytes for l in layers], dtype=float) * b
+        inputs = np.asarray([self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]], dtype=float)
+        for index, layer in enumerate(layers):
+            if not layer.workspace_bytes:
+                workspace[index] = estimated_workspace(layer, inputs[index], outputs[index])
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved),
+                         _prefix([l.param_bytes for l in layers]), _prefix([l.buffer_bytes for l in layers]),
+                         inputs, outputs,
+                         np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float),
+                         workspace_table(layers, workspace), output_saved_flags(layers))
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
@@ -269,16 +269,25 @@ class CostModel:
             held = held + nbytes * (sends | receives | passes)
         return held
 
-    def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: str,
+    def memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: str,
                skip_bytes: Any) -> Any:
         """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
-        (any argument but ``chunks`` and ``mode`` may be an array; ``start > 0`` is a stage after
-        the first)."""
-        saved = costs.sum(costs.saved, start, stop)
+        (any argument but ``chunks`` and ``mode`` may be an array)."""
+        return self.memory_terms(costs, start, stop, chunks, mode, skip_bytes).total
+
+    def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: str,
+                     skip_bytes: Any) -> MemoryTerms:
+        """:meth:`memory` term by term (:mod:`autopipe.planning.memory`); all ``chunks``
+        micro-batches are in flight under fill-drain."""
+        first = np.asarray(start) == 0
         inputs = costs.input_bytes[start]
-        activations = inputs * chunks + (saved * chunks if mode == "never" else saved)
-        received = inputs * chunks * (np.asarray(start) > 0) if self.relayed else 0.0
-        return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks + received
+        return stage_memory(
+            params=costs.sum(costs.params, start, stop), buffers=costs.sum(costs.buffers, start, stop),
+            saved=costs.sum(costs.saved, start, stop), output=costs.output_bytes[np.asarray(stop) - 1],
+            output_saved=costs.output_saved[np.asarray(stop) - 1], input_bytes=inputs, first=first,
+            skips=skip_bytes, transient=costs.workspace[start, stop], in_flight=chunks,
+            checkpointed=mode != "never", optimizer=self.optimizer_state_factor, own_copies=self.own_copies,
+            received=inputs * ~first if self.relayed else 0.0)
 
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
         """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
@@ -315,12 +324,14 @@ class CostModel:
 
 
 def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
-    """Forward and backward medians and saved bytes as (layers × profiled sizes) matrices."""
+    """Forward and backward medians, saved and workspace bytes as (layers × profiled sizes)
+    matrices (a profile without workspace has 0s there, replaced by an estimate per size)."""
     sizes, layers = profile.batch_sizes, profile.layers
     forward = [[l.forward[s].median_ms for s in sizes] for l in layers]
     backward = [[l.backward[s].median_ms for s in sizes] for l in layers]
     saved = [[l.saved_bytes[s] for s in sizes] for l in layers]
-    return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved))
+    workspace = [[l.workspace_bytes.get(s, 0) for s in sizes] for l in layers]
+    return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved, workspace))
 
 
 def _prefix(values: Sequence[float]) -> np.ndarray:

@@ -47,7 +47,7 @@ def plan(
     batch_size: int | None = None,
     memory_limit: float | str | Sequence[float | str | None] | None = None,
     checkpoint: str = "auto",
-    optimizer_state_factor: float = 2.0,
+    optimizer_state: str | float = "momentum",
     schedule: str = "gpipe",
     speeds: Sequence[float] | None = None,
     chunks: int | None = None,
@@ -59,7 +59,9 @@ def plan(
     Stages use ``devices`` in order (``k`` of them, ``k`` chosen); ``speeds`` are relative
     (times are divided by them); ``memory_limit`` is bytes (or ``"16GiB"``) for every device or
     one per device, defaulting to the capacity of CUDA devices and no limit on CPU;
-    ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
+    ``optimizer_state`` is what the optimizer keeps per parameter: ``"sgd"`` (nothing),
+    ``"momentum"`` (SGD with momentum: one buffer, 1x the parameters), ``"adam"`` (2x) or a
+    factor; ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
     ``engine`` is what will run the plan: ``"local"`` (the in-process runtime) or
     ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
     micro-batches only), costed as in :mod:`autopipe.planning.cost`.  ``interleave`` is the number of
@@ -69,9 +71,9 @@ def plan(
     """
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
-                             optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
+                             optimizer_state, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
-                      options.batch_size, optimizer_state_factor, engine)
+                      options.batch_size, optimizer_state, engine)
     choice = None
     for factor in options.interleaves:
         if factor == 1:
