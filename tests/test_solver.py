@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def model_of(profile, speeds, engine="local"):
-    return CostModel(profile, profile.devices, speeds, profile.batch_size, 2.0,
+    return CostModel(profile, profile.devices, speeds, profile.batch_size, "momentum",
                      engine)
 
 

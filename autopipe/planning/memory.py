@@ -8,7 +8,7 @@ peak, so their sum is one on the peak::
     parameters   P                     gradients   P             optimizer   opt · P
     buffers      Σ buffer_bytes
     activations  saved(b) · n          (checkpointed: saved(b) once, one micro-batch recomputes at a time)
-    outputs      out(b) · n, less those already among the saved bytes (``output_saved``)
+    outputs      out(b) · n, less those among the saved bytes (``output_saved``, without checkpoints)
     inputs       in(b) · n             only on a device with memory of its own (see below)
     input grad   in(b)                 the gradient of the stage's input on its way back (stages > 0)
     skips        skip(b) · n           the skip tensors it sends (and receives, see below)
@@ -20,7 +20,9 @@ and a tensor sent from one CPU stage to the next is the same memory, so the meas
 output and the skips it stashes are its own, the input and skips it receives are its
 predecessor's.  On separate devices (CUDA) the receiver holds a copy, and ``inputs`` and
 received skips count.  The stage's output is held for every micro-batch in flight even when
-checkpointed: by the stage itself, or by the next stage as its input.
+checkpointed: by the stage itself, or by the next stage as its input — and then a micro-batch's
+recomputed output is a second tensor beside the one the next stage may still hold, so the
+output is counted apart from the saved bytes even where they include it.
 
 The ``transient`` term is the largest layer's workspace (temporaries, a gradient before it is
 accumulated into ``.grad``) measured by the profiler.  Profiles made before it was measured
@@ -117,7 +119,7 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         optimizer=optimizer * params,
         buffers=buffers,
         activations=saved * kept,
-        outputs=output * (in_flight - kept * output_saved),
+        outputs=output * (in_flight - (0 if checkpointed else in_flight * output_saved)),
         inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
         input_grad=input_bytes * (1 - np.asarray(first, dtype=float)),
         skips=skips * in_flight,
