@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -170,6 +170,7 @@ class StageLanes:
     copy_in: float
     copy_grad: float
     memory: float
+    memory_terms: dict[str, int] = field(default_factory=dict)  # memory by term (planning.memory)
 
 
 @dataclass(frozen=True)
@@ -318,8 +319,9 @@ class CostModel:
             forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
             recompute = forward if recomputations(mode, chunks) else 0.0
             held = self.held_bytes(costs, bounds[s], bounds[s + 1])
-            memory = self.memory(costs, bounds[s], bounds[s + 1], chunks, mode, held)
-            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
+            terms = self.memory_terms(costs, bounds[s], bounds[s + 1], chunks, mode, held)
+            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(terms.total),
+                                     terms.to_json()))
         return stages
 
 
