@@ -34,36 +34,38 @@ def test_stage_times_divide_by_speed_and_interpolate():
 
 
 def test_memory_terms_for_each_checkpoint_mode():
-    """planning.memory's terms, by hand: 3 layers, batch 4 in m = 2 micro-batches of b = 2."""
+    """planning.memory by hand: 3 layers, batch 4 in m = 2 micro-batches of b = 2, on CPU."""
     def profile(saved_output):
         return make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
                             saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50,
                             workspace_bytes=[7, 11, 13], output_saved=[False, False, saved_output])
     model = model_of(profile(False), factor=3.0)
     b, m = 2, 2
-    # stage [1, 3): params 50 + gradients 50 + optimizer 3 * 50; input (layer 0's output) gradient 100 * b;
-    # largest workspace 13 * b; on CPU the input is the previous stage's memory, not this one's
-    state = 50 * 5 + 100 * b + 13 * b
-    output = 300 * b * m  # held per micro-batch in flight, by the stage or the next one
-    expected = {"never": state + 5000 * b * m + output, "always": state + 5000 * b + output,
-                "except_last": state + 5000 * b + output}
+    # stage [1, 3): params 50 + gradients 50 + optimizer 3 * 50.  Per micro-batch S = 5000 * b
+    # saved, O = 300 * b output.  Backward: layer 1 holds S(1..1) + w_1 + its output's gradient
+    # = 2000b + 11b + 200b; layer 2 (the last: its output gradient is the next stage's) holds
+    # S + 13b: the larger, so 13b beyond S.  The input gradient (100b) is less than what a
+    # finished micro-batch frees (S + O), so it adds nothing without checkpoints.
+    state, saved, output, transient = 50 * 5, 5000 * b, 300 * b, 13 * b
+    expected = {"never": state + (saved + output) * m + transient,
+                "always": state + saved + output * m + output + 100 * b + transient}
+    expected["except_last"] = expected["always"]
     for mode, value in expected.items():
         assert model.evaluate([0, 1, 3], m, mode).stages[1].memory == value
-    # the output among the saved bytes is not counted again, unless recomputed (a new tensor
-    # beside the one the next stage may still hold)
-    saved = model_of(profile(True), factor=3.0)
-    assert saved.evaluate([0, 1, 3], m, "never").stages[1].memory == expected["never"] - output
-    assert saved.evaluate([0, 1, 3], m, "always").stages[1].memory == expected["always"]
+    # the output among the saved bytes is not counted again
+    counted = model_of(profile(True), factor=3.0)
+    assert counted.evaluate([0, 1, 3], m, "never").stages[1].memory == expected["never"] - output * m
+    assert counted.evaluate([0, 1, 3], m, "always").stages[1].memory == expected["always"] - output
     # stage 0: its input (the batch) needs no gradient and is the caller's memory on CPU
-    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + 1000 * b * m + 100 * b * m + 7 * b
+    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (1000 + 100) * b * m + 7 * b
     # distributed: a stage after the first also keeps its received input, once per micro-batch
     relayed = model_of(profile(False), factor=3.0, engine="distributed")
     assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == expected["never"] + 100 * b * m
 
 
 def test_memory_terms_on_devices_with_own_memory_and_without_a_measured_workspace():
-    """On CUDA a stage holds a copy of its input per micro-batch; a profile without workspace
-    gets the stated estimate (parameters + input + output of the layer at b)."""
+    """On CUDA a stage holds a copy of its input per micro-batch and its last layer's output
+    gradient; a profile without workspace gets the stated estimate (parameters + input)."""
     profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=["cuda:0", "cuda:1"],
                            output_bytes=[100, 200, 300], saved_bytes=[1000, 2000, 3000],
                            param_bytes=[10, 20, 30], input_bytes=50)
@@ -71,9 +73,10 @@ def test_memory_terms_on_devices_with_own_memory_and_without_a_measured_workspac
     b, m = 2, 2
     terms = model.memory_terms(model.at(b), 1, 3, m, "never", 0.0)
     assert terms.inputs == 100 * b * m
-    assert terms.transient == max(20 + 100 * b + 200 * b, 30 + 200 * b + 300 * b)
+    # layer 2 (the last): S + (30 + 200b) workspace + 300b output gradient, beyond S
+    assert terms.transient == 30 + 200 * b + 300 * b
     assert terms.optimizer == 50
-    assert terms.total == 50 * 3 + 5000 * b * m + 300 * b * m + 100 * b * m + 100 * b + terms.transient
+    assert terms.total == 50 * 3 + (5000 + 300) * b * m + 100 * b * m + terms.transient
     assert terms.dominant() == "activations"
 
 
