@@ -322,14 +322,15 @@ def measure_memory(trainer: Trainer, pipe: Pipeline) -> list[int]:
     """Each stage's measured peak bytes over one more training step, apart from the timed ones
     (on CPU the measurement slows every operator): what the pipeline measures
     (:mod:`autopipe.runtime.memory`) plus, on CPU, the optimizer's state for the stage's
-    parameters, which a device's own peak already includes."""
+    parameters, which a device's own peak already includes.  The step leaves no time, trace or
+    loss behind: those stay the steps run beside the plain model."""
     pipe.measure_memory = True
     try:
         trainer.step()
     finally:
         pipe.measure_memory = False
-    trainer.times.pop()
-    trainer.traces.pop()
+    for kept in (trainer.times, trainer.traces, trainer.losses):
+        kept.pop()
     peaks = pipe.last_memory()
     assert peaks is not None
     return [peak.peak_bytes + (0 if peak.per_device else optimizer_state_bytes(

@@ -70,8 +70,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .graph import build_graph, chain_of
-from .memory import (MemoryTerms, backward_peak, backward_peaks, estimated_workspace, optimizer_factor,
-                     output_saved_flags, stage_memory)
+from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
+                     stage_memory)
 from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
@@ -152,9 +152,7 @@ class SizeCosts:
     input_bytes: np.ndarray  # per layer: its main input at b
     output_bytes: np.ndarray  # per layer: its output at b
     skip_bytes: np.ndarray
-    backward_inner: np.ndarray  # planning.memory.backward_peaks
-    backward_last: np.ndarray
-    output_saved: np.ndarray  # per layer, 1 if its output is among the saved bytes
+    backward_peaks: BackwardTables
 
     def sum(self, table: np.ndarray, start: Any, stop: Any) -> Any:
         """``Σ`` of a per-layer table over ``[start, stop)``; either bound may be an index array."""
@@ -235,12 +233,12 @@ class CostModel:
         for index, layer in enumerate(layers):
             if not layer.workspace_bytes:
                 workspace[index] = estimated_workspace(layer, inputs[index])
-        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved),
-                         _prefix([l.param_bytes for l in layers]), _prefix([l.buffer_bytes for l in layers]),
-                         inputs, outputs,
-                         np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float),
-                         *backward_peaks(_prefix(saved), workspace, outputs, self.own_copies),
-                         output_saved_flags(layers))
+        params = _prefix([l.param_bytes for l in layers])
+        tables = BackwardTables.build(_prefix(saved), params, workspace, outputs, output_saved_flags(layers),
+                                      [bool(l.aliases_input) for l in layers], self.own_copies)
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), params,
+                         _prefix([l.buffer_bytes for l in layers]), inputs, outputs,
+                         np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float), tables)
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
@@ -287,9 +285,9 @@ class CostModel:
         return stage_memory(
             params=costs.sum(costs.params, start, stop), buffers=costs.sum(costs.buffers, start, stop),
             saved=costs.sum(costs.saved, start, stop), output=costs.output_bytes[np.asarray(stop) - 1],
-            output_saved=costs.output_saved[np.asarray(stop) - 1], input_bytes=inputs, first=first,
+            output_saved=1.0 * (costs.backward_peaks.extra[stop] == 0), input_bytes=inputs, first=first,
             skips=skip_bytes, in_flight=chunks,
-            backward=backward_peak(costs.backward_inner, costs.backward_last, costs.saved, start, stop),
+            backward=costs.backward_peaks.peaks(start, stop),
             checkpointed=mode != "never", optimizer=self.optimizer_state_factor, own_copies=self.own_copies,
             received=inputs * ~first if self.relayed else 0.0)
 

@@ -7,24 +7,29 @@ output unless among them (``output_saved``), ``H = S + O`` what it holds from fo
 backward (checkpointed: ``O`` only, plus its output ``out``).
 
 The peak is in a backward.  While layer ``l`` runs its backward, the micro-batch still holds
-the saved bytes of layers ``a..l`` (autograd frees each layer's as it finishes), plus the
-layer's workspace ``w_l`` (measured by the profiler: temporaries, its input gradient, a new
-parameter gradient before it is added to ``.grad``) and the gradient of its output, which the
-layer after it made (``out_l``; for the stage's last layer it comes from the next stage)::
+the saved bytes of layers ``a..l`` (autograd frees each layer's as it finishes) and the stage's
+output (kept for the whole backward; once among the saved bytes of ``p..l``, where ``p`` is the
+layer that made it — the last one not in place), plus the layer's workspace ``w_l`` (measured
+by the profiler: temporaries, its input gradient, a new parameter gradient before it is added
+to ``.grad``) and the gradient of its output, which the layer after it made (``out_l``; for the
+stage's last layer it comes from the next stage)::
 
-    backward(a, c) = max over l in [a, c) of  S(a..l) + w_l + out_l [l < c-1 or own copies]  + O
+    backward_l = S(a..l) + (out if l < p else O) + w_l + out_l [l < c-1 or own copies]
 
-Once a micro-batch's backward is done its bytes are freed, and the gradient of its input
-``g`` may be all that is left of it (the previous stage still holds it), so::
+In the first micro-batch's backward the gradients do not all exist yet: those of layers after
+``l`` and ``l``'s own.  After it, every gradient exists and each finished micro-batch has freed
+its bytes, leaving the gradient of its input ``g`` with the previous stage.  So the peak is the
+larger of::
 
-    never        state + (n-1)·H + backward(a, c) + max(0, g - H)    (0 for one micro-batch)
-    checkpointed state + n·out + backward(a, c) + g                   (one micro-batch recomputed)
+    first  P + opt·P + buffers + P(l..c) + (n-1)·H + max_l backward_l
+    later  P + P + opt·P + buffers + (n-2)·H + g + max_l backward_l       (n ≥ 2)
 
-with ``state = P + P + opt·P + buffers`` and, on devices with memory of their own, ``n`` copies
-of the input and of the skips received.  :class:`MemoryTerms` splits that sum: ``activations``
-(the saved bytes of the micro-batches in flight), ``outputs``, ``inputs``, ``input_grad``,
-``skips`` and ``transient`` (``backward(a, c) - S - O``: what the backward holds beyond one
-micro-batch's bytes).
+and, checkpointed, ``n·out`` (the outputs in flight) in place of ``(n-1)·H`` and ``(n-2)·H``.
+On devices with memory of their own, ``n`` copies of the input and of the skips received are
+added.  :class:`MemoryTerms` splits that sum: ``activations`` (the saved bytes of the
+micro-batches in flight), ``outputs``, ``inputs``, ``input_grad``, ``skips`` and ``transient``:
+the rest, what the backward holds beyond the steady terms (negative when the peak comes in
+the first backward, before every gradient exists).
 
 What is a stage's memory where devices share memory?  CPU "devices" share one address space
 and a tensor sent from one CPU stage to the next is the same memory, so the measurement
@@ -51,8 +56,8 @@ import numpy as np
 
 from ..profiling.profiles import LayerProfile
 
-__all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "backward_peaks",
-           "backward_peak", "estimated_workspace", "output_saved_flags"]
+__all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "BackwardTables",
+           "range_max", "estimated_workspace", "output_saved_flags"]
 
 #: Optimizer-state bytes per parameter byte for the optimizers a plan can name: plain SGD keeps
 #: none, SGD with momentum a momentum buffer, Adam two moments.
@@ -101,7 +106,7 @@ class MemoryTerms:
 
 
 def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_saved: Any,
-                 input_bytes: Any, first: Any, skips: Any, backward: Any, in_flight: int,
+                 input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: int,
                  checkpointed: bool, optimizer: float, own_copies: bool,
                  received: Any = 0.0) -> MemoryTerms:
     """The terms for a stage (or arrays of candidate stages), every byte count at size ``b``.
@@ -113,7 +118,8 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         input_bytes: its main input's bytes; ``first``: whether it is the first stage (whose
             input needs no gradient).
         skips: bytes of the skip tensors it holds per micro-batch.
-        backward: ``backward(a, c)`` of the module docstring, without ``O``.
+        backward: ``max_l backward_l`` of the module docstring, in the first micro-batch's
+            backward (with the gradients ``P(l..c)`` that exist then) and in a later one.
         in_flight: micro-batches whose activations it holds at once.
         checkpointed: whether the micro-batches in flight keep only their inputs.
         optimizer: optimizer-state bytes per parameter byte.
@@ -122,24 +128,23 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
     """
     extra = output * (1 - output_saved)  # O: the output, unless among the saved bytes
     gradient = input_bytes * (1 - np.asarray(first, dtype=float))  # g: the first stage's input needs none
+    in_first, in_later = backward
     if checkpointed:
-        activations, outputs = saved, output * in_flight + extra
-        input_grad = gradient
+        activations, outputs, input_grad = saved, output * in_flight, gradient
+        before, after = outputs, outputs + gradient
     else:
-        activations, outputs = saved * in_flight, extra * in_flight
-        input_grad = np.maximum(gradient - saved - extra, 0.0) if in_flight > 1 else gradient * 0.0
-    return MemoryTerms(
-        parameters=params,
-        gradients=params,
-        optimizer=optimizer * params,
-        buffers=buffers,
-        activations=activations,
-        outputs=outputs,
-        inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
-        input_grad=input_grad,
-        skips=skips * in_flight,
-        transient=backward - saved,
-    )
+        activations, outputs, input_grad = saved * in_flight, extra * in_flight, gradient * 0.0
+        before, after = (saved + extra) * (in_flight - 1), (saved + extra) * (in_flight - 2) + gradient
+    peak = in_first + before - params  # the gradients of the first backward are in in_first
+    if in_flight > 1 or checkpointed:
+        peak = np.maximum(peak, in_later + after)
+    terms = dict(parameters=params, gradients=params, optimizer=optimizer * params, buffers=buffers,
+                 activations=activations, outputs=outputs,
+                 inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
+                 input_grad=input_grad, skips=skips * in_flight)
+    steady = params * (2 + optimizer) + buffers + terms["inputs"] + terms["skips"]
+    total = steady + peak
+    return MemoryTerms(**terms, transient=total - sum(terms.values()))
 
 
 def range_max(values: Sequence[float]) -> np.ndarray:
@@ -151,19 +156,48 @@ def range_max(values: Sequence[float]) -> np.ndarray:
     return table
 
 
-def backward_peaks(saved_prefix: np.ndarray, workspace: np.ndarray, outputs: np.ndarray,
-                   own_copies: bool) -> tuple[np.ndarray, np.ndarray]:
-    """What :meth:`backward_peak` needs: the range maximum over inner layers and the last layer's
-    own value, both before subtracting the stage's saved prefix."""
-    inner = saved_prefix[1:] + workspace + outputs
-    last = saved_prefix[1:] + workspace + (outputs if own_copies else 0.0)
-    return range_max(inner), last
+@dataclass(frozen=True)
+class BackwardTables:
+    """Per micro-batch size, what ``max_l backward_l`` needs for any stage ``[a, c)`` at once:
+    range maxima (:func:`range_max`) of ``S(0..l) + w_l + out_l`` for inner layers, the last
+    layer's own value, and where each stage's output was made."""
 
+    later: np.ndarray
+    later_last: np.ndarray
+    first: np.ndarray  # the same less P(0..l): the first backward adds the gradients P(l..c)
+    first_last: np.ndarray
+    producer: np.ndarray  # [c]: the last layer before c that is not in place
+    saved_prefix: np.ndarray
+    param_prefix: np.ndarray
+    output: np.ndarray  # [c]: the output of layer c - 1
+    extra: np.ndarray  # [c]: that output, unless among the saved bytes
 
-def backward_peak(table: np.ndarray, last: np.ndarray, saved_prefix: np.ndarray, start: Any, stop: Any) -> Any:
-    """``backward(a, c)`` without ``O`` for stages ``[start, stop)`` (index arrays allowed)."""
-    stop = np.asarray(stop)
-    return np.maximum(table[start, stop - 1], last[stop - 1]) - saved_prefix[start]
+    @staticmethod
+    def build(saved_prefix: np.ndarray, param_prefix: np.ndarray, workspace: np.ndarray, outputs: np.ndarray,
+              output_saved: np.ndarray, aliases: Sequence[bool], own_copies: bool) -> "BackwardTables":
+        inner = saved_prefix[1:] + workspace + outputs
+        last = saved_prefix[1:] + workspace + (outputs if own_copies else 0.0)
+        producer = np.zeros(len(outputs) + 1, dtype=int)
+        for stop in range(1, len(outputs) + 1):
+            made = stop - 1
+            while made > 0 and aliases[made]:
+                made -= 1
+            producer[stop] = made
+        pad = np.concatenate(([0.0], outputs))
+        return BackwardTables(range_max(inner), last, range_max(inner - param_prefix[:-1]),
+                              last - param_prefix[:-1], producer, saved_prefix, param_prefix, pad,
+                              pad * np.concatenate(([0.0], 1 - output_saved)))
+
+    def peaks(self, start: Any, stop: Any) -> tuple[Any, Any]:
+        """``max_l backward_l`` of stages ``[start, stop)`` in the first backward (with the
+        gradients that exist then) and a later one (index arrays allowed)."""
+        stop = np.asarray(stop)
+        made = np.maximum(self.producer[stop], start)
+        first, later = ((np.maximum(np.maximum(table[start, made] + self.output[stop] - self.extra[stop],
+                                               table[made, stop - 1]), last[stop - 1])
+                         + self.extra[stop] - self.saved_prefix[start])
+                        for table, last in ((self.first, self.first_last), (self.later, self.later_last)))
+        return first + self.param_prefix[stop], later
 
 
 def estimated_workspace(layer: LayerProfile, input_bytes: float) -> float:

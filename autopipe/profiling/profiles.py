@@ -82,7 +82,8 @@ class LayerProfile:
     ``workspace_bytes[b]`` is the most the layer holds beyond what its forward keeps, in its
     forward or backward at size ``b`` (temporaries, gradients before they are passed on or
     accumulated); ``output_saved`` whether the layer's output is among the saved bytes of the
-    layer that made it.  Both are absent (``{}``, ``None``) in profiles made before they were
+    layer that made it; ``aliases_input`` whether its output is its input's memory (an in-place
+    or view layer such as ``ReLU(inplace=True)``).  They are absent (``{}``, ``None``) in profiles made before they were
     measured; the cost model then estimates them (:mod:`autopipe.planning.memory`).
     """
 
@@ -100,6 +101,7 @@ class LayerProfile:
     stash_bytes: dict[str, int] = field(default_factory=dict)
     workspace_bytes: dict[int, int] = field(default_factory=dict)
     output_saved: bool | None = None
+    aliases_input: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,6 +120,7 @@ class LayerProfile:
             **({"workspace_bytes": {str(b): n for b, n in sorted(self.workspace_bytes.items())}}
                if self.workspace_bytes else {}),
             **({} if self.output_saved is None else {"output_saved": self.output_saved}),
+            **({} if self.aliases_input is None else {"aliases_input": self.aliases_input}),
         }
 
     @staticmethod
@@ -138,6 +141,7 @@ class LayerProfile:
             workspace_bytes=(_by_batch(f.get("workspace_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v))
                              if f.has("workspace_bytes") else {}),
             output_saved=f.optional("output_saved", f.bool),
+            aliases_input=f.optional("aliases_input", f.bool),
         )
 
 

@@ -25,7 +25,8 @@ __all__ = ["remeasure_memory"]
 
 def remeasure_memory(profile: Profile, model: nn.Module, sample_input: Tensor, *,
                      quiet: bool = False) -> Profile:
-    """``profile`` with every layer's ``saved_bytes``, ``workspace_bytes`` and ``output_saved``
+    """``profile`` with every layer's ``saved_bytes``, ``workspace_bytes``, ``output_saved`` and
+    ``aliases_input``
     measured on ``model`` at the profile's sizes on its first device; times and copies kept.
 
     Args:
@@ -56,5 +57,5 @@ def remeasure_memory(profile: Profile, model: nn.Module, sample_input: Tensor, *
     return dataclasses.replace(profile, layers=[
         dataclasses.replace(layer, saved_bytes={b: saved[b][i] for b in by_size},
                             workspace_bytes={b: by_size[b][i].workspace for b in by_size},
-                            output_saved=flags[i])
+                            output_saved=flags[i], aliases_input=by_size[max(by_size)][i].aliases_input)
         for i, layer in enumerate(profile.layers)])
