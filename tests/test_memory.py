@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from autopipe import Pipeline
+from autopipe._jsonio import write_json_atomic
 from autopipe._meter import AllocationCounter
 from autopipe.bench import Trainer, measure_memory, plan_of
 from autopipe.profiling.profiler import profile
@@ -104,13 +105,10 @@ def test_counter_charges_the_allocating_thread_until_any_thread_frees():
 
 
 def test_profiles_without_the_memory_fields_still_load(tmp_path, mlp_profile):
-    document = mlp_profile.to_json()
-    for layer in document["layers"]:
-        del layer["workspace_bytes"], layer["output_saved"]
-    from autopipe._jsonio import write_json_atomic
-    path = write_json_atomic(tmp_path / "old.json", document)
+    path = write_json_atomic(tmp_path / "old.json", _without_memory_fields(mlp_profile.to_json()))
     old = Profile.load(path)
     assert old.layers[0].workspace_bytes == {} and old.layers[0].output_saved is None
+    assert old.layers[0].aliases_input is None
     # measured now: a Linear's workspace is its weight gradient (and its input's gradient)
     assert mlp_profile.layers[0].workspace_bytes[B] == LINEAR
     assert mlp_profile.layers[2].workspace_bytes[B] == LINEAR + ACT
@@ -129,3 +127,23 @@ def test_cuda_stage_peak_is_its_device_peak():
         pipe.close()
     assert peaks is not None and all(peak.per_device for peak in peaks)
     assert peaks[0].peak_bytes == peaks[1].peak_bytes >= 3 * LINEAR * 2
+
+
+def test_bytes_measured_again_keep_the_times(tmp_path, mlp_profile):
+    from autopipe.profiling.remeasure import remeasure_memory
+
+    stripped = Profile.load(write_json_atomic(tmp_path / "old.json", _without_memory_fields(mlp_profile.to_json())))
+    again = remeasure_memory(stripped, mlp(), torch.randn(BATCH, D), quiet=True)
+    for old, new in zip(mlp_profile.layers, again.layers):
+        assert new.forward == old.forward and new.backward == old.backward
+        assert (new.saved_bytes, new.workspace_bytes, new.output_saved, new.aliases_input) == \
+            (old.saved_bytes, old.workspace_bytes, old.output_saved, old.aliases_input)
+    with pytest.raises(ValueError, match="another model"):
+        remeasure_memory(stripped, nn.Sequential(nn.Linear(D, D)), torch.randn(BATCH, D), quiet=True)
+
+
+def _without_memory_fields(document: dict) -> dict:
+    for layer in document["layers"]:
+        for key in ("workspace_bytes", "output_saved", "aliases_input"):
+            layer.pop(key, None)
+    return document
