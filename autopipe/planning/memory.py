@@ -3,8 +3,9 @@
 Stage ``s`` holds layers ``[a, c)``; ``n`` micro-batches of ``b`` samples are in flight at
 once (all ``m`` under fill-drain); ``P`` is its parameter bytes, ``opt`` the optimizer-state
 factor (:data:`OPTIMIZER_STATE`); per micro-batch ``S`` is its layers' saved bytes, ``O`` its
-output unless among them (``output_saved``), ``H = S + O`` what it holds from forward to
-backward (checkpointed: ``O`` only, plus its output ``out``).
+output ``out`` unless among them (``output_saved``): ``H = S + O`` is what it holds from
+forward to backward (checkpointed, only ``out``: the saved bytes come back one micro-batch at a
+time, in its recomputation).
 
 The peak is in a backward.  While layer ``l`` runs its backward, the micro-batch still holds
 the saved bytes of layers ``a..l`` (autograd frees each layer's as it finishes) and the stage's

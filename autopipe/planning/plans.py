@@ -67,7 +67,7 @@ class StagePlan:
             recompute_ms=f.float("recompute_ms", 0.0), copy_in_ms=f.float("copy_in_ms", 0.0),
             copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
-            memory_terms=({k: f.get("memory_terms").int(k, 0) for k in f.get("memory_terms").keys()}
+            memory_terms=({k: f.get("memory_terms").int(k) for k in f.get("memory_terms").keys()}
                           if f.has("memory_terms") else {}),
         )
 
