@@ -288,7 +288,7 @@ class CostModel:
             output_saved=1.0 * (costs.backward_peaks.extra[stop] == 0), input_bytes=inputs, first=first,
             skips=skip_bytes, in_flight=chunks,
             backward=costs.backward_peaks.peaks(start, stop),
-            checkpointed=mode != "never", optimizer=self.optimizer_state_factor, own_copies=self.own_copies,
+            checkpointed=recomputations(mode, chunks) > 0, optimizer=self.optimizer_state_factor, own_copies=self.own_copies,
             received=inputs * ~first if self.relayed else 0.0)
 
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
