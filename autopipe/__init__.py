@@ -37,9 +37,18 @@ _EXPORTS: dict[str, str] = {
     "is_recomputing": "runtime",
     "DeferredBatchNorm": "runtime",
     "DistributedPipeline": "distributed",
-    # errors
-    "FormatError": "_jsonio",
-    "DeviceError": "device",
+    # errors: one base, each keeping its built-in base too
+    "AutopipeError": "errors",
+    "CaptureError": "model",
+    "ChainError": "errors",
+    "DeviceError": "errors",
+    "DistributedError": "errors",
+    "FormatError": "errors",
+    "LaunchError": "errors",
+    "PlanningError": "errors",
+    "ProfileError": "errors",
+    "StageError": "errors",
+    "StageOutputError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -62,9 +71,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.batchnorm import DeferredBatchNorm
     from .model.capture import chain
     from .runtime.checkpoint import is_recomputing
-    from .device import DeviceError
     from .distributed import DistributedPipeline
-    from ._jsonio import FormatError
+    from .errors import (AutopipeError, ChainError, DeviceError, DistributedError, FormatError, LaunchError,
+                         PlanningError, ProfileError, StageError, StageOutputError)
+    from .model import CaptureError
     from .model import Layer, layer_chain
     from ._partition import partition
     from .planning.plans import Plan

@@ -14,16 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
+from .errors import FormatError
+
 __all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest"]
 
 T = TypeVar("T")
 
 _UMASK = os.umask(0)  # read once at import (os.umask can only be read by setting it) ...
 os.umask(_UMASK)  # ... and put back at once
-
-
-class FormatError(ValueError):
-    """A profile or plan file that is corrupt, truncated, of another schema or inconsistent."""
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
@@ -50,7 +48,7 @@ def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) ->
     return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
-def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> "Fields":
+def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> Fields:
     """Parse ``path`` as a ``kind`` document of at most ``schema_version``."""
     source = str(path)
     try:
@@ -102,7 +100,7 @@ class Fields:
             return f"{self.path}[{key}]"
         return f"{self.path}.{key}" if self.path else key
 
-    def get(self, key: str) -> "Fields":
+    def get(self, key: str) -> Fields:
         if not isinstance(self.value, dict):
             raise self.error("expected an object")
         if key not in self.value:
@@ -112,7 +110,7 @@ class Fields:
     def has(self, key: str) -> bool:
         return isinstance(self.value, dict) and key in self.value
 
-    def items(self) -> list["Fields"]:
+    def items(self) -> list[Fields]:
         if not isinstance(self.value, list):
             raise self.error(f"expected a list, found {type(self.value).__name__}")
         return [Fields(v, self.source, self._join(i)) for i, v in enumerate(self.value)]
@@ -147,15 +145,7 @@ class Fields:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
 
-    def bool(self, key: str) -> bool:
-        return self.typed(key, lambda v: isinstance(v, bool), "true or false")
-
-    def optional(self, key: str, read: Callable[[str], T]) -> T | None:
-        if not self.has(key) or self.value[key] is None:
-            return None
-        return read(key)
-
-    def list_of(self, key: str, read: Callable[["Fields"], T]) -> list[T]:
+    def list_of(self, key: str, read: Callable[[Fields], T]) -> list[T]:
         return [read(item) for item in self.get(key).items()]
 
     def str_list(self, key: str) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .device import resolve_devices
-from .model.fingerprint import first_difference, model_fingerprint
+from .model.fingerprint import check_made_for
 from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
@@ -30,10 +30,28 @@ def partition(
 ) -> Pipeline:
     """Partition ``model`` over ``devices`` and return the ready :class:`~autopipe.Pipeline`.
 
-    ``sample_input`` is one full training batch (its batch size is what the plan is made for).
-    A ``profile`` (object or JSON path) skips measuring; it must have been made for this model.
-    ``plan_options`` go to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``, ``chunks``…);
-    the plan is on ``pipe.plan``.
+    Args:
+        model: the model, read as a chain of layers (:func:`autopipe.layer_chain`).
+        sample_input: one full training batch (a tensor or a tuple of tensors); its batch size is
+            what the plan is made for.
+        devices: devices, a device count, or ``None`` for every CUDA device (else two CPU devices).
+        profile: a :class:`~autopipe.Profile` or its JSON path, made for this model, instead of
+            measuring one.
+        deferred_batch_norm: swap batch norms for :class:`~autopipe.DeferredBatchNorm`.
+        quiet: no progress bar while profiling.
+        **plan_options: passed to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``,
+            ``chunks``, ...).
+
+    Returns:
+        The pipeline; the plan it runs is ``pipe.plan``.
+
+    Raises:
+        ChainError: the model cannot be read as a chain of layers.
+        ProfileError: the model cannot be profiled with ``sample_input``.
+        FormatError: the ``profile`` file is corrupt or of another schema.
+        PlanningError: no plan fits the memory limits.
+        ValueError: ``profile`` was made for another model, or an option is invalid.
+        DeviceError: a device does not exist.
     """
     resolved = resolve_devices(devices)
     layers = layer_chain(model)  # once: capturing a non-Sequential model traces it
@@ -52,10 +70,6 @@ def _profile_for(
     if given is None:
         return measure(layers, sample_input, devices, quiet=quiet)
     loaded = given if isinstance(given, Profile) else Profile.load(given)
-    difference = first_difference(loaded.model, model_fingerprint(layers))
-    if difference is not None:
-        raise ValueError(
-            f"the profile was made for another model: {difference}; profile this model again "
-            "(autopipe.profile or python -m autopipe profile)"
-        )
+    check_made_for(loaded.model, layers, "profile",
+                   "profile this model again (autopipe.profile or python -m autopipe profile)")
     return loaded

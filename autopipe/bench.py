@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 import torch
 from torch import Tensor, nn
 
+from ._vocab import CheckpointMode
 from .planning.cost import CostModel
 from .device import ops_for
 from .planning.plans import Plan, StagePlan
@@ -21,7 +22,7 @@ from .planning import build_plan
 from .timeline import Event
 
 __all__ = [
-    "synthetic_batch", "StepTime", "Trainer", "interleave", "medians",
+    "synthetic_batch", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
     "make_optimizer", "plan_optimizer", "measure_memory",
 ]
@@ -141,7 +142,7 @@ class Trainer:
         self.traces.clear()
 
 
-def interleave(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
+def round_robin(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
     """Round-robin: each round runs one step of every trainer, starting one further along.
 
     Load from elsewhere on the machine then falls on all trainers alike, which is what makes
@@ -306,7 +307,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
     pipe = Pipeline(model, plan)
     try:
         piped = Trainer(pipe, batch.to(device), target, devices=plan.devices, optimizer=optimizer)
-        interleave({"single device": single, "pipeline": piped}, steps, warmup)
+        round_robin({"single device": single, "pipeline": piped}, steps, warmup)
         memory = measure_memory(piped, pipe)
     finally:
         pipe.close()
@@ -339,7 +340,7 @@ def measure_memory(trainer: Trainer, pipe: Pipeline) -> list[int]:
 
 
 def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], chunks: int,
-            checkpoint: str = "never", batch_size: int | None = None,
+            checkpoint: CheckpointMode = "never", batch_size: int | None = None,
             optimizer_state: str = "momentum") -> Plan:
     """The plan of a configuration chosen by hand, costed by the planner's own cost model.
 

@@ -1,6 +1,6 @@
 """The device seam: everything that differs between a CPU "device" and a CUDA device.
 
-Timing, synchronisation, memory statistics, compute streams and copies go through a
+Timing, synchronisation, memory capacity and peak, compute streams and copies go through a
 :class:`DeviceOps`.  The CPU side is what runs and is tested here; the CUDA side follows the
 CUDA semantics (events for timing, one stream per stage, copies ordered by events and guarded
 with ``record_stream``) and is exercised only by tests that skip without a GPU.
@@ -15,11 +15,9 @@ from typing import ContextManager, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from .errors import DeviceError
+
 __all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
-
-
-class DeviceError(ValueError):
-    """A device that does not exist or cannot be used."""
 
 
 class Timer(ABC):
@@ -46,11 +44,13 @@ class DeviceOps(ABC):
     def synchronize(self) -> None: ...
 
     @abstractmethod
-    def reset_peak_memory(self) -> None: ...
+    def reset_peak_memory(self) -> None:
+        """Start the device's peak statistic again (where it keeps one)."""
 
     @abstractmethod
     def peak_memory(self) -> int | None:
-        """Bytes allocated at the peak since :meth:`reset_peak_memory`, if the device tracks it."""
+        """Bytes allocated at the peak since :meth:`reset_peak_memory`, or ``None`` where the
+        device keeps no statistic (CPU: :mod:`autopipe.runtime.memory` counts per stage instead)."""
 
     @abstractmethod
     def capacity(self) -> int | None:
@@ -64,11 +64,8 @@ class DeviceOps(ABC):
     def use_stream(self, stream: object | None) -> ContextManager[None]: ...
 
     @abstractmethod
-    def copy_to(self, tensor: Tensor, target: "DeviceOps", stream: object | None) -> Tensor:
+    def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
         """``tensor`` on ``target``'s device, safe to use on ``stream`` of ``target``."""
-
-    def name(self) -> str:
-        return str(self.device)
 
 
 class _WallTimer(Timer):
@@ -80,7 +77,7 @@ class _WallTimer(Timer):
 
 
 class CPUOps(DeviceOps):
-    """A CPU "device": synchronous, timed with ``perf_counter``, no memory statistics."""
+    """A CPU "device": synchronous, timed with ``perf_counter``, no memory limit."""
 
     def timer(self) -> Timer:
         return _WallTimer()

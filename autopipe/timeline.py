@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ._vocab import EventKind, Lane
+
 __all__ = ["Event", "render"]
 
 
@@ -22,8 +24,8 @@ class Event:
     """
 
     stage: int
-    lane: str
-    kind: str
+    lane: Lane
+    kind: EventKind
     micro_batch: int
     start_ms: float
     end_ms: float

@@ -80,7 +80,8 @@ def main() -> None:
     times = {name: statistics.median(ms for ms, _ in values) for name, values in samples.items()}
     speedups = {name: statistics.median(p / ms for (p, _), (ms, _) in zip(samples["plain"], values))
                 for name, values in samples.items()}
-    print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'of medians':>10s} {'predicted':>10s} {'error':>7s} "
+    print(f"{'configuration':44s} {'median ms':>10s} {'speedup':>8s} {'of medians':>10s} {'predicted':>10s} "
+          f"{'error':>7s} "
           f"{'fill-drain ms':>14s} {'overhead':>9s}")
     for name, ms in times.items():
         ideal = prediction = ""

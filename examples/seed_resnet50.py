@@ -36,7 +36,7 @@ import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.bench import Trainer, interleave, medians, plan_of, synthetic_batch
+from autopipe.bench import Trainer, medians, plan_of, round_robin, synthetic_batch
 from autopipe.planning.cost import interpolate
 from autopipe.device import resolve_devices
 from autopipe.model.fingerprint import environment_fingerprint, first_difference, model_fingerprint
@@ -183,7 +183,7 @@ def _measure(model: nn.Module, rows: list[Row], batch: torch.Tensor, target: tor
         shared = copies.setdefault(tuple(row.plan.balance), copy.deepcopy(model))
         trainers[row.key] = Trainer(autopipe.Pipeline(shared, row.plan), batch.to(device), target,
                                     devices=row.plan.devices)
-    interleave({str(key): trainer for key, trainer in trainers.items()}, args.steps, args.warmup)
+    round_robin({str(key): trainer for key, trainer in trainers.items()}, args.steps, args.warmup)
     for trainer in trainers.values():
         if isinstance(trainer.module, autopipe.Pipeline):
             trainer.module.close()

@@ -1,4 +1,5 @@
-"""Small non-Sequential models whose forwards have long-lived values, shared by capture and runtime tests."""
+"""Small models shared by test modules: non-Sequential ones whose forwards have long-lived values
+(capture and runtime tests) and a Sequential with skips across stages."""
 from __future__ import annotations
 
 import torch
@@ -107,3 +108,35 @@ class Add(nn.Module):
     def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
         skip = yield autopipe.pop("skip")
         return x + skip
+
+
+@autopipe.skippable(stash=["a"])
+class StashA(nn.Linear):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        y = super().forward(x)
+        yield autopipe.stash("a", y)
+        return torch.relu(y)
+
+
+@autopipe.skippable(stash=["b"], pop=["a"])
+class PopAStashB(nn.Linear):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        a = yield autopipe.pop("a")
+        y = super().forward(x) * a
+        yield autopipe.stash("b", y)
+        return y
+
+
+@autopipe.skippable(pop=["b"])
+class PopB(nn.Linear):
+    def forward(self, x: Tensor):  # type: ignore[override]
+        b = yield autopipe.pop("b")
+        return super().forward(x) + b
+
+
+def skip_model() -> nn.Sequential:
+    """Layer 0 stashes a, layer 3 pops a and stashes b, layer 6 pops b."""
+    return nn.Sequential(
+        StashA(8, 8), nn.Linear(8, 8), nn.Tanh(), PopAStashB(8, 8),
+        nn.Linear(8, 8), nn.Tanh(), PopB(8, 8), nn.Linear(8, 4),
+    )

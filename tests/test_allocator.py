@@ -26,6 +26,7 @@ def run(before: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_before_torch_both_settings_hold() -> None:
     out = run("")
     assert out.startswith("1 | huge pages on")
@@ -33,11 +34,13 @@ def test_before_torch_both_settings_hold() -> None:
         assert out.endswith("one malloc arena on")
 
 
+@pytest.mark.slow
 def test_after_torch_huge_pages_are_reported_off_with_the_fix() -> None:
     out = run("import torch")
     assert out.startswith("None | huge pages off (set THP_MEM_ALLOC_ENABLE=1 before torch is imported)")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_a_pipeline_trains_the_same_under_steady_memory() -> None:
     script = """

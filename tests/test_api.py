@@ -11,7 +11,8 @@ from autopipe.cli import SUBCOMMANDS
 def test_every_exported_name_resolves() -> None:
     missing = [name for name in autopipe.__all__ if getattr(autopipe, name, None) is None]
     assert missing == []
-    assert {"partition", "profile", "plan", "Pipeline", "Plan", "Profile", "chain", "skippable"} <= set(autopipe.__all__)
+    expected = {"partition", "profile", "plan", "Pipeline", "Plan", "Profile", "chain", "skippable"}
+    assert expected <= set(autopipe.__all__)
 
 
 def test_help_lists_every_subcommand() -> None:
@@ -19,3 +20,51 @@ def test_help_lists_every_subcommand() -> None:
                             timeout=120, check=True)
     for name in SUBCOMMANDS:
         assert f"    {name} " in result.stdout
+
+
+def test_every_exported_error_has_the_one_base() -> None:
+    errors = [getattr(autopipe, name) for name in autopipe.__all__ if name.endswith("Error")]
+    assert len(errors) >= 11
+    for error in errors:
+        assert issubclass(error, autopipe.AutopipeError), error
+        assert error.__module__.startswith("autopipe.")
+
+
+def test_errors_keep_their_builtin_bases() -> None:
+    """Code that caught the built-in base before still catches each error."""
+    bases = {"FormatError": ValueError, "DeviceError": ValueError, "ChainError": TypeError,
+             "CaptureError": TypeError, "ProfileError": ValueError, "PlanningError": ValueError,
+             "StageError": RuntimeError, "DistributedError": ValueError, "StageOutputError": TypeError,
+             "LaunchError": RuntimeError}
+    for name, base in bases.items():
+        assert issubclass(getattr(autopipe, name), base), name
+
+
+def test_errors_are_the_ones_the_steps_raise() -> None:
+    """The exported classes are the very ones each step's module raises (one class, not a copy)."""
+    from autopipe._jsonio import FormatError
+    from autopipe.device import DeviceError
+    from autopipe.distributed.pipeline import DistributedError, StageOutputError
+    from autopipe.model.capture import CaptureError
+    from autopipe.planning import PlanningError
+    from autopipe.profiling import ProfileError
+    from autopipe.runtime.run import StageError
+
+    for error in (FormatError, DeviceError, DistributedError, StageOutputError, CaptureError, PlanningError,
+                  ProfileError, StageError):
+        assert getattr(autopipe, error.__name__) is error
+
+
+def test_committed_plans_and_profiles_load_and_match() -> None:
+    """Files written before the package was reorganised still load, and each plan names the
+    committed profile it was made from."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    plans = sorted((root / "plans").glob("*.json"))
+    assert plans
+    for path in plans:
+        plan = autopipe.Plan.load(path)
+        profile = autopipe.Profile.load(root / "profiles" / path.name)
+        assert plan.profile_digest == profile.digest and plan.model == profile.model
+        assert sum(plan.balance) == len(profile.layers)

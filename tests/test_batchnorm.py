@@ -10,7 +10,7 @@ from torch import nn
 import autopipe
 from autopipe.runtime.batchnorm import DeferredBatchNorm
 from autopipe.runtime.microbatch import split_sizes
-from test_runtime import assert_close, reference_step
+from helpers import assert_close, reference_step
 
 
 def conv_bn(momentum: float | None = 0.1) -> nn.Sequential:

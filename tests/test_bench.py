@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.bench import Row, Times, Trainer, interleave, plan_of, stage_times, synthetic_batch
+from autopipe.bench import Row, Times, Trainer, plan_of, round_robin, stage_times, synthetic_batch
 from autopipe.cli import main
 from autopipe.planning.simulate import simulate_plan
 from autopipe.timeline import Event
@@ -63,11 +63,11 @@ def test_errors_are_relative_to_measured_and_skip_tiny_figures() -> None:
     assert errors["total_ms"] == pytest.approx(0.0)
 
 
-def test_interleave_drops_warmup_and_steps_every_trainer() -> None:
+def test_round_robin_drops_warmup_and_steps_every_trainer() -> None:
     model = tiny_model()
     batch, target = synthetic_batch(model, [FEATURES], BATCH)
     trainers = {name: Trainer(tiny_model(), batch, target) for name in ("a", "b", "c")}
-    interleave(trainers, steps=3, warmup=2)
+    round_robin(trainers, steps=3, warmup=2)
     for trainer in trainers.values():
         assert len(trainer.times) == 3 and len(trainer.losses) == 5
         assert all(t.step_ms >= t.iteration_ms > 0 for t in trainer.times)

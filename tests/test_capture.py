@@ -13,6 +13,7 @@ from autopipe.model.capture import CaptureError, CapturedLayer, chain
 from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
+from helpers import untimed
 from models import TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
@@ -215,7 +216,8 @@ def test_untraceable_root_forward_points_to_sequential() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.linear(x) if x.mean() > 0 else x
 
-    with pytest.raises(CaptureError, match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
+    with pytest.raises(CaptureError,
+                       match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
         chain(Root())
 
 
@@ -279,14 +281,15 @@ def test_layer_chain_captures_other_models_and_keeps_sequentials() -> None:
 
 #: (model, stages): every model on 2 and 3 CPU devices, the slow ones once.
 PIPELINES = [(name, k) for name in ("unet", "two_branch", "transformer", "vit", "mobilenet_v3_small") for k in (2, 3)]
-PIPELINES += [("densenet121", 2), ("densenet121", 3)]
+PIPELINES += [pytest.param("densenet121", k, marks=pytest.mark.slow) for k in (2, 3)]
 
 
 def _plan(model: nn.Module | list[Layer], x: Tensor, stages: int) -> autopipe.Plan:
     """The planner's split at 3 micro-batches; if it prefers fewer devices than given on this
     tiny model, a per-device memory limit that fewer devices cannot meet makes it use them all
     (its plan may put two stages on each: the pipeline must equal the model either way)."""
-    profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=1, repeats=1, quiet=True)
+    profile = untimed(autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, len(x)], warmup=0, repeats=1,
+                                       quiet=True))
     devices = ["cpu"] * stages
     plan = autopipe.plan(profile, devices, chunks=3)
     whole = sum(stage.memory_bytes for stage in plan.stages)
@@ -319,6 +322,7 @@ def test_pipeline_with_planned_split_equals_model(name: str, stages: int) -> Non
         pipe.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_resnet50_captured_chain_as_pipeline_equals_model(stages: int) -> None:
     """``layer_chain`` reads a ResNet by hand; its captured chain is profiled, planned and run
@@ -336,7 +340,7 @@ def test_resnet50_captured_chain_as_pipeline_equals_model(stages: int) -> None:
 def test_partition_profiles_plans_and_runs_a_captured_model() -> None:
     model = UNet()
     x = torch.randn(4, *VISION)
-    profile = autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, 4], warmup=1, repeats=1, quiet=True)
+    profile = untimed(autopipe.profile(model, x, ["cpu"] * 2, batch_sizes=[2, 4], warmup=0, repeats=1, quiet=True))
     pipe = autopipe.partition(model, x, ["cpu"] * 2, profile=profile, chunks=2)
     try:
         assert pipe.plan.chunks == 2

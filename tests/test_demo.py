@@ -6,6 +6,7 @@ import pytest
 from autopipe.cli import main
 
 
+@pytest.mark.slow
 def test_quick_demo_profiles_plans_trains_and_compares(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--quick", "--devices", "cpu,cpu"]) == 0
     out = capsys.readouterr().out

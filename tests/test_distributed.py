@@ -143,7 +143,8 @@ def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, c
     layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
     zeros = {f.name: 0 for f in dataclasses.fields(StagePlan) if f.name != "memory_terms"}
     stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
-                                   "last_layer": layers[b - 1].name}) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+                                   "last_layer": layers[b - 1].name})
+              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, checkpoint, schedule, stages,
                 Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
 
@@ -316,7 +317,8 @@ def test_last_rank_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_plan_for_another_model_refused(two: list[dict[str, Any]]) -> None:
     for result in two:
-        assert result["other_model"].startswith("DistributedError: the plan was made for another model (layer 1 differs")
+        assert result["other_model"].startswith(
+            "DistributedError: the plan was made for another model: layer 1 differs")
 
 
 @pytest.mark.slow
@@ -394,7 +396,8 @@ def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_load
     plan = plan_for(torchvision.models.resnet18(weights=None), [7, 8], 2, "1f1b", checkpoint="except_last")
     example = Path(__file__).parents[1] / "examples" / "distributed_train.py"
     launch_local([sys.executable, str(example), "--plan", str(plan.save(tmp_path / "plan.json")),
-                  "--image-size", "32", "--steps", "2", "--save", str(tmp_path / "model.pt")], 2, tmp_path, JOB_TIMEOUT_S)
+                  "--image-size", "32", "--steps", "2", "--save", str(tmp_path / "model.pt")],
+                 2, tmp_path, JOB_TIMEOUT_S)
     printed = (tmp_path / "rank0.log").read_text()
     losses = [float(line.split()[-1]) for line in printed.splitlines() if line.startswith("step ")]
     assert len(losses) == 2 and losses[1] < losses[0]  # the same batch twice: training lowers its loss
@@ -402,11 +405,13 @@ def test_example_trains_from_a_plan_and_writes_a_checkpoint_the_plain_model_load
 
 
 def test_skip_routes_pass_along_every_stage_between() -> None:
-    from autopipe.distributed import StageModule, skip_routes
+    from autopipe.distributed import StageModule
     from autopipe.model import layer_chain
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
 
     layers = layer_chain(skip_model())
-    routes = skip_routes(layers, [3, 3, 3])
+    routes = skip_spans(layers, stage_of_layer([3, 3, 3]))
     assert [(str(r.key), r.src, r.dst) for r in routes] == [("x", 0, 2), ("y", 1, 2)]
     middle = StageModule(layers[3:6], 1, 3, routes)
     assert [str(k) for k in middle.skips_in] == ["x"]

@@ -12,8 +12,7 @@ import time
 import numpy as np
 import pytest
 from synthetic import make_profile, random_profile
-from test_runtime import mlp
-from test_solver import model_of
+from helpers import mlp, model_of
 
 import autopipe
 from autopipe.planning import interleaved

@@ -191,7 +191,7 @@ def test_a_layer_list_profiles_like_its_model_and_comes_back_unchanged() -> None
     state = {k: v.clone() for k, v in model.state_dict().items()}
     from_model = run(model, torch.randn(8, 4), [8], repeats=1)
     from_list = run(layer_chain(model), torch.randn(8, 4), [8], repeats=1)
-    assert [l.name for l in from_list.layers] == [l.name for l in from_model.layers] == ["0", "1", "2"]
+    assert [x.name for x in from_list.layers] == [x.name for x in from_model.layers] == ["0", "1", "2"]
     assert from_list.model == from_model.model
     assert saved(from_list) == saved(from_model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())

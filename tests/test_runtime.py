@@ -6,64 +6,14 @@ pipeline does where batch norm trains per micro-batch.
 """
 from __future__ import annotations
 
-import copy
-from typing import Any, Sequence
-
 import pytest
 import torch
 import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.runtime.microbatch import split_sizes
-
-
-def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 1e-5) -> None:
-    """Equal within ``rel`` relative to the expected tensor's norm."""
-    assert actual.shape == expected.shape, what
-    error = (actual.detach() - expected.detach()).norm().item()
-    scale = max(expected.detach().norm().item(), 1e-12)
-    assert error <= rel * scale, f"{what}: relative error {error / scale:.2e}"
-
-
-def reference_step(model: nn.Module, x: Tensor, g: Tensor, chunks: int) -> Tensor:
-    """The plain model on each micro-batch, loss ``sum(out * g)``, gradients accumulated."""
-    outputs = []
-    for xs, gs in zip(torch.split(x, split_sizes(len(x), chunks)), torch.split(g, split_sizes(len(x), chunks))):
-        out = model(xs)
-        (out * gs).sum().backward()
-        outputs.append(out.detach())
-    return torch.cat(outputs)
-
-
-def assert_transparent(model: nn.Module, x: Tensor, balance: Sequence[int], chunks: int,
-                       checkpoint: str, **options: Any) -> autopipe.Pipeline:
-    reference = copy.deepcopy(model)
-    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
-    devices = ["cpu"] * (len(balance) // options.get("interleave", 1))
-    pipe = autopipe.Pipeline(model, balance=list(balance), devices=devices,
-                             chunks=chunks, checkpoint=checkpoint, **options)
-    out = pipe(x)
-    g = torch.randn_like(out)
-    expected = reference_step(reference, x_ref, g, chunks)
-    (out * g).sum().backward()
-    assert_close(out, expected, "output")
-    if x.requires_grad:
-        assert_close(x.grad, x_ref.grad, "input gradient")
-    expected_state = reference.state_dict(keep_vars=True)
-    for name, value in pipe.state_dict(keep_vars=True).items():
-        assert_close(value.float(), expected_state[name].float(), name)
-        if isinstance(value, nn.Parameter):
-            assert value.grad is not None, name
-            assert_close(value.grad, expected_state[name].grad, f"{name}.grad")
-    return pipe
-
-
-def mlp() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(inplace=True),
-        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3),
-    )
+from helpers import assert_transparent, mlp
+from models import skip_model
 
 
 def balances(stages: int, layers: int) -> list[int]:
@@ -112,38 +62,6 @@ def test_resnet18(balance: list[int], chunks: int, checkpoint: str) -> None:
 
 
 # -- skips across stages ----------------------------------------------------------------
-
-@autopipe.skippable(stash=["a"])
-class StashA(nn.Linear):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        y = super().forward(x)
-        yield autopipe.stash("a", y)
-        return torch.relu(y)
-
-
-@autopipe.skippable(stash=["b"], pop=["a"])
-class PopAStashB(nn.Linear):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        a = yield autopipe.pop("a")
-        y = super().forward(x) * a
-        yield autopipe.stash("b", y)
-        return y
-
-
-@autopipe.skippable(pop=["b"])
-class PopB(nn.Linear):
-    def forward(self, x: Tensor):  # type: ignore[override]
-        b = yield autopipe.pop("b")
-        return super().forward(x) + b
-
-
-def skip_model() -> nn.Sequential:
-    """Layer 0 stashes a, layer 3 pops a and stashes b, layer 6 pops b."""
-    return nn.Sequential(
-        StashA(8, 8), nn.Linear(8, 8), nn.Tanh(), PopAStashB(8, 8),
-        nn.Linear(8, 8), nn.Tanh(), PopB(8, 8), nn.Linear(8, 4),
-    )
-
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import autopipe
 from models import Add, Save
-from test_runtime import assert_transparent
+from helpers import assert_transparent
 
 
 def unet_like() -> nn.Sequential:

@@ -8,18 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import model_of
 from synthetic import make_profile, random_profile
 
-from autopipe.planning.cost import CostModel
 from autopipe.profiling.profiles import Profile
 from autopipe.planning.solver import PlanningError, candidate_chunks, plan, solve
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def model_of(profile, speeds, engine="local"):
-    return CostModel(profile, profile.devices, speeds, profile.batch_size, "momentum",
-                     engine)
 
 
 def all_splits(layers, devices):
@@ -173,7 +168,7 @@ def test_plan_records_what_it_predicts():
 
 
 @pytest.mark.parametrize("devices", [2, 4, 8])
-@pytest.mark.parametrize("name", ["resnet50-128.json", "resnet18-128.json"])
+@pytest.mark.parametrize("name", [pytest.param("resnet50-128.json", marks=pytest.mark.slow), "resnet18-128.json"])
 def test_committed_profiles_plan_for_2_4_8_devices(name, devices):
     path = ROOT / "profiles" / name
     if not path.exists():
@@ -210,6 +205,7 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
     rng = random.Random(seed)
     profile = random_profile(rng, 10, 4, skips=2, per_pair=False)
     model = model_of(profile, [1.0, 0.5, 2.0, 1.0], rng.choice(["local", "distributed"]))
+    compared = 0
     for _ in range(40):
         chunks, mode = rng.choice([1, 2, 3, 8]), rng.choice(["never", "except_last", "always"])
         cut = rng.randint(2, 8)
@@ -224,6 +220,8 @@ def test_dominance_rule_never_drops_a_label_that_could_finish_better(seed):
                              np.zeros(2, dtype=int))
             if _beats(labels, np.array([0]), np.array([1]), chunks)[0]:
                 assert a.iteration_ms <= b.iteration_ms * (1 + 1e-12)
+                compared += a_bounds != b_bounds
+    assert compared >= 20  # the rule fired on distinct heads often enough for the check to mean something
 
 
 def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
@@ -304,7 +302,8 @@ def test_range_minima_against_slicing():
         lo = np.broadcast_to(np.arange(count) + 1, (rows, count))
         hi = np.minimum(lo - 1 + rng.integers(-1, 12, (rows, count)), count)
         values = rng.normal(size=(rows, count + 1))
-        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)] for r in range(rows)]
+        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)]
+                    for r in range(rows)]
         assert _RangeMin(lo, hi).of(values, np.zeros_like(values)).tolist() == expected
 
 

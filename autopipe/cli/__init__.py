@@ -1,6 +1,8 @@
-"""The command line: one module per subcommand, each with ``add_arguments`` and ``run``.
+"""Step 6, the command line: one module per subcommand, each with ``add_arguments`` and ``run``.
 
 ``python -m autopipe --help`` lists them; ``python -m autopipe SUBCOMMAND --help`` explains one.
+Only the subcommand being run is imported (the others, and torch, stay unloaded), so the listing
+answers at once.
 """
 from __future__ import annotations
 
@@ -23,23 +25,31 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the arguments of ``command`` only (every subcommand is listed)."""
     parser = argparse.ArgumentParser(
         prog="python -m autopipe",
         description="Automatic pipeline parallelism for PyTorch: profile → plan → run.",
     )
     commands = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(f".{module_name}", __name__)
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(sub)
-        sub.set_defaults(run=module.run)
+        if name == command:
+            module = importlib.import_module(f".{module_name}", __name__)
+            module.add_arguments(sub)
+            sub.set_defaults(run=module.run)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: the first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; user errors print one line and exit with status 2."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except (FormatError, ValueError, TypeError, FileNotFoundError) as error:

@@ -134,10 +134,10 @@ def format_table(measured: Profile) -> str:
                     f"{layer.backward[b].median_ms:9.3f} {_size(layer.output_bytes):>11} "
                     f"{_size(layer.saved_bytes[b]):>10} {layer.param_count:>11,}")
     rows.append("-" * len(header))
-    rows.append(f"{'total':<27} {sum(l.forward[b].median_ms for l in measured.layers):9.3f} "
-                f"{sum(l.backward[b].median_ms for l in measured.layers):9.3f} {'':>11} "
-                f"{_size(sum(l.saved_bytes[b] for l in measured.layers)):>10} "
-                f"{sum(l.param_count for l in measured.layers):>11,}")
+    rows.append(f"{'total':<27} {sum(x.forward[b].median_ms for x in measured.layers):9.3f} "
+                f"{sum(x.backward[b].median_ms for x in measured.layers):9.3f} {'':>11} "
+                f"{_size(sum(x.saved_bytes[b] for x in measured.layers)):>10} "
+                f"{sum(x.param_count for x in measured.layers):>11,}")
     for fit in measured.copies:
         rows.append(f"copy {fit.src}:{measured.devices[fit.src]} -> {fit.dst}:{measured.devices[fit.dst]}: "
                     f"{fit.latency_ms:.4f} ms + {fit.ms_per_byte * 2**20:.4f} ms/MiB")

@@ -1,7 +1,12 @@
-"""Run a plan on ``torch.distributed.pipelining``: one stage per rank of a torchrun job."""
+"""Step 5, the distributed engine: takes a model and a plan made with ``engine="distributed"``; gives
+this rank's :class:`DistributedPipeline`, one stage per rank of a torchrun job, run by
+``torch.distributed.pipelining`` (skips relayed by the stages between, GPipe or 1F1B, checkpoint
+modes as the in-process runtime, one state dict under the model's keys).
+"""
 from __future__ import annotations
 
-from . import pipeline
-from .pipeline import *  # noqa: F403 - the package's names are the engine module's
+from .pipeline import (DistributedError, DistributedPipeline, RunSettings, StageModule, StageOutputError,
+                       init_distributed, merge_state_dicts)
 
-__all__ = pipeline.__all__
+__all__ = ["DistributedError", "DistributedPipeline", "RunSettings", "StageModule", "StageOutputError",
+           "init_distributed", "merge_state_dicts"]

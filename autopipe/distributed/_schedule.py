@@ -6,9 +6,11 @@ from typing import Any
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from .._vocab import Schedule
+
 __all__ = ["SCHEDULE_CLASSES", "Stage"]
 
-SCHEDULE_CLASSES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULE_CLASSES: dict[Schedule, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class Stage(PipelineStage):

@@ -10,10 +10,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .._vocab import CHECKPOINT_MODES, SCHEDULES, CheckpointMode, Schedule
 from ..errors import DistributedError
 from ..model import Layer
-from ..model.fingerprint import first_difference, model_fingerprint
-from ..planning.plans import CHECKPOINT_MODES, SCHEDULES, Plan
+from ..model.fingerprint import check_made_for
+from ..planning.plans import Plan
+from ..runtime.balance import check_balance
 
 __all__ = ["RunSettings", "check_divisible", "check_world", "init_distributed", "plan_device"]
 
@@ -37,18 +39,18 @@ class RunSettings:
 
     balance: list[int]
     chunks: int
-    schedule: str
-    checkpoint: str
+    schedule: Schedule
+    checkpoint: CheckpointMode
     batch_size: int | None
     devices: list[str]
 
     @staticmethod
     def resolve(layers: Sequence[Layer], plan: Plan | None, balance: Sequence[int] | None = None,
-                chunks: int | None = None, schedule: str | None = None, checkpoint: str | None = None,
+                chunks: int | None = None, schedule: Schedule | None = None, checkpoint: CheckpointMode | None = None,
                 batch_size: int | None = None) -> RunSettings:
         """Check everything that every rank can check alike, so a mistake fails on all ranks at once."""
         if plan is not None:
-            check_fingerprint(layers, plan)
+            check_made_for(plan.model, layers, "plan", "make a plan for this model", DistributedError)
             if plan.interleave > 1:
                 raise DistributedError(
                     f"the plan puts {plan.interleave} stages on each device (interleave={plan.interleave}); "
@@ -58,11 +60,7 @@ class RunSettings:
         balance = list(balance or (plan.balance if plan else []))
         if not balance:
             raise DistributedError("give a plan or a balance (layers per stage), e.g. balance=[7, 8]")
-        if sum(balance) != len(layers) or min(balance) < 1:
-            raise DistributedError(
-                f"balance {balance} must give every stage at least one layer and cover the model's "
-                f"{len(layers)} layers (it covers {sum(balance)})"
-            )
+        check_balance(balance, len(layers), DistributedError)
         settings = RunSettings(
             balance=balance,
             chunks=chunks or (plan.chunks if plan else 1),
@@ -86,13 +84,7 @@ def plan_device(name: str) -> torch.device:
     return device
 
 
-def check_fingerprint(layers: Sequence[Layer], plan: Plan) -> None:
-    difference = first_difference(plan.model, model_fingerprint(layers))
-    if difference is not None:
-        raise DistributedError(f"the plan was made for another model ({difference}); make a plan for this model")
-
-
-def check_schedule(schedule: str, chunks: int, stages: int, checkpoint: str) -> None:
+def check_schedule(schedule: Schedule, chunks: int, stages: int, checkpoint: CheckpointMode) -> None:
     if schedule not in SCHEDULES:
         raise DistributedError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
     if checkpoint not in CHECKPOINT_MODES:

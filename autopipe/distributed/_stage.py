@@ -1,49 +1,21 @@
-"""One rank's layers as the engine's stage module, and the skip routes between stages."""
+"""One rank's layers as the engine's stage module; the engine only talks to neighbours, so a skip
+is relayed by every stage between its producer and its consumer."""
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
+from .._vocab import CheckpointMode
 from ..errors import StageOutputError
 from ..model import Layer
-from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
-from ..runtime.checkpoint import recomputing
+from ..model.skip import SkipTracker, use_skip_tracker
+from ..runtime.checkpoint import buffers_restored, checkpointed, recomputing
+from ..runtime.skips import SkipSpan
 
-__all__ = ["SkipRoute", "StageModule", "skip_routes"]
-
-
-@dataclass(frozen=True)
-class SkipRoute:
-    """A skip tensor stashed in stage ``src`` and popped in stage ``dst`` (``src <= dst``).
-
-    The engine only talks to neighbours, so every stage ``src <= s < dst`` sends it on.
-    """
-
-    key: SkipKey
-    src: int
-    dst: int
-
-    def crosses_into(self, stage: int) -> bool:
-        return self.src < stage <= self.dst
-
-    def crosses_out_of(self, stage: int) -> bool:
-        return self.src <= stage < self.dst
-
-
-def skip_routes(layers: Sequence[Layer], balance: Sequence[int]) -> list[SkipRoute]:
-    """Every skip's producing and consuming stage, in stash order (the same order on every rank)."""
-    stage_of: list[int] = [s for s, count in enumerate(balance) for _ in range(count)]
-    stashed: dict[SkipKey, int] = {}
-    popped: dict[SkipKey, int] = {}
-    for index, layer in enumerate(layers):
-        stashed.update((key, stage_of[index]) for key in layer.stash)
-        popped.update((key, stage_of[index]) for key in layer.pop)
-    return [SkipRoute(key, src, popped[key]) for key, src in stashed.items()]
+__all__ = ["StageModule"]
 
 
 class StageModule(nn.Module):
@@ -55,7 +27,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[Layer], index: int, num_stages: int,
-                 routes: Sequence[SkipRoute], checkpoint: str = "never", chunks: int = 1) -> None:
+                 routes: Sequence[SkipSpan], checkpoint: CheckpointMode = "never", chunks: int = 1) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.layer_names = [layer.name for layer in layers]
@@ -95,9 +67,9 @@ class StageModule(nn.Module):
 
     def _checkpointing(self) -> bool:
         """As the in-process runtime: ``except_last`` keeps the last micro-batch's activations."""
-        if not torch.is_grad_enabled() or self.micro_batch is None or self.checkpoint == "never":
+        if not torch.is_grad_enabled() or self.micro_batch is None:
             return False
-        return self.checkpoint == "always" or self.micro_batch < self.chunks - 1
+        return checkpointed(self.checkpoint, self.micro_batch, self.chunks)
 
     def _checkpointed(self, *received: Tensor) -> Any:
         """Recompute the stage in backward; the recomputation must not update buffers twice.
@@ -111,7 +83,7 @@ class StageModule(nn.Module):
             calls += 1
             if calls == 1:
                 return self._run(*args)
-            with recomputing(), _buffers_restored(self):
+            with recomputing(), buffers_restored(self.buffers()):
                 return self._run(*args)
 
         return checkpoint_fn(run, *received, use_reentrant=False)
@@ -131,18 +103,6 @@ class StageModule(nn.Module):
 
 def _non_leaf(tensor: Tensor) -> Tensor:
     return tensor.clone() if tensor.is_leaf and tensor.requires_grad else tensor
-
-
-@contextlib.contextmanager
-def _buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Put buffers back without bumping their autograd version: a micro-batch that was not
-    checkpointed saved them for its backward, which under 1F1B runs after this recomputation."""
-    saved = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
-    try:
-        yield
-    finally:
-        for buffer, value in saved:
-            buffer.data.copy_(value)
 
 
 def _describe(value: Any) -> str:

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .._vocab import Schedule
 from .local import launch_local
 
 __all__ = ["DistributedBench", "bench_distributed", "main"]
@@ -29,7 +30,7 @@ class DistributedBench:
 
     balance: list[int]
     chunks: int
-    schedule: str
+    schedule: Schedule
     batch_size: int
     image_size: int
     single_ms: float
@@ -72,7 +73,7 @@ def _plain_step(batch_size: int, image_size: int) -> Callable[[], None]:
     return step
 
 
-def bench_distributed(balance: Sequence[int], chunks: int, schedule: str = "gpipe", *, batch_size: int = 64,
+def bench_distributed(balance: Sequence[int], chunks: int, schedule: Schedule = "gpipe", *, batch_size: int = 64,
                       image_size: int = 128, steps: int = 5, warmup: int = 2,
                       timeout_s: float = 900.0) -> DistributedBench:
     """Run ``balance`` as one localhost process per stage (1 thread each) against the plain model."""

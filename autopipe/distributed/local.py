@@ -8,11 +8,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import LaunchError
+
 __all__ = ["LaunchError", "free_port", "launch_local"]
-
-
-class LaunchError(RuntimeError):
-    """A rank failed or the job ran out of time; the message carries the failed ranks' logs."""
 
 
 def free_port() -> int:

@@ -11,25 +11,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._vocab import CheckpointMode, Schedule
 from .._jsonio import write_atomic
 from ..errors import DistributedError, StageOutputError
 from ..model import Layer, layer_chain
 from ..planning.plans import Plan
+from ..runtime.balance import stage_of_layer
+from ..runtime.skips import skip_spans
 from ._schedule import SCHEDULE_CLASSES, Stage
 from ._settings import RunSettings, check_divisible, check_world, init_distributed, plan_device
-from ._stage import SkipRoute, StageModule, skip_routes
+from ._stage import StageModule
 from ._state import merge_state_dicts, state_prefix
 
 __all__ = [
     "DistributedError",
     "DistributedPipeline",
     "RunSettings",
-    "SkipRoute",
     "StageModule",
     "StageOutputError",
     "init_distributed",
     "merge_state_dicts",
-    "skip_routes",
 ]
 
 
@@ -45,6 +46,25 @@ class DistributedPipeline:
     Micro-batch shapes are fixed by the engine at the first step, so the batch size is fixed
     too (the plan's, ``batch_size``, or the first step's): another one raises
     :class:`DistributedError`; build a new pipeline on every rank for a new batch size.
+
+    Args:
+        model: anything :func:`~autopipe.layer_chain` reads, or a list of layers; the same
+            (same initial weights) on every rank.
+        plan: the plan to run (made with ``engine="distributed"``, one stage per rank).
+        loss_fn: ``loss_fn(output, target)`` on the last rank.
+        balance: layers per stage, without a plan (or overriding the plan's).
+        chunks: micro-batches per step (default: the plan's, else 1).
+        schedule: ``"gpipe"`` or ``"1f1b"`` (default: the plan's, else ``"gpipe"``).
+        checkpoint: checkpoint mode (default: the plan's, else ``"never"``).
+        batch_size: the fixed batch size (default: the plan's, else the first step's).
+        device: this rank's device, instead of the plan's.
+        group: the process group (default: the world).
+
+    Raises:
+        DistributedError: no process group and no torchrun environment; the plan was made for
+            another model or interleaves stages; a balance, schedule, checkpoint mode, chunk
+            count or world size that this engine cannot run.
+        ChainError: the model cannot be read as a chain of layers.
     """
 
     def __init__(
@@ -55,8 +75,8 @@ class DistributedPipeline:
         loss_fn: Callable[..., Tensor],
         balance: Sequence[int] | None = None,
         chunks: int | None = None,
-        schedule: str | None = None,
-        checkpoint: str | None = None,
+        schedule: Schedule | None = None,
+        checkpoint: CheckpointMode | None = None,
         batch_size: int | None = None,
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
@@ -75,7 +95,8 @@ class DistributedPipeline:
             torch.cuda.set_device(self.device)
         start = sum(self.balance[: self.rank])
         self.stage_layers = self.layers[start : start + self.balance[self.rank]]
-        self.module = StageModule(self.stage_layers, self.rank, self.num_stages, skip_routes(self.layers, self.balance),
+        spans = skip_spans(self.layers, stage_of_layer(self.balance))
+        self.module = StageModule(self.stage_layers, self.rank, self.num_stages, spans,
                                   settings.checkpoint, self.chunks).to(self.device)
         self.stage = Stage(self.module, self.rank, self.num_stages, self.device, group=group)
         self.schedule = SCHEDULE_CLASSES[self.schedule_name](self.stage, self.chunks, loss_fn=loss_fn)

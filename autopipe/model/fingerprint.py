@@ -10,7 +10,7 @@ import torch
 from .._jsonio import digest
 from .layers import Layer
 
-__all__ = ["model_fingerprint", "environment_fingerprint", "first_difference"]
+__all__ = ["model_fingerprint", "environment_fingerprint", "first_difference", "check_made_for"]
 
 
 def model_fingerprint(layers: Sequence[Layer]) -> dict[str, Any]:
@@ -46,6 +46,15 @@ def first_difference(expected: dict[str, Any], actual: dict[str, Any]) -> str | 
                 f"found {b['name']} ({b['type']}, {_tensors(b)})"
             )
     return f"the model has {len(have)} layers, expected {len(want)}"
+
+
+def check_made_for(recorded: dict[str, Any], layers: Sequence[Layer], what: str, fix: str,
+                   error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming the first difference if the model fingerprint ``recorded`` in a
+    ``what`` (a profile, a plan) is not that of ``layers``; ``fix`` says what to do instead."""
+    difference = first_difference(recorded, model_fingerprint(layers))
+    if difference is not None:
+        raise error(f"the {what} was made for another model: {difference}; {fix}")
 
 
 def _tensors(entry: dict[str, Any]) -> str:

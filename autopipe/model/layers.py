@@ -9,13 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from torch import nn
 
+from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = ["Layer", "ChainError", "sequential_layers", "resnet_layers", "is_torchvision_resnet"]
-
-
-class ChainError(TypeError):
-    """The model cannot be read as a chain of layers."""
 
 
 @dataclass(frozen=True, eq=False)

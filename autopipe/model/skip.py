@@ -55,10 +55,10 @@ class Namespace:
     def __repr__(self) -> str:
         return f"<Namespace {self.label or self.id}>"
 
-    def __copy__(self) -> "Namespace":
+    def __copy__(self) -> Namespace:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Namespace":
+    def __deepcopy__(self, memo: dict[int, Any]) -> Namespace:
         """A copied model keeps its skips' scopes: keys made from it match the original's."""
         return self
 
@@ -153,7 +153,7 @@ class Skippable(nn.Module):
     pop_names: tuple[str, ...] = ()
     namespace: Namespace = DEFAULT_NAMESPACE
 
-    def isolate(self, namespace: Namespace) -> "Skippable":
+    def isolate(self, namespace: Namespace) -> Skippable:
         """Give this layer's skip names their own scope; returns ``self`` for chaining."""
         self.namespace = namespace
         return self

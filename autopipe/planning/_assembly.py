@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .._vocab import CheckpointMode
 from ..profiling.profiles import Profile
 from .cost import CostModel, Evaluation, recomputations
 from .plans import Plan, Prediction, StagePlan, placement
@@ -12,7 +13,7 @@ from .simulate import simulate
 __all__ = ["build_plan"]
 
 
-def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: str,
+def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
                options: dict[str, Any], interleave: int = 1) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved)."""
     where = placement(len(bounds) - 1, interleave)
@@ -32,7 +33,7 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
         for s, lanes in enumerate(evaluation.stages)
     ]
     recomputed = recomputations(mode, chunks)
-    busy = sum(chunks * (l.forward + l.backward) + recomputed * l.recompute for l in evaluation.stages)
+    busy = sum(chunks * (s.forward + s.backward) + recomputed * s.recompute for s in evaluation.stages)
     used = len(stages) // interleave
     bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble)

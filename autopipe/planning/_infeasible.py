@@ -6,8 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .._vocab import CheckpointMode
 from ._options import Options
-from .cost import CostModel, SizeCosts
+from .cost import CostModel, SizeCosts, effective_mode
 
 __all__ = ["infeasible", "smallest_memory"]
 
@@ -22,21 +23,20 @@ def infeasible(model: CostModel, options: Options) -> str:
             "checkpointing")
 
 
-def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[str],
+def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
                     devices: int) -> tuple[float, int, str]:
     """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``)."""
     best = (math.inf, 0, "")
     for chunks in candidates:
         costs = model.at(model.micro_batch_size(chunks))
         for mode in modes:
-            effective = "never" if mode == "except_last" and chunks == 1 else mode
-            answer = _min_max_memory(model, costs, chunks, effective, devices)
+            answer = _min_max_memory(model, costs, chunks, effective_mode(mode, chunks), devices)
             if answer < best[0]:
                 best = (answer, chunks, mode)
     return best
 
 
-def _min_max_memory(model: CostModel, costs: SizeCosts, chunks: int, mode: str, devices: int) -> float:
+def _min_max_memory(model: CostModel, costs: SizeCosts, chunks: int, mode: CheckpointMode, devices: int) -> float:
     """``min over k ≤ devices and splits of max stage memory``: ``reach[c]`` is the best over
     the first ``c`` layers with one more stage each round."""
     layers = model.layers

@@ -8,11 +8,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import interleaved
+from .._vocab import CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule
 from ..profiling.profiles import Profile
-from .cost import MODES
+from . import interleaved
 from .memory import optimizer_factor
-from .plans import SCHEDULES
 
 __all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
 
@@ -25,14 +24,14 @@ class Options:
     speeds: list[float]
     limits: np.ndarray
     candidates: list[int]
-    modes: list[str]
+    modes: list[CheckpointMode]
     interleaves: list[int]
     given: dict[str, Any]
 
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
-              checkpoint: str, optimizer_state: str | float, schedule: str,
-              speeds: Sequence[float] | None, chunks: int | None, engine: str,
+              checkpoint: CheckpointChoice, optimizer_state: str | float, schedule: Schedule,
+              speeds: Sequence[float] | None, chunks: int | None, engine: EngineName,
               interleave: int | str = "auto") -> Options:
         # 1F1B is not planned: its time is not modelled, and fill-drain's is not a proven bound
         # for it.  A gpipe plan runs on the distributed engine with schedule='1f1b' when chunks ≥
@@ -42,8 +41,8 @@ class Options:
             raise ValueError(f"the planner models only schedule='gpipe' (fill-drain){known}; use 'gpipe' "
                              "(the distributed engine can run a gpipe plan with schedule='1f1b' "
                              "when chunks >= stages)")
-        if checkpoint != "auto" and checkpoint not in MODES:
-            raise ValueError(f"checkpoint '{checkpoint}' is not one of {['auto', *MODES]}")
+        if checkpoint not in CHECKPOINT_CHOICES:
+            raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
         factor = optimizer_factor(optimizer_state)
         batch = profile.batch_size if batch_size is None else int(batch_size)
         rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
@@ -69,7 +68,7 @@ class Options:
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
 
 
-def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: str) -> list[int]:
+def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: EngineName) -> list[int]:
     """The stages-per-device factors to search: ``[asked]``, or for ``"auto"`` 1 and, where it
     can run and be searched exactly, 2."""
     if asked == "auto":

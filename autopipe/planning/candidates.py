@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel, SizeCosts
+from .._vocab import CheckpointMode
+from .cost import CostModel, SizeCosts, effective_mode
 
 __all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
 
@@ -20,7 +21,7 @@ class Choice:
 
     bounds: tuple[int, ...]
     chunks: int
-    mode: str
+    mode: CheckpointMode
     iteration_ms: float
     interleave: int = 1
 
@@ -36,8 +37,8 @@ class Candidate:
 
     lower_bound: float
     chunks: int
-    mode: str
-    effective: str
+    mode: CheckpointMode
+    effective: CheckpointMode
     costs: SizeCosts
     back: np.ndarray
     copy_forward: np.ndarray
@@ -47,14 +48,14 @@ class Candidate:
     work: float
 
     @staticmethod
-    def of(model: CostModel, chunks: int, mode: str, devices: int) -> Candidate:
+    def of(model: CostModel, chunks: int, mode: CheckpointMode, devices: int) -> Candidate:
         """``lower_bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the
         top speed of the first ``k`` devices, the ``k - 1`` cheapest cuts, and
         ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
         speed (``M`` likewise), where ``X*``, ``M*`` are the floors (copies only add lanes) and
         ``w`` is ``m-1``, or ``m-2`` with ``except_last`` (``V ≥ (m-2)·M``)."""
         costs = model.at(model.micro_batch_size(chunks))
-        effective = "never" if mode == "except_last" and chunks == 1 else mode
+        effective = effective_mode(mode, chunks)
         back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
         speeds = model.speeds[:devices]
         floors = least_largest(costs.forward, speeds, 1e-3)[0], least_largest(back, speeds, 1e-3)[0]

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._vocab import CheckpointMode
 from .cost import CostModel
 from .plans import Plan
 from ..profiling.profiles import Profile
@@ -32,7 +33,7 @@ class Baseline:
     name: str
     balance: list[int]
     chunks: int
-    checkpoint: str
+    checkpoint: CheckpointMode
     iteration_ms: float
     ratio: float
     fits: bool
@@ -54,7 +55,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
                      plan.predicted.iteration_ms, 1.0, True)]
     splits = [
         ("equal layers", equal_split(model.layers, parts), m),
-        ("parameter-balanced", min_max_split([l.param_bytes for l in profile.layers], parts), m),
+        ("parameter-balanced", min_max_split([layer.param_bytes for layer in profile.layers], parts), m),
         ("time min-max, no copies", min_max_split(np.diff(costs.forward + costs.backward), parts), m),
     ]
     for name, bounds, count in splits:

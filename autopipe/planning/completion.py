@@ -62,7 +62,7 @@ class Completions:
 
     @staticmethod
     def around(candidate: Candidate, speeds: np.ndarray, caps: tuple[float, float],
-               lanes: tuple[float, float] | None) -> "Completions":
+               lanes: tuple[float, float] | None) -> Completions:
         """A grid from the least possible lanes (``candidate.floors``) to ``caps``: a coarse one
         (:data:`_COARSE` levels a lane) from :data:`_FIRST` above the floors, or one with as
         many levels as :data:`_BUDGET` allows from :data:`_AROUND` the lanes ``(X, M)`` of a

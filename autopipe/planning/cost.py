@@ -69,24 +69,26 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._vocab import ENGINES, CheckpointMode, EngineName
 from .graph import build_graph, chain_of
 from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
                      stage_memory)
 from ..profiling.profiles import CopyFit, Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
-           "phase_makespan", "backward_makespan", "recomputations", "MODES", "ENGINES"]
-
-#: checkpoint modes a plan can fix; ``auto`` lets the solver choose.
-MODES = ("never", "except_last", "always")
-#: engines a plan can be costed for: the in-process runtime or torch.distributed.pipelining.
-ENGINES = ("local", "distributed")
+           "phase_makespan", "backward_makespan", "recomputations", "effective_mode"]
 
 
-def recomputations(mode: str, chunks: int) -> int:
+def recomputations(mode: CheckpointMode, chunks: int) -> int:
     """How many of ``chunks`` micro-batches rerun their forward before their backward in
     checkpoint ``mode``: none, all but the last, or all."""
     return {"never": 0, "except_last": chunks - 1, "always": chunks}[mode]
+
+
+def effective_mode(mode: CheckpointMode, chunks: int) -> CheckpointMode:
+    """The mode that ``mode`` amounts to with ``chunks`` micro-batches: ``except_last`` of a
+    single micro-batch keeps its activations, as ``never`` does."""
+    return "never" if mode == "except_last" and chunks == 1 else mode
 
 
 def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
@@ -193,7 +195,7 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state: str | float = "momentum", engine: str = "local") -> None:
+                 batch_size: int, optimizer_state: str | float = "momentum", engine: EngineName = "local") -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
@@ -228,16 +230,16 @@ class CostModel:
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
         forward, backward, saved, workspace = (table @ weights for table in self._per_size)
-        outputs = np.asarray([l.output_bytes for l in layers], dtype=float) * b
+        outputs = np.asarray([layer.output_bytes for layer in layers], dtype=float) * b
         inputs = np.asarray([self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]], dtype=float)
         for index, layer in enumerate(layers):
             if not layer.workspace_bytes:
                 workspace[index] = estimated_workspace(layer, inputs[index])
-        params = _prefix([l.param_bytes for l in layers])
+        params = _prefix([layer.param_bytes for layer in layers])
         tables = BackwardTables.build(_prefix(saved), params, workspace, outputs, output_saved_flags(layers),
-                                      [bool(l.aliases_input) for l in layers], self.own_copies)
+                                      [bool(layer.aliases_input) for layer in layers], self.own_copies)
         return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), params,
-                         _prefix([l.buffer_bytes for l in layers]), inputs, outputs,
+                         _prefix([layer.buffer_bytes for layer in layers]), inputs, outputs,
                          np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float), tables)
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
@@ -270,13 +272,13 @@ class CostModel:
             held = held + nbytes * (sends | receives | passes)
         return held
 
-    def memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: str,
+    def memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                skip_bytes: Any) -> Any:
         """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
         (any argument but ``chunks`` and ``mode`` may be an array)."""
         return self.memory_terms(costs, start, stop, chunks, mode, skip_bytes).total
 
-    def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: str,
+    def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                      skip_bytes: Any) -> MemoryTerms:
         """:meth:`memory` term by term (:mod:`autopipe.planning.memory`); all ``chunks``
         micro-batches are in flight under fill-drain."""
@@ -291,13 +293,13 @@ class CostModel:
             checkpointed=recomputations(mode, chunks) > 0, optimizer=self.optimizer_state_factor, own_copies=self.own_copies,
             received=inputs * ~first if self.relayed else 0.0)
 
-    def evaluate(self, bounds: Sequence[int], chunks: int, mode: str) -> Evaluation:
+    def evaluate(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode) -> Evaluation:
         """Cost the split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])`` on device ``s``."""
         stages = self.stage_lanes(bounds, chunks, mode)
         forward_ms, backward_ms = phase_makespan(stages, chunks, mode)
         return Evaluation(stages, forward_ms, backward_ms)
 
-    def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: str,
+    def stage_lanes(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode,
                     placement: Sequence[int] | None = None) -> list[StageLanes]:
         """Every stage's lanes and memory, stage ``s`` on device ``placement[s]`` (default ``s``);
         a tensor between stages on one device is not copied."""
@@ -330,10 +332,10 @@ def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
     """Forward and backward medians, saved and workspace bytes as (layers × profiled sizes)
     matrices (a profile without workspace has 0s there, replaced by an estimate per size)."""
     sizes, layers = profile.batch_sizes, profile.layers
-    forward = [[l.forward[s].median_ms for s in sizes] for l in layers]
-    backward = [[l.backward[s].median_ms for s in sizes] for l in layers]
-    saved = [[l.saved_bytes[s] for s in sizes] for l in layers]
-    workspace = [[l.workspace_bytes.get(s, 0) for s in sizes] for l in layers]
+    forward = [[layer.forward[s].median_ms for s in sizes] for layer in layers]
+    backward = [[layer.backward[s].median_ms for s in sizes] for layer in layers]
+    saved = [[layer.saved_bytes[s] for s in sizes] for layer in layers]
+    workspace = [[layer.workspace_bytes.get(s, 0) for s in sizes] for layer in layers]
     return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved, workspace))
 
 
@@ -349,7 +351,7 @@ def _owners(bounds: Sequence[int], layers: int) -> list[int]:
     return owner
 
 
-def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: str) -> tuple[float, float]:
+def phase_makespan(stages: Sequence[StageLanes], chunks: int, mode: CheckpointMode) -> tuple[float, float]:
     """Forward and backward phase makespans of fill-drain (the closed forms above)."""
     forward_lanes = [stages[0].forward]
     for stage in stages[1:]:

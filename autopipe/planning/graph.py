@@ -31,18 +31,12 @@ class Chain:
     """What the solver needs from the graph: per-layer output bytes and the skip edges.
 
     Every position ``1..L-1`` is a valid cut (a skip crossing it is routed straight from its
-    producer to its consumer stage); :meth:`crossing` lists the tensors that cross one.
+    producer to its consumer stage).
     """
 
     layers: int
     output_bytes: list[int]
     skips: list[Skip]
-
-    def crossing(self, cut: int) -> list[str]:
-        """Names of the tensors that cross the cut before layer ``cut``: main first, then skips."""
-        if not 0 < cut < self.layers:
-            raise ValueError(f"cut {cut} is not a valid cut position (1..{self.layers - 1})")
-        return [f"output of layer {cut - 1}"] + [s.name for s in self.skips if s.stash < cut <= s.pop]
 
 
 def build_graph(profile: Profile) -> nx.MultiDiGraph:

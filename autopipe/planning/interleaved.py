@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._vocab import CheckpointMode
 from .cost import CostModel, recomputations
 from .plans import placement
 from .candidates import Choice
@@ -49,7 +50,7 @@ def split_count(layers: int, devices: int, interleave: int) -> int:
     return sum(math.comb(layers - 1, k * interleave - 1) for k in range(2, devices + 1))
 
 
-def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
+def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: CheckpointMode, interleave: int,
             limits: np.ndarray) -> float:
     """The simulated iteration ms of one interleaved split, or ``inf`` if a device's stages
     overflow its memory."""
@@ -71,14 +72,14 @@ class _Splits:
     bounds: np.ndarray
 
     @staticmethod
-    def of(layers: int, devices: int, interleave: int) -> "_Splits":
+    def of(layers: int, devices: int, interleave: int) -> _Splits:
         stages = devices * interleave
         cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
                            dtype=np.int64).reshape(-1, stages - 1)
         return _Splits(devices, np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers))))
 
 
-def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
+def search(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode], limits: np.ndarray,
            interleave: int, best: Choice | None) -> Choice | None:
     """The best interleaved split strictly faster than ``best`` (any split if ``best`` is
     ``None``), or ``None``.
@@ -105,14 +106,14 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     return None if found is best else found
 
 
-def _work_bound(model: CostModel, chunks: int, mode: str, devices: int) -> float:
+def _work_bound(model: CostModel, chunks: int, mode: CheckpointMode, devices: int) -> float:
     """All the work of one iteration over the total speed of ``devices`` devices."""
     costs = model.at(model.micro_batch_size(chunks))
     work = chunks * (costs.forward[-1] + costs.backward[-1]) + recomputations(mode, chunks) * costs.forward[-1]
     return float(work / np.sum(model.speeds[:devices]))
 
 
-def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:
+def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: CheckpointMode, interleave: int) -> np.ndarray:
     """A lower bound on the simulated time of every split (the module docstring's)."""
     costs = model.at(model.micro_batch_size(chunks))
     bounds = splits.bounds

@@ -6,13 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._vocab import CHECKPOINT_MODES, SCHEDULES, CheckpointMode, Schedule
 from .._jsonio import Fields, read_json, write_json_atomic
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
 
 PLAN_SCHEMA_VERSION = 1
-CHECKPOINT_MODES = ("never", "except_last", "always")
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def placement(stages: int, interleave: int) -> list[int]:
@@ -59,7 +58,7 @@ class StagePlan:
         return name, self.memory_terms[name] / self.memory_bytes
 
     @staticmethod
-    def from_json(f: Fields) -> "StagePlan":
+    def from_json(f: Fields) -> StagePlan:
         return StagePlan(
             index=f.int("index", 0), device=f.str("device"), start=f.int("start", 0),
             stop=f.int("stop", 1), first_layer=f.str("first_layer"), last_layer=f.str("last_layer"),
@@ -89,7 +88,7 @@ class Prediction:
         return dict(self.__dict__)
 
     @staticmethod
-    def from_json(f: Fields) -> "Prediction":
+    def from_json(f: Fields) -> Prediction:
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
                           f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0))
 
@@ -115,8 +114,8 @@ class Plan:
     devices: list[str]
     batch_size: int
     chunks: int
-    checkpoint: str
-    schedule: str
+    checkpoint: CheckpointMode
+    schedule: Schedule
     stages: list[StagePlan]
     predicted: Prediction
     options: dict[str, Any] = field(default_factory=dict)
@@ -171,7 +170,7 @@ class Plan:
         return write_json_atomic(path, self.to_json())
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> "Plan":
+    def load(path: str | os.PathLike[str]) -> Plan:
         """Read and validate a plan file; raises ``FormatError`` naming file and field."""
         f = read_json(path, "plan", PLAN_SCHEMA_VERSION)
         model = f.get("model")

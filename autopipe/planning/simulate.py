@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .._vocab import CheckpointMode, EventKind, Lane
 from .cost import StageLanes
 from .plans import Plan
 from ..timeline import Event
@@ -45,13 +46,13 @@ class _Lane:
     """A stage's compute or copy lane: the resource it uses and each job's duration."""
 
     stage: int
-    lane: str
-    kind: str
+    lane: Lane
+    kind: EventKind
     resource: int
     durations: list[float]
 
 
-def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: str,
+def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
              placement: Sequence[int] | None = None) -> Simulation:
     """Run one iteration: all forwards (micro-batches 0..m-1), then all backwards (m-1..0).
 
@@ -72,7 +73,8 @@ def _forward_lanes(stages: Sequence[StageLanes], chunks: int, where: list[int]) 
     return lanes
 
 
-def _backward_lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: str, where: list[int]) -> list[_Lane]:
+def _backward_lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
+                    where: list[int]) -> list[_Lane]:
     """Backward lanes in execution order; job 0 is the last micro-batch, which ``except_last``
     does not recompute."""
     lanes: list[_Lane] = []

@@ -18,13 +18,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._vocab import CHECKPOINT_MODES, CheckpointChoice, CheckpointMode, EngineName, Schedule
+from ..errors import PlanningError
 from ..profiling.profiles import Profile
 from . import interleaved
 from ._assembly import build_plan
 from ._infeasible import infeasible, smallest_memory
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
 from .completion import Completions
-from .cost import MODES, CostModel
+from .cost import CostModel
 from .plans import Plan
 from .candidates import Candidate, Choice, greedy_split, least_largest
 from .search import Search
@@ -36,38 +38,54 @@ __all__ = ["plan", "solve", "Search", "Choice", "PlanningError", "build_plan", "
 _PLANS = 3
 
 
-class PlanningError(ValueError):
-    """No plan satisfies the options (memory limits, chunks, batch size)."""
-
-
 def plan(
     profile: Profile,
     devices: Sequence[Any] | int | None = None,
     *,
     batch_size: int | None = None,
     memory_limit: float | str | Sequence[float | str | None] | None = None,
-    checkpoint: str = "auto",
+    checkpoint: CheckpointChoice = "auto",
     optimizer_state: str | float = "momentum",
-    schedule: str = "gpipe",
+    schedule: Schedule = "gpipe",
     speeds: Sequence[float] | None = None,
     chunks: int | None = None,
-    engine: str = "local",
+    engine: EngineName = "local",
     interleave: int | str = "auto",
 ) -> Plan:
     """The plan of least predicted iteration time for ``profile`` on ``devices``.
 
-    Stages use ``devices`` in order (``k`` of them, ``k`` chosen); ``speeds`` are relative
-    (times are divided by them); ``memory_limit`` is bytes (or ``"16GiB"``) for every device or
-    one per device, defaulting to the capacity of CUDA devices and no limit on CPU;
-    ``optimizer_state`` is what the optimizer keeps per parameter: ``"sgd"`` (nothing),
-    ``"momentum"`` (SGD with momentum: one buffer, 1x the parameters), ``"adam"`` (2x) or a
-    factor; ``checkpoint="auto"`` chooses the mode; ``chunks=None`` chooses the micro-batch count;
-    ``engine`` is what will run the plan: ``"local"`` (the in-process runtime) or
-    ``"distributed"`` (torch.distributed.pipelining: skips relayed by the stages between, equal
-    micro-batches only), costed as in :mod:`autopipe.planning.cost`.  ``interleave`` is the number of
-    stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or ``"auto"``, which also tries
-    2 where the local engine runs the plan, more than one device is given and the enumeration
-    is within :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
+    Stages use ``devices`` in order (``k`` of them, ``k`` chosen), costed as in
+    :mod:`autopipe.planning.cost`.
+
+    Args:
+        profile: what the profiler measured.
+        devices: device names, a count (the profile's first ``n``), or ``None`` for the profile's.
+        batch_size: the training batch (default: the profile's).
+        memory_limit: bytes, or a size such as ``"16GiB"``, for every device or one per device;
+            default: the capacity of CUDA devices, no limit on CPU.
+        checkpoint: a checkpoint mode, or ``"auto"`` to choose one.
+        optimizer_state: what the optimizer keeps per parameter: ``"sgd"`` (nothing),
+            ``"momentum"`` (SGD with momentum: one buffer, 1x the parameters), ``"adam"`` (2x),
+            or a factor (state bytes per parameter byte; :mod:`autopipe.planning.memory`).
+        schedule: only ``"gpipe"`` (fill-drain) is planned.
+        speeds: relative device speeds (times are divided by them).
+        chunks: the micro-batch count, or ``None`` to choose it.
+        engine: what will run the plan: ``"local"`` (the in-process runtime) or ``"distributed"``
+            (torch.distributed.pipelining: skips relayed by the stages between, equal
+            micro-batches only).
+        interleave: stages per device (:mod:`autopipe.planning.interleaved`): 1, 2, ..., or
+            ``"auto"``, which also tries 2 where the local engine runs the plan, more than one
+            device is given and the enumeration is within
+            :data:`~autopipe.planning.interleaved.BUDGET` (the plan's options record what was tried).
+
+    Returns:
+        The :class:`Plan`, with its predicted times and the options it was made with.
+
+    Raises:
+        PlanningError: no plan fits the memory limits (the message gives the smallest limit that
+            would fit).
+        ValueError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
+            profiled sizes, a memory size that cannot be read, ...).
     """
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
@@ -87,7 +105,8 @@ def plan(
                       choice.interleave)
 
 
-def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray) -> Choice | None:
+def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
+          limits: np.ndarray) -> Choice | None:
     """The best plan over the micro-batch counts ``candidates`` and ``modes``, or ``None`` if
     none fits in memory.
 
@@ -97,7 +116,7 @@ def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[str], lim
     plans first, so that the others are cut off early.  Ties go to the plan found first.
     """
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
-                   key=lambda c: (c.lower_bound, c.chunks, MODES.index(c.mode)))
+                   key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
     best = _seed(model, pairs[0], limits)
     leads = []
     for pair in pairs:

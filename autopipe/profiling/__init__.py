@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ProfileError
 from .profiles import PROFILE_SCHEMA_VERSION, CopyFit, LayerProfile, Profile, Stat
 
 __all__ = ["PROFILE_SCHEMA_VERSION", "CopyFit", "LayerProfile", "Profile", "ProfileError", "Stat", "profile"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("profile", "ProfileError"):
-        from . import profiler
+    if name == "profile":
+        from .profiler import profile
 
-        return getattr(profiler, name)
+        return profile
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .profiler import ProfileError, profile
+    from .profiler import profile

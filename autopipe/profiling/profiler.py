@@ -3,27 +3,20 @@
 Each layer is timed alone on ``devices[0]`` with its real input, so the planner can price any
 split at any micro-batch size.  Forward and backward are timed separately because a pipeline
 balances them separately; timings are medians after warm-up, with min and max kept so noise is
-visible.
+visible.  How a pass is timed follows how a pipeline trains:
 
-Layers are timed in training order — one pass runs every layer forward in chain order, then
-every layer backward in reverse order — not each layer over and over alone: a layer then meets
-the caches as it does in training, its weights cold after the layers before it and, in backward,
-its saved tensors long evicted.  Repeated alone, a layer finds its weights and activations hot;
-ResNet-18's ``layer3``/``layer4`` (large weights, small activations) then ran about 20% faster
-than in a training step, which led the planner to a split 5% slower than the one it would
-have picked.
+- in training order: one pass runs every layer forward in chain order, then every layer
+  backward in reverse order, so a layer meets the caches as in training (its weights cold after
+  the layers before it; in backward, its saved tensors long evicted);
+- under load on two or more CPU devices: a twin of the chain trains on another thread meanwhile
+  (:mod:`._load`), because such devices are cores sharing caches and memory bandwidth and a
+  pipeline's stages run side by side nearly all the time;
+- sizes in turns, pass by pass (the twin follows), so that a drift in machine speed over minutes
+  hits every size alike.
 
-On two or more CPU devices the passes are timed *under load*: a twin of the chain trains in a
-loop on another thread meanwhile.  Such devices are cores that share caches and memory
-bandwidth, and a pipeline's stages run side by side nearly all the time; timed on an idle
-machine, ResNet-18's ``layer4`` backward at micro-batch 4 looked 15-20% faster than it ran
-beside the other stage, which made the planner pick micro-batches too small.
-
-The sizes take turns, pass by pass (and the twin follows), rather than each being timed in one
-stretch: on a shared machine the speed drifts by 10% and more over minutes, and timed one after
-the other, sizes 8 and 16 of ResNet-18 once came out 4% apart per sample where whole training
-steps measured 7-11% apart in the same hour (18% in the team's field notes), leaving the planner a coin toss between 4 and 8
-micro-batches.
+What each of these changed in measured profiles and plans is in ``profiles/README.md``.  This
+module keeps the entry and the model's state; the layer runs, the load, the byte attribution and
+the copy timing are in the private modules beside it.
 """
 from __future__ import annotations
 
@@ -64,17 +57,36 @@ def profile(
     """Profile ``model``'s layer chain (or a given list of layers) on ``devices[0]`` and the
     copies between ``devices``.
 
-    ``sample_input`` is one full batch (a tensor, or a tuple of tensors passed as the first
-    layer's arguments), batch dimension first; its batch is ``Profile.batch_size``.
-    ``batch_sizes`` defaults to the powers of two below that batch, and the batch itself.
     The chain makes ``warmup`` untimed then ``repeats`` timed training passes per size, in
     train mode (forward in order, backward in reverse; each layer timed alone), the sizes
-    taking turns pass by pass so that a drift in machine speed hits every size alike.
-    ``under_load`` times them while a twin of the chain trains on another thread (default: when
-    ``devices`` are two or more CPU devices, which run pipeline stages side by side on shared
-    caches); the profile's ``environment["timed_under_load"]`` records which.
-    The model comes back as it was: same mode, parameters, buffers (BatchNorm running
-    statistics), ``.grad`` and random-number state.
+    taking turns pass by pass.  The model comes back as it was: same mode, parameters, buffers
+    (BatchNorm running statistics), ``.grad`` and random-number state.
+
+    Args:
+        model: a model :func:`autopipe.layer_chain` reads, or a list of layers.
+        sample_input: one full batch (a tensor, or a tuple of tensors passed as the first
+            layer's arguments), batch dimension first; its batch is ``Profile.batch_size``.
+        devices: devices, a count, or ``None`` for every CUDA device (else two CPU devices);
+            layers are timed on the first.
+        batch_sizes: micro-batch sizes to measure; default: the powers of two below the batch,
+            and the batch itself (a default size a layer cannot train at is left out).
+        warmup: untimed passes per size.
+        repeats: timed passes per size (the median is kept).
+        copy_sizes: bytes per copy timed between every pair of devices.
+        quiet: no progress bar.
+        under_load: time the passes while a twin of the chain trains on another thread;
+            default: when ``devices`` are two or more CPU devices.  The profile's
+            ``environment["timed_under_load"]`` records which.
+
+    Returns:
+        The :class:`Profile`.
+
+    Raises:
+        ProfileError: a layer fails at some micro-batch size (the message names it).
+        ChainError: the model cannot be read as a chain of layers.
+        TypeError: ``sample_input`` is not a tensor or a tuple of tensors.
+        ValueError: inconsistent batch sizes, or ``batch_sizes``, ``warmup`` or ``repeats`` out of range.
+        DeviceError: a device does not exist.
     """
     inputs = _as_inputs(sample_input)
     batch = inputs[0].shape[0]

@@ -39,7 +39,7 @@ class Stat:
                 "repeats": self.repeats}
 
     @staticmethod
-    def from_json(f: Fields) -> "Stat":
+    def from_json(f: Fields) -> Stat:
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -124,7 +124,7 @@ class LayerProfile:
         }
 
     @staticmethod
-    def from_json(f: Fields) -> "LayerProfile":
+    def from_json(f: Fields) -> LayerProfile:
         return LayerProfile(
             name=f.str("name"),
             type=f.str("type"),
@@ -140,9 +140,14 @@ class LayerProfile:
             stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
             workspace_bytes=(_by_batch(f.get("workspace_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v))
                              if f.has("workspace_bytes") else {}),
-            output_saved=f.optional("output_saved", f.bool),
-            aliases_input=f.optional("aliases_input", f.bool),
+            output_saved=_flag(f, "output_saved"),
+            aliases_input=_flag(f, "aliases_input"),
         )
+
+
+def _flag(f: Fields, key: str) -> bool | None:
+    """An optional true/false field: ``None`` where a profile predates it."""
+    return f.typed(key, lambda v: isinstance(v, bool), "true or false") if f.has(key) else None
 
 
 def _is_count(value: Any) -> bool:
@@ -173,15 +178,12 @@ class CopyFit:
     ms_per_byte: float
     points: list[tuple[int, float]]
 
-    def time_ms(self, nbytes: float) -> float:
-        return 0.0 if nbytes <= 0 else self.latency_ms + nbytes * self.ms_per_byte
-
     def to_json(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "latency_ms": self.latency_ms,
                 "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
 
     @staticmethod
-    def from_json(f: Fields) -> "CopyFit":
+    def from_json(f: Fields) -> CopyFit:
         points = []
         for point in f.get("points").items():
             value = point.value
@@ -250,7 +252,7 @@ class Profile:
         return write_json_atomic(path, self.to_json())
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> "Profile":
+    def load(path: str | os.PathLike[str]) -> Profile:
         """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
         f = read_json(path, "profile", PROFILE_SCHEMA_VERSION)
         model = f.get("model")

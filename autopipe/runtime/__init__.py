@@ -1,4 +1,5 @@
-"""Step 4, the runtime: takes a model and a :class:`~autopipe.planning.Plan` (or a manual balance); gives a :class:`Pipeline`.
+"""Step 4, the runtime: takes a model and a :class:`~autopipe.planning.Plan` (or a manual balance);
+gives a :class:`Pipeline`.
 
 A :class:`Pipeline` is an ``nn.Module`` that runs the plan's stages on worker threads (one per
 stage), splits batches into micro-batches, checkpoints, defers batch norm, sends skips straight

@@ -54,7 +54,7 @@ class DeferredBatchNorm(_BatchNorm):
         return module
 
     @classmethod
-    def _from(cls, bn: _BatchNorm) -> "DeferredBatchNorm":
+    def _from(cls, bn: _BatchNorm) -> DeferredBatchNorm:
         deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
                        device="meta")
         for name, param in bn.named_parameters(recurse=False):

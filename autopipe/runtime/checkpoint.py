@@ -21,13 +21,36 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["is_recomputing", "recomputing", "RandomGuard"]
+from .._vocab import CheckpointMode
+
+__all__ = ["buffers_restored", "checkpointed", "is_recomputing", "recomputing", "RandomGuard"]
 
 _local = threading.local()
+
+
+def checkpointed(mode: CheckpointMode, micro_batch: int, chunks: int) -> bool:
+    """Whether micro-batch ``micro_batch`` of ``chunks`` drops its activations for recomputation:
+    all of them with ``always``, all but the last with ``except_last`` (its backward comes at once)."""
+    return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
+
+
+@contextlib.contextmanager
+def buffers_restored(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Put ``buffers`` back as they were on entry, for a recomputation must not update running
+    statistics twice.  Written through ``.data``, which does not bump their autograd version:
+    the recomputed graph, or a micro-batch that was not checkpointed (whose backward comes
+    later under 1F1B), saved them for backward, and a visible in-place write would fail its
+    version check."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
+    try:
+        yield
+    finally:
+        for buffer, value in saved:
+            buffer.data.copy_(value)
 
 
 def is_recomputing() -> bool:

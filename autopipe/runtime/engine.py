@@ -2,6 +2,7 @@
 schedule, running one phase of one call at a time."""
 from __future__ import annotations
 
+from .._vocab import Phase
 from ..timeline import Event
 from .memory import StagePeak
 from .run import Run
@@ -27,20 +28,20 @@ class Engine:
         self.last_memory: list[StagePeak] | None = None
         self.closed = False
 
-    def run_phase(self, run: Run, phase: str) -> None:
+    def run_phase(self, run: Run, phase: Phase) -> None:
         """Run ``phase`` ("forward" or "backward") of ``run`` on every stage; re-raises the
         first stage failure once every stage has stopped."""
         self.start_phase(run, phase)
         self.finish_phase(run, phase)
 
-    def start_phase(self, run: Run, phase: str) -> None:
+    def start_phase(self, run: Run, phase: Phase) -> None:
         if self.closed:
             raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()
         for stage, worker in zip(self.stages, self.workers):
             worker.submit(run, self.schedule.actions(phase, stage.index, run.chunks))
 
-    def finish_phase(self, run: Run, phase: str) -> None:
+    def finish_phase(self, run: Run, phase: Phase) -> None:
         run.wait_phase()
         if phase == "backward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))

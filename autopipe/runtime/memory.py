@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Sequence
+from typing import ContextManager, Iterable, Protocol, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._meter import AllocationCounter
-from .stage import Stage
+from ..device import DeviceOps
 
 __all__ = ["StagePeak", "StageMeter", "optimizer_state_bytes", "unique_bytes"]
+
+
+class Stage(Protocol):
+    """What the meter needs of a :class:`~autopipe.runtime.stage.Stage`."""
+
+    index: int
+    ops: DeviceOps
+    modules: list[nn.Module]
 
 
 @dataclass(frozen=True)

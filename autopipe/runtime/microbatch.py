@@ -1,8 +1,9 @@
 """Micro-batches: split a call's arguments along dim 0, and join the outputs back.
 
 A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
-argument (also inside tuple and list arguments) is split with :func:`torch.tensor_split`, so micro-batch sizes differ by at most one
-(the first ``batch % m`` are one sample larger, the planner's rule); non-tensor arguments are
+argument (also inside tuple and list arguments) is split with :func:`torch.tensor_split`, so
+micro-batch sizes differ by at most one (the first ``batch % m`` are one sample larger, the
+planner's rule); non-tensor arguments are
 passed to every micro-batch unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches
 of one sample each (never an empty micro-batch), so callers must not assume exactly ``m``.
 """

@@ -20,22 +20,25 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
-from ..model.fingerprint import first_difference, model_fingerprint
+from ..model.fingerprint import check_made_for
 from ..model import Layer, layer_chain
 from .microbatch import gather, scatter, tensors_of
-from ..planning.plans import CHECKPOINT_MODES, Plan
+from ..planning.plans import Plan
 from ..timeline import Event
+from .balance import check_balance, stage_of_layer
+from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
 from .memory import StageMeter, StagePeak
 from .run import Run
-from .skips import skip_routes
+from .skips import skip_spans, stage_routes
 from .stage import Stage
 from .turns import Turns
 
-__all__ = ["Pipeline", "Engine"]
+__all__ = ["Pipeline"]
 
 
 class Pipeline(nn.Module):
@@ -45,7 +48,8 @@ class Pipeline(nn.Module):
     ``balance`` (layers per stage), ``devices`` (one per device, default ``"cpu"`` each),
     ``chunks`` (micro-batches per mini-batch), ``checkpoint`` (``"never"``,
     ``"except_last"`` or ``"always"``) and ``interleave`` (stages per device: stage ``s`` runs
-    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything :func:`~autopipe.layer_chain`
+    on ``devices[s % len(devices)]``; default 1, one stage per device).  ``model`` is anything
+    :func:`~autopipe.layer_chain`
     reads, or a layer chain (``list[Layer]``, e.g. from :func:`autopipe.chain`).
 
     * ``pipe(*args)``: tensor arguments are split along dim 0 as :mod:`autopipe.runtime.microbatch`
@@ -74,6 +78,24 @@ class Pipeline(nn.Module):
     with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
     parameters, ``create_graph=True`` and a second backward through the same output are not
     supported (gradients with respect to the inputs are).
+
+    Args:
+        model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
+        plan: the plan to run; it sets balance, devices, chunks, checkpoint and interleave.
+        balance: layers per stage (manual form, without a plan).
+        devices: one per device (manual form; default ``"cpu"`` for each).
+        chunks: micro-batches per mini-batch (manual form).
+        checkpoint: which micro-batches recompute their forward in backward (manual form).
+        deferred_batch_norm: swap batch norms for :class:`~autopipe.DeferredBatchNorm`, whose
+            running statistics see the whole mini-batch once, as in the plain model.
+        interleave: stages per device (manual form).
+
+    Raises:
+        TypeError: neither a plan nor a balance, or both a plan and balance/devices.
+        ValueError: the plan was made for another model or for another schedule; a balance,
+            chunks, checkpoint mode, interleave or device count that does not fit the model.
+        ChainError: the model cannot be read as a chain of layers.
+        DeviceError: a device does not exist.
     """
 
     def __init__(
@@ -84,7 +106,7 @@ class Pipeline(nn.Module):
         balance: Sequence[int] | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
         interleave: int = 1,
     ) -> None:
@@ -122,13 +144,10 @@ class Pipeline(nn.Module):
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
         checkpointing = grad and self.training
-        checkpointed = [
-            checkpointing and (self.checkpoint == "always" or (self.checkpoint == "except_last" and j < chunks - 1))
-            for j in range(chunks)
-        ]
+        dropped = [checkpointing and checkpointed(self.checkpoint, j, chunks) for j in range(chunks)]
         autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
                     if torch.is_autocast_enabled(kind)]
-        run = Run(micro_batches, checkpointed, grad, autocast, torch.get_num_threads(), len(self.stages))
+        run = Run(micro_batches, dropped, grad, autocast, torch.get_num_threads(), len(self.stages))
         if self.measure_memory:
             run.meter = StageMeter(self.stages)
         return run
@@ -142,7 +161,7 @@ class Pipeline(nn.Module):
         on when it started (:mod:`autopipe.runtime.memory` says what a stage's bytes are)."""
         return self._engine.last_memory
 
-    def train(self, mode: bool = True) -> "Pipeline":
+    def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
         for stage in self.stages:
             for module in stage.modules:
@@ -192,12 +211,10 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, str, int]:
+               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int]:
     if balance is not None or devices is not None:
         raise TypeError("give either a plan or balance/devices, not both")
-    difference = first_difference(plan.model, model_fingerprint(layers))
-    if difference is not None:
-        raise ValueError(f"the plan was made for another model: {difference}; plan this model again")
+    check_made_for(plan.model, layers, "plan", "plan this model again")
     if plan.schedule != "gpipe":
         raise ValueError(
             f"the plan's schedule is '{plan.schedule}'; autopipe.Pipeline runs 'gpipe' (fill-drain), "
@@ -206,11 +223,8 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
     return plan.balance, plan.devices[: plan.device_count], plan.chunks, plan.checkpoint, plan.interleave
 
 
-def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: str, interleave: int) -> None:
-    if any(not isinstance(n, int) or n < 1 for n in balance) or sum(balance) != len(layers):
-        raise ValueError(
-            f"balance {balance} must be positive layer counts summing to the model's {len(layers)} layers"
-        )
+def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int) -> None:
+    check_balance(balance, len(layers))
     if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
         raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
                          f"{len(balance)} stages of balance {balance}")
@@ -235,8 +249,7 @@ def _deferred(layer: Layer) -> Layer:
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device]) -> list[Stage]:
     """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns."""
-    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
-    routes = skip_routes(layers, stage_of_layer, len(balance))
+    routes = stage_routes(skip_spans(layers, stage_of_layer(balance)), len(balance))
     turns = [Turns() for _ in devices]
     stages: list[Stage] = []
     start = 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 import torch
 from torch import Tensor
 
+from ..errors import StageError
 from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
@@ -24,11 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["Run", "Saved", "StageError", "Aborted"]
 
 
-class StageError(RuntimeError):
-    """A stage failed; the message names the stage, the phase and the micro-batch, and the
-    original exception is the ``__cause__``."""
-
-
 class Aborted(Exception):
     """Raised in a stage's wait when another stage of the same call failed."""
 
@@ -36,7 +32,7 @@ class Aborted(Exception):
 class Inbox:
     """Messages addressed to one stage, keyed by what they are and their micro-batch."""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: Run) -> None:
         self._run = run
         self._ready = threading.Condition()
         self._items: dict[Hashable, Any] = {}

@@ -20,20 +20,22 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .._vocab import Phase, TaskKind
+
 __all__ = ["Action", "FillDrain"]
 
 
 class Action(NamedTuple):
     """Run the forward (``"F"``) or backward (``"B"``) of one micro-batch."""
 
-    kind: str
+    kind: TaskKind
     micro_batch: int
 
 
 class FillDrain:
     """GPipe: all forwards in order, then all backwards in reverse order."""
 
-    def actions(self, phase: str, stage: int, chunks: int) -> list[Action]:
+    def actions(self, phase: Phase, stage: int, chunks: int) -> list[Action]:
         if phase == "forward":
             return [Action("F", j) for j in range(chunks)]
         return [Action("B", j) for j in reversed(range(chunks))]

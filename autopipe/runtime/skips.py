@@ -18,7 +18,46 @@ from torch import Tensor
 from ..model.layers import Layer
 from ..model.skip import SkipKey, SkipTracker, internal_keys
 
-__all__ = ["SkipRoutes", "skip_routes", "StageTracker"]
+__all__ = ["SkipRoutes", "SkipSpan", "StageTracker", "skip_spans", "stage_routes"]
+
+
+@dataclass(frozen=True)
+class SkipSpan:
+    """A skip stashed in stage ``src`` and popped in stage ``dst`` (``src <= dst``)."""
+
+    key: SkipKey
+    src: int
+    dst: int
+
+    def crosses_into(self, stage: int) -> bool:
+        """Whether the skip passes the boundary into ``stage`` (relayed, it arrives there)."""
+        return self.src < stage <= self.dst
+
+    def crosses_out_of(self, stage: int) -> bool:
+        """Whether the skip passes the boundary out of ``stage`` (relayed, it leaves from there)."""
+        return self.src <= stage < self.dst
+
+
+def skip_spans(layers: Sequence[Layer], stage_of_layer: Sequence[int]) -> list[SkipSpan]:
+    """Every skip's producing and consuming stage, in stash order (the same on every rank); a
+    skip a layer pairs inside itself is none.  Raises ``TypeError`` for a pop without an earlier
+    stash."""
+    spans: list[SkipSpan | None] = []
+    open_keys: dict[SkipKey, tuple[int, int]] = {}  # key → (its slot in spans, producer stage)
+    for layer, stage in zip(layers, stage_of_layer):
+        inside = internal_keys(layer.stash, layer.pop, open_keys)
+        for key in layer.pop:
+            if key in inside:
+                continue
+            if key not in open_keys:
+                raise TypeError(f"layer '{layer.name}' pops skip '{key}' that no earlier layer stashes")
+            slot, source = open_keys.pop(key)
+            spans[slot] = SkipSpan(key, source, stage)
+        for key in layer.stash:
+            if key not in inside:
+                open_keys[key] = (len(spans), stage)
+                spans.append(None)
+    return [span for span in spans if span is not None]
 
 
 @dataclass(frozen=True)
@@ -29,24 +68,14 @@ class SkipRoutes:
     leaving: dict[SkipKey, int]
 
 
-def skip_routes(layers: Sequence[Layer], stage_of_layer: Sequence[int], stages: int) -> list[SkipRoutes]:
-    """The routes of every stage; raises ``TypeError`` for a pop without an earlier stash."""
-    producer: dict[SkipKey, int] = {}
+def stage_routes(spans: Sequence[SkipSpan], stages: int) -> list[SkipRoutes]:
+    """The routes of every stage of the in-process runtime, which sends each skip straight from
+    its producer to its consumer."""
     routes = [SkipRoutes({}, {}) for _ in range(stages)]
-    for layer, stage in zip(layers, stage_of_layer):
-        inside = internal_keys(layer.stash, layer.pop, producer)
-        for key in layer.pop:
-            if key in inside:
-                continue
-            if key not in producer:
-                raise TypeError(f"layer '{layer.name}' pops skip '{key}' that no earlier layer stashes")
-            source = producer.pop(key)
-            if source != stage:
-                routes[stage].arriving[key] = source
-                routes[source].leaving[key] = stage
-        for key in layer.stash:
-            if key not in inside:
-                producer[key] = stage
+    for span in spans:
+        if span.src != span.dst:
+            routes[span.dst].arriving[span.key] = span.src
+            routes[span.src].leaving[span.key] = span.dst
     return routes
 
 

@@ -18,14 +18,15 @@ order.  For micro-batch ``j`` it
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import RandomGuard, RngStates
+from .checkpoint import RandomGuard, RngStates, buffers_restored
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -47,7 +48,7 @@ class Stage:
     """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``."""
 
     def __init__(self, index: int, count: int, layers: Sequence[Layer], device: torch.device,
-                 routes: SkipRoutes, neighbours: Sequence["Stage"], turns: Turns) -> None:
+                 routes: SkipRoutes, neighbours: Sequence[Stage], turns: Turns) -> None:
         self.index, self.count = index, count
         self.turns = turns  # shared with the other stages on this device
         self.layers = list(layers)
@@ -207,17 +208,9 @@ class Stage:
         with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
             return self._compute(run, saved.args, saved.skips, wrap=True)
 
-    @contextlib.contextmanager
-    def _stats_kept(self) -> Iterator[None]:
-        """Undo what a recomputation does to plain batch norms' running statistics.
-
-        Restored through ``.data``: the recomputed graph saved the buffers, and a visible
-        in-place write would fail its version check in the backward that follows."""
-        kept = [(bn, [b.clone() for b in bn.buffers(recurse=False)]) for bn in self.batch_norms if bn.training]
-        yield
-        for bn, buffers in kept:
-            for buffer, value in zip(bn.buffers(recurse=False), buffers):
-                buffer.data.copy_(value)
+    def _stats_kept(self) -> contextlib.AbstractContextManager[None]:
+        """Undo what a recomputation does to plain batch norms' running statistics."""
+        return buffers_restored(b for bn in self.batch_norms if bn.training for b in bn.buffers(recurse=False))
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]
@@ -233,7 +226,7 @@ class Stage:
 
     # -- devices -----------------------------------------------------------------------
 
-    def _push(self, run: Run, j: int, tensor: Tensor, to: int, kind: str) -> Tensor:
+    def _push(self, run: Run, j: int, tensor: Tensor, to: int, kind: EventKind) -> Tensor:
         """``tensor``, made on this stage's stream, on stage ``to``'s device and stream.
 
         Sent from the producing thread, so the copy is ordered after the work that made the
@@ -247,7 +240,7 @@ class Stage:
             run.events.append(Event(to, "copy", kind, j, begin, run.ms()))
         return moved
 
-    def _pull(self, run: Run, j: int, tensor: Tensor, kind: str) -> Tensor:
+    def _pull(self, run: Run, j: int, tensor: Tensor, kind: EventKind) -> Tensor:
         """A caller's tensor (input or output gradient) on this stage's device and stream."""
         begin = run.ms() if tensor.device != self.device else None
         moved = ops_for(tensor.device).copy_to(tensor, self.ops, self.stream)
@@ -258,7 +251,7 @@ class Stage:
     def _on_stream(self) -> contextlib.AbstractContextManager[None]:
         return self.ops.use_stream(self.stream)
 
-    def _turn(self, kind: str) -> contextlib.AbstractContextManager[None]:
+    def _turn(self, kind: TaskKind) -> contextlib.AbstractContextManager[None]:
         """This stage's turn on its device for a ``kind`` ("F" or "B") task."""
         return self.turns.hold(priority(self.index, kind))
 

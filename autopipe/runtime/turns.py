@@ -19,6 +19,8 @@ import heapq
 import threading
 from typing import Iterator
 
+from .._vocab import TaskKind
+
 __all__ = ["Turns", "priority"]
 
 
@@ -47,6 +49,6 @@ class Turns:
                 self._changed.notify_all()
 
 
-def priority(stage: int, kind: str) -> int:
+def priority(stage: int, kind: TaskKind) -> int:
     """Rank of a stage's task (``"F"`` or ``"B"``): the further along its phase, the less."""
     return -stage if kind == "F" else stage

@@ -27,7 +27,7 @@ _Job = tuple[Run, list[Action]]
 class Worker:
     """Runs one stage's jobs, one phase of one call at a time, on a daemon thread."""
 
-    def __init__(self, stage: "Stage") -> None:
+    def __init__(self, stage: Stage) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=_serve, args=(stage, self._jobs), name=f"autopipe-stage-{stage.index}", daemon=True
@@ -49,7 +49,7 @@ class Worker:
         return self._thread.is_alive()
 
 
-def _serve(stage: "Stage", jobs: "queue.SimpleQueue[_Job | None]") -> None:
+def _serve(stage: Stage, jobs: queue.SimpleQueue[_Job | None]) -> None:
     # Takes the stage, never the pipeline, so that a dropped pipeline can be collected.
     while (job := jobs.get()) is not None:
         run, actions = job

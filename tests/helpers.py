@@ -1,0 +1,83 @@
+"""Helpers shared by test modules: comparing a pipeline with the plain model, a small MLP, and the
+planner's cost model of a synthetic profile."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.planning.cost import CostModel
+from autopipe.profiling.profiles import Profile, Stat
+from autopipe.runtime.microbatch import split_sizes
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 1e-5) -> None:
+    """Equal within ``rel`` relative to the expected tensor's norm."""
+    assert actual.shape == expected.shape, what
+    error = (actual.detach() - expected.detach()).norm().item()
+    scale = max(expected.detach().norm().item(), 1e-12)
+    assert error <= rel * scale, f"{what}: relative error {error / scale:.2e}"
+
+
+def reference_step(model: nn.Module, x: Tensor, g: Tensor, chunks: int) -> Tensor:
+    """The plain model on each micro-batch, loss ``sum(out * g)``, gradients accumulated."""
+    outputs = []
+    for xs, gs in zip(torch.split(x, split_sizes(len(x), chunks)), torch.split(g, split_sizes(len(x), chunks))):
+        out = model(xs)
+        (out * gs).sum().backward()
+        outputs.append(out.detach())
+    return torch.cat(outputs)
+
+
+def assert_transparent(model: nn.Module, x: Tensor, balance: Sequence[int], chunks: int,
+                       checkpoint: str, **options: Any) -> autopipe.Pipeline:
+    reference = copy.deepcopy(model)
+    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
+    devices = ["cpu"] * (len(balance) // options.get("interleave", 1))
+    pipe = autopipe.Pipeline(model, balance=list(balance), devices=devices,
+                             chunks=chunks, checkpoint=checkpoint, **options)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x_ref, g, chunks)
+    (out * g).sum().backward()
+    assert_close(out, expected, "output")
+    if x.requires_grad:
+        assert_close(x.grad, x_ref.grad, "input gradient")
+    expected_state = reference.state_dict(keep_vars=True)
+    for name, value in pipe.state_dict(keep_vars=True).items():
+        assert_close(value.float(), expected_state[name].float(), name)
+        if isinstance(value, nn.Parameter):
+            assert value.grad is not None, name
+            assert_close(value.grad, expected_state[name].grad, f"{name}.grad")
+    return pipe
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(inplace=True),
+        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3),
+    )
+
+
+def model_of(profile: Profile, speeds: Sequence[float], engine: str = "local") -> CostModel:
+    """The cost model of ``profile`` on its own devices, for SGD with momentum (the planner's default)."""
+    return CostModel(profile, profile.devices, speeds, profile.batch_size, "momentum", engine)
+
+
+def untimed(profile: Profile) -> Profile:
+    """``profile`` with its measured times replaced by times that follow from its bytes alone:
+    a plan made from it does not change with the machine's load, so a test that plans and runs
+    a model checks the same split every time.  Forward ``b · (1 + MiB of parameters)`` ms at
+    micro-batch ``b``, backward twice that; copies free (CPU devices share memory)."""
+    layers = []
+    for layer in profile.layers:
+        weight = 1.0 + layer.param_bytes / 2**20
+        forward = {b: Stat(b * weight, b * weight, b * weight, 1) for b in layer.forward}
+        backward = {b: Stat(2 * b * weight, 2 * b * weight, 2 * b * weight, 1) for b in layer.backward}
+        layers.append(dataclasses.replace(layer, forward=forward, backward=backward))
+    copies = [dataclasses.replace(fit, latency_ms=0.0, ms_per_byte=0.0) for fit in profile.copies]
+    return dataclasses.replace(profile, layers=layers, copies=copies)
