@@ -5,7 +5,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +16,7 @@ from .device import ops_for
 from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
 from .runtime import Pipeline
+from .runtime.memory import optimizer_state_bytes
 from .planning.simulate import Simulation, simulate_plan
 from .planning import build_plan
 from .timeline import Event
@@ -23,6 +24,7 @@ from .timeline import Event
 __all__ = [
     "synthetic_batch", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
+    "make_optimizer", "plan_optimizer", "measure_memory",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -64,6 +66,29 @@ class StepTime:
         return self.forward_ms + self.backward_ms
 
 
+#: The optimizers a bench trains with, by the optimizer-state factor a plan was made for.
+OPTIMIZERS = {0.0: "sgd", 1.0: "momentum", 2.0: "adam"}
+
+
+def make_optimizer(name: str, params: Iterable[Tensor], lr: float) -> torch.optim.Optimizer:
+    """``sgd``, ``momentum`` (SGD with momentum 0.9) or ``adam``: the optimizers whose state the
+    planner's ``optimizer_state`` names."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name in ("sgd", "momentum"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "momentum" else 0.0)
+    raise ValueError(f"optimizer '{name}' is not one of sgd, momentum, adam")
+
+
+def plan_optimizer(plan: Plan) -> str:
+    """The optimizer whose state ``plan`` was sized for (its ``optimizer_state_factor``)."""
+    factor = float(plan.options.get("optimizer_state_factor", 1.0))
+    if factor not in OPTIMIZERS:
+        raise ValueError(f"the plan counts {factor}x the parameters of optimizer state; bench trains with "
+                         f"{', '.join(f'{v} ({k:g}x)' for k, v in OPTIMIZERS.items())}: plan again with one of them")
+    return OPTIMIZERS[factor]
+
+
 class Trainer:
     """A model (plain or pipelined) training on one fixed batch, every step timed alike.
 
@@ -73,12 +98,13 @@ class Trainer:
 
     def __init__(self, module: nn.Module, batch: Tensor, target: Tensor, *,
                  loss_fn: Callable[[Tensor, Tensor], Tensor] = nn.functional.mse_loss,
-                 devices: Sequence[torch.device | str] = ("cpu",), lr: float = 1e-3) -> None:
+                 devices: Sequence[torch.device | str] = ("cpu",), lr: float = 1e-3,
+                 optimizer: str = "sgd") -> None:
         self.module = module
         self.batch = batch
         self.target = target
         self.loss_fn = loss_fn
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+        self.optimizer = make_optimizer(optimizer, module.parameters(), lr)
         self.ops = [ops_for(device) for device in dict.fromkeys(str(d) for d in devices)]
         self.times: list[StepTime] = []
         self.losses: list[float] = []
@@ -180,6 +206,15 @@ class Row:
     measured: Times
     predicted_total_ms: float
     measured_total_ms: float
+    predicted_bytes: int | None = None
+    measured_bytes: int | None = None
+
+    @property
+    def memory_error(self) -> float | None:
+        """Error of the predicted peak in percent of the measured one."""
+        if self.predicted_bytes is None or not self.measured_bytes:
+            return None
+        return 100.0 * (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
 
     def errors(self, scale_ms: float) -> dict[str, float | None]:
         """Error of each figure in percent of the measured value, ``(predicted − measured) /
@@ -225,6 +260,7 @@ class BenchResult:
             "kind": "bench",
             "schema_version": 1,
             "model": self.plan.model.get("digest"),
+            "optimizer": plan_optimizer(self.plan),
             "devices": self.plan.devices,
             "batch_size": self.plan.batch_size,
             "chunks": self.plan.chunks,
@@ -236,7 +272,9 @@ class BenchResult:
                 {"name": row.name, "predicted": row.predicted.to_json(), "measured": row.measured.to_json(),
                  "predicted_total_ms": round(row.predicted_total_ms, 4),
                  "measured_total_ms": round(row.measured_total_ms, 4),
-                 "error_pct": {k: _rounded(v) for k, v in row.errors(scale).items()}}
+                 "error_pct": {k: _rounded(v) for k, v in row.errors(scale).items()},
+                 "predicted_memory_bytes": row.predicted_bytes, "measured_memory_bytes": row.measured_bytes,
+                 "memory_error_pct": _rounded(row.memory_error)}
                 for row in self.rows
             ],
             "single_device": _step_json(self.single),
@@ -264,23 +302,46 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, s
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     device = torch.device(plan.devices[0])
-    single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device])
+    optimizer = plan_optimizer(plan)
+    single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device], optimizer=optimizer)
     pipe = Pipeline(model, plan)
     try:
-        piped = Trainer(pipe, batch.to(device), target, devices=plan.devices)
+        piped = Trainer(pipe, batch.to(device), target, devices=plan.devices, optimizer=optimizer)
         round_robin({"single device": single, "pipeline": piped}, steps, warmup)
+        memory = measure_memory(piped, pipe)
     finally:
         pipe.close()
     simulation = simulate_plan(plan)
     return BenchResult(
-        plan=plan, rows=_rows(plan, simulation, piped), single=medians(single.times),
+        plan=plan, rows=_rows(plan, simulation, piped, memory), single=medians(single.times),
         pipeline=medians(piped.times), steps=steps, warmup=warmup,
         predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
     )
 
 
+def measure_memory(trainer: Trainer, pipe: Pipeline) -> list[int]:
+    """Each stage's measured peak bytes over one more training step, apart from the timed ones
+    (on CPU the measurement slows every operator): what the pipeline measures
+    (:mod:`autopipe.runtime.memory`) plus, on CPU, the optimizer's state for the stage's
+    parameters, which a device's own peak already includes.  The step leaves no time, trace or
+    loss behind: those stay the steps run beside the plain model."""
+    pipe.measure_memory = True
+    try:
+        trainer.step()
+    finally:
+        pipe.measure_memory = False
+    for kept in (trainer.times, trainer.traces, trainer.losses):
+        kept.pop()
+    peaks = pipe.last_memory()
+    assert peaks is not None
+    return [peak.peak_bytes + (0 if peak.per_device else optimizer_state_bytes(
+        trainer.optimizer, [p for m in stage.modules for p in m.parameters()]))
+        for stage, peak in zip(pipe.stages, peaks)]
+
+
 def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], chunks: int,
-            checkpoint: CheckpointMode = "never", batch_size: int | None = None) -> Plan:
+            checkpoint: CheckpointMode = "never", batch_size: int | None = None,
+            optimizer_state: str = "momentum") -> Plan:
     """The plan of a configuration chosen by hand, costed by the planner's own cost model.
 
     Hand-picked rows (a tutorial's split, a sweep) then run and are predicted exactly like the
@@ -288,25 +349,27 @@ def plan_of(profile: Profile, devices: Sequence[str], balance: Sequence[int], ch
     """
     batch = profile.batch_size if batch_size is None else batch_size
     model = CostModel(profile, list(devices[:len(balance)]),
-                      [1.0] * len(balance), batch, 2.0)
+                      [1.0] * len(balance), batch, optimizer_state)
     bounds = [0]
     for count in balance:
         bounds.append(bounds[-1] + count)
-    options = {"balance": list(balance), "chunks": chunks, "checkpoint": checkpoint}
+    options = {"balance": list(balance), "chunks": chunks, "checkpoint": checkpoint,
+               "optimizer_state": optimizer_state, "optimizer_state_factor": model.optimizer_state_factor}
     return build_plan(profile, model, bounds, chunks, checkpoint, options)
 
 
-def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:
+def _rows(plan: Plan, simulation: Simulation, piped: Trainer, memory: Sequence[int]) -> list[Row]:
     """One row per stage and one for the whole iteration (mean idle per stage, which is its
-    device's, total copy)."""
+    device's, total copy; no memory: stages peak at different times)."""
     count = len(plan.stages)
     predicted = stage_times(simulation.events, count, simulation.iteration_ms, plan.placement)
     per_step = [stage_times(trace, count, step.iteration_ms, plan.placement)
                 for trace, step in zip(piped.traces, piped.times)]
     measured = [medians([step[s] for step in per_step]) for s in range(count)]
     step = medians(piped.times)
-    rows = [Row(_stage_name(stage), p, m, simulation.iteration_ms, step.iteration_ms)
-            for stage, p, m in zip(plan.stages, predicted, measured)]
+    rows = [Row(_stage_name(stage), p, m, simulation.iteration_ms, step.iteration_ms,
+                _predicted_peak(plan, stage), measured_bytes)
+            for stage, p, m, measured_bytes in zip(plan.stages, predicted, measured, memory)]
     whole_predicted = Times(plan.predicted.forward_ms, plan.predicted.backward_ms,
                             sum(t.copy_ms for t in predicted), statistics.fmean(t.idle_ms for t in predicted))
     whole_measured = Times(step.forward_ms, step.backward_ms, sum(t.copy_ms for t in measured),
@@ -314,6 +377,14 @@ def _rows(plan: Plan, simulation: Simulation, piped: Trainer) -> list[Row]:
     rows.append(Row("iteration", whole_predicted, whole_measured, plan.predicted.iteration_ms,
                     step.iteration_ms))
     return rows
+
+
+def _predicted_peak(plan: Plan, stage: StagePlan) -> int:
+    """The plan's peak for ``stage``; on a device that measures its own peak (CUDA), that of all
+    the stages on the stage's device."""
+    if stage.device.startswith("cpu"):
+        return stage.memory_bytes
+    return sum(s.memory_bytes for s in plan.stages if s.device == stage.device)
 
 
 def _stage_name(stage: StagePlan) -> str:
@@ -327,8 +398,9 @@ def format_bench(result: BenchResult) -> str:
     scale = result.iteration.measured_total_ms
     width = max(len(row.name) for row in result.rows)
     figures = ("forward_ms", "backward_ms", "copy_ms", "idle_ms", "total_ms")
-    head = " ".join(f"{label:^22}" for label in ("forward", "backward", "copy", "idle", "total"))
-    sub = " ".join(f"{'pred':>7}{'meas':>8}{'err':>7}" for _ in figures)
+    labels = ("forward", "backward", "copy", "idle", "total", "peak memory MiB")
+    head = " ".join(f"{label:^22}" for label in labels)
+    sub = " ".join(f"{'pred':>7}{'meas':>8}{'err':>7}" for _ in labels)
     lines = [
         f"{_count(len(plan.stages), 'stage')}, balance {plan.balance}, {_count(plan.chunks, 'micro-batch')} "
         f"of {plan.micro_batch_size}, checkpoint {plan.checkpoint}; medians of {_count(result.steps, 'step')} "
@@ -341,12 +413,22 @@ def format_bench(result: BenchResult) -> str:
         for name in figures:
             p, m = _pair(row, name)
             cells.append(f"{p:7.1f}{m:8.1f}{_percent(errors[name]):>7}")
+        if row.predicted_bytes is not None and row.measured_bytes is not None:
+            cells.append(f"{row.predicted_bytes / 2**20:7.1f}{row.measured_bytes / 2**20:8.1f}"
+                         f"{_percent(row.memory_error):>7}")
         lines.append(f"{row.name:<{width}} {' '.join(cells)}")
     lines.append("error = (predicted - measured) / measured; '-' where the figure is under "
-                 f"{ERROR_FLOOR:.0%} of the iteration; iteration idle = mean over stages")
+                 f"{ERROR_FLOOR:.0%} of the iteration; iteration idle = mean over stages; peak memory: "
+                 f"one more step, {_memory_note(plan)}, optimizer {plan_optimizer(plan)}")
     lines.append(f"one device {result.single.step_ms:.1f} ms/step, pipeline {result.pipeline.step_ms:.1f} "
                  f"ms/step: speedup {result.speedup:.2f}x (steps interleaved, medians)")
     return "\n".join(lines)
+
+
+def _memory_note(plan: Plan) -> str:
+    if all(device.startswith("cpu") for device in plan.devices):
+        return "what each stage's thread allocates, plus its parameters and optimizer state"
+    return "per device where a device measures its own (stages on it summed)"
 
 
 def _count(number: int, noun: str) -> str:

@@ -1,6 +1,6 @@
 """The device seam: everything that differs between a CPU "device" and a CUDA device.
 
-Timing, synchronisation, memory capacity, compute streams and copies go through a
+Timing, synchronisation, memory capacity and peak, compute streams and copies go through a
 :class:`DeviceOps`.  The CPU side is what runs and is tested here; the CUDA side follows the
 CUDA semantics (events for timing, one stream per stage, copies ordered by events and guarded
 with ``record_stream``) and is exercised only by tests that skip without a GPU.
@@ -45,6 +45,15 @@ class DeviceOps(ABC):
     def synchronize(self) -> None: ...
 
     @abstractmethod
+    def reset_peak_memory(self) -> None:
+        """Start the device's peak statistic again (where it keeps one)."""
+
+    @abstractmethod
+    def peak_memory(self) -> int | None:
+        """Bytes allocated at the peak since :meth:`reset_peak_memory`, or ``None`` where the
+        device keeps no statistic (CPU: :mod:`autopipe.runtime.memory` counts per stage instead)."""
+
+    @abstractmethod
     def capacity(self) -> int | None:
         """Total memory in bytes, or ``None`` where there is no meaningful limit (CPU)."""
 
@@ -76,6 +85,12 @@ class CPUOps(DeviceOps):
 
     def synchronize(self) -> None:
         pass
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def peak_memory(self) -> int | None:
+        return None
 
     def capacity(self) -> int | None:
         return None
@@ -115,6 +130,12 @@ class CUDAOps(DeviceOps):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
 
     def capacity(self) -> int | None:
         return int(torch.cuda.get_device_properties(self.device).total_memory)

@@ -33,7 +33,7 @@ def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
 def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, checkpoint: str = "never") -> Plan:
     """A plan as the planner would write it; the predicted costs do not matter to the engine."""
     layers, bounds = layer_chain(model), [sum(balance[:i]) for i in range(len(balance) + 1)]
-    zeros = {f.name: 0 for f in dataclasses.fields(StagePlan)}
+    zeros = {f.name: 0 for f in dataclasses.fields(StagePlan) if f.name != "memory_terms"}
     stages = [StagePlan(**zeros | {"index": i, "device": "cpu", "start": a, "stop": b, "first_layer": layers[a].name,
                                    "last_layer": layers[b - 1].name})
               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]

@@ -66,8 +66,8 @@ def mlp() -> nn.Sequential:
 
 
 def model_of(profile: Profile, speeds: Sequence[float], engine: str = "local") -> CostModel:
-    """The cost model of ``profile`` on its own devices, optimizer state factor 2."""
-    return CostModel(profile, profile.devices, speeds, profile.batch_size, 2.0, engine)
+    """The cost model of ``profile`` on its own devices, for SGD with momentum (the planner's default)."""
+    return CostModel(profile, profile.devices, speeds, profile.batch_size, "momentum", engine)
 
 
 def untimed(profile: Profile) -> Profile:

@@ -32,11 +32,13 @@ def make_profile(
     copies: Copies = (0.0, 0.0),
     input_bytes: int = 0,
     linear: bool = False,
+    workspace_bytes: Sequence[int] | None = None,
+    output_saved: Sequence[bool] | None = None,
 ) -> Profile:
     """A profile whose layer ``l`` takes ``forward[l]`` (``backward[l]``, default twice that) ms
     at the largest size, scaled by :func:`scale` (or proportional to the size with ``linear``).
 
-    Bytes are per sample (saved: per sample times ``b``); ``skips`` are ``(name, stash, pop,
+    Bytes are per sample (saved and workspace: per sample times ``b``); ``skips`` are ``(name, stash, pop,
     bytes per sample)``; ``copies`` is one ``(latency_ms, ms_per_byte)`` for every device pair
     or one per ordered pair.
     """
@@ -58,6 +60,8 @@ def make_profile(
             param_bytes=per_layer(param_bytes, i), buffer_bytes=0, param_count=per_layer(param_bytes, i) // 4,
             stash=[s[0] for s in stash], pop=[s[0] for s in skips if s[2] == i],
             stash_bytes={s[0]: s[3] for s in stash},
+            workspace_bytes={} if workspace_bytes is None else {b: workspace_bytes[i] * b for b in sizes},
+            output_saved=None if output_saved is None else output_saved[i],
         ))
     entries = [{"name": layer.name, "type": layer.type, "tensors": []} for layer in layers]
     return Profile(

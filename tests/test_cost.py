@@ -33,24 +33,63 @@ def test_stage_times_divide_by_speed_and_interpolate():
     assert backward == pytest.approx(24.0 * 0.8125 / 2)
 
 
-def test_memory_formula_for_each_checkpoint_mode():
-    profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
-                           saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50)
-    model = model_of(profile, factor=3.0)
-    m = 2  # micro-batches of b = 2 samples (batch 4)
-    # stage [1, 3): params 50 * (1 + 1 + 3); saved (2000 + 3000) * b; input = layer 0 output 100 * b
-    state = 50 * 5
-    expected = {"never": state + (10_000 + 200) * m, "always": state + 200 * m + 10_000,
-                "except_last": state + 200 * m + 10_000}
+def test_memory_terms_for_each_checkpoint_mode():
+    """planning.memory by hand: 3 layers, batch 4 in m = 2 micro-batches of b = 2, on CPU."""
+    def profile(saved_output):
+        return make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=2, output_bytes=[100, 200, 300],
+                            saved_bytes=[1000, 2000, 3000], param_bytes=[10, 20, 30], input_bytes=50,
+                            workspace_bytes=[7, 11, 13], output_saved=[False, False, saved_output])
+    model = model_of(profile(False), factor=3.0)
+    m = 2
+    # stage [1, 3), b = 2: P = 50, steady state P + P + 3P = 250.  Per micro-batch S = 10000
+    # saved, out = 600 output (O = 600 unless saved), input gradient g = 200.
+    # backward_l: layer 1: S(1..1) 4000 + out 600 + w 22 + its output's gradient 400 = 5022;
+    #             layer 2 (last): S 10000 + O 600 + w 26 (its output gradient is the next stage's) = 10626.
+    # first backward adds the gradients that exist: P(1..3) = 50 at layer 1, P(2..3) = 30 at layer 2.
+    first, later = max(5022 + 50, 10626 + 30), max(5022, 10626)
+    h = 10000 + 600
+    never = max(250 - 50 + first + h * (m - 1), 250 + later + h * (m - 2) + 200)  # first: 21456
+    always = max(250 - 50 + first + 600 * m, 250 + later + 600 * m + 200)  # later: 12276
+    expected = {"never": never, "always": always, "except_last": always}
+    assert (never, always) == (21456, 12276)
     for mode, value in expected.items():
         assert model.evaluate([0, 1, 3], m, mode).stages[1].memory == value
-    # stage 0's input is the batch itself: input_bytes per sample
-    assert model.evaluate([0, 1, 3], m, "always").stages[0].memory == 10 * 5 + 50 * 2 * m + 2000
-    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
+    # the output among the saved bytes (made by layer 2) is not counted again from layer 2 on
+    counted = model_of(profile(True), factor=3.0)
+    first, later = max(5022 + 50, 10026 + 30), max(5022, 10026)
+    assert counted.evaluate([0, 1, 3], m, "never").stages[1].memory == 200 + first + 10000
+    assert counted.evaluate([0, 1, 3], m, "always").stages[1].memory == 250 + later + 600 * m + 200
+    # stage 0: its input (the batch) needs no gradient and is the caller's memory on CPU;
+    # S 2000 + O 200 + w 14, its parameters' gradient 10 in the first backward
+    assert model.evaluate([0, 1, 3], m, "never").stages[0].memory == 50 - 10 + (2214 + 10) + 2200
     # distributed: a stage after the first also keeps its received input, once per micro-batch
-    relayed = model_of(profile, factor=3.0, engine="distributed")
-    assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == state + (10_000 + 200) * m + 200 * m
-    assert relayed.evaluate([0, 1, 3], m, "never").stages[0].memory == 10 * 5 + (2000 + 50 * 2) * m
+    relayed = model_of(profile(False), factor=3.0, engine="distributed")
+    assert relayed.evaluate([0, 1, 3], m, "never").stages[1].memory == never + 200 * m
+
+
+def test_memory_terms_on_devices_with_own_memory_and_without_a_measured_workspace():
+    """On CUDA a stage holds a copy of its input per micro-batch and its last layer's output
+    gradient; a profile without workspace gets the stated estimate (parameters + input)."""
+    profile = make_profile([1.0, 1.0, 1.0], sizes=(1, 2, 4), devices=["cuda:0", "cuda:1"],
+                           output_bytes=[100, 200, 300], saved_bytes=[1000, 2000, 3000],
+                           param_bytes=[10, 20, 30], input_bytes=50)
+    model = model_of(profile, factor=1.0)
+    m = 2
+    terms = model.memory_terms(model.at(2), 1, 3, m, "never", 0.0)
+    assert terms.inputs == 200 * m
+    # w estimated: layer 1 20 + 200, layer 2 30 + 400; layer 2's output gradient 600 is a copy
+    first = max(4000 + 600 + 220 + 400 + 50, 10000 + 600 + 430 + 600 + 30)
+    assert terms.total == 150 + 200 * m - 50 + first + 10600 * (m - 1)
+    assert (terms.optimizer, terms.activations, terms.outputs) == (50, 20000, 1200)
+    assert terms.dominant() == "activations"
+
+
+def test_optimizer_state_names_and_factors():
+    from autopipe.planning.memory import optimizer_factor
+    assert [optimizer_factor(n) for n in ("sgd", "momentum", "adam", 1.5)] == [0.0, 1.0, 2.0, 1.5]
+    for bad in ("lamb", -1.0):
+        with pytest.raises(ValueError, match="optimizer_state"):
+            optimizer_factor(bad)
 
 
 def test_skip_crossing_two_cuts_is_charged_once_on_its_route():

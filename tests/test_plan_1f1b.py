@@ -28,15 +28,20 @@ def test_1f1b_memory_by_hand() -> None:
     model = CostModel(eight_layers(), ["cpu"] * 4, [1.0] * 4, 8, 2.0)
     bounds = [0, 2, 4, 6, 8]
     never = [lane.memory for lane in model.stage_lanes(bounds, 8, "never", schedule="1f1b")]
-    # saved 2 layers x 1000 per in-flight micro-batch, plus its 10-byte input (none for stage 0)
-    assert never == [4 * 2000, 3 * 2010, 2 * 2010, 1 * 2010]
+    # per in-flight micro-batch: 2 layers x 1000 saved and the stage's 10-byte output (held for the
+    # next stage, not among its saved tensors); plus the output's 10-byte gradient in backward
+    held = [4, 3, 2, 1]
+    assert never == [n * 2010 + 10 for n in held]
+    # checkpointed: one micro-batch's saved tensors, every in-flight output, the input's gradient
+    # (none for stage 0) and the output's gradient beside the recomputed output (20 transient)
+    grad_in = [0, 10, 10, 10]
     always = [lane.memory for lane in model.stage_lanes(bounds, 8, "always", schedule="1f1b")]
-    assert always == [2000, 3 * 10 + 2000, 2 * 10 + 2000, 10 + 2000]
+    assert always == [2000 + n * 10 + g + 20 for n, g in zip(held, grad_in)]
     # except_last: stages with a warm-up hold the last micro-batch's saved tensors while recomputing
     last = [lane.memory for lane in model.stage_lanes(bounds, 8, "except_last", schedule="1f1b")]
-    assert last == [4000, 3 * 10 + 4000, 2 * 10 + 4000, 10 + 2000]
+    assert last == [2000 * (2 if n > 1 else 1) + n * 10 + g + 20 for n, g in zip(held, grad_in)]
     gpipe = [lane.memory for lane in model.stage_lanes(bounds, 8, "never")]
-    assert gpipe == [8 * 2000, 8 * 2010, 8 * 2010, 8 * 2010]
+    assert gpipe == [8 * 2010 + 10] * 4
 
 
 def test_under_a_memory_limit_auto_chooses_1f1b_without_checkpointing() -> None:

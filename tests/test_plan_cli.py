@@ -57,6 +57,11 @@ def test_show_prints_stages_and_timeline(profile_path, tmp_path, capsys):
     assert len(rows) == len(chosen.stages) and all(len(r.split("|")[1]) == 40 for r in rows)
     if len(chosen.stages) > 1:
         assert "." in rows[-1].split("|")[1]  # the last stage waits for the first: a bubble
+    for stage in chosen.stages:  # each stage's largest memory term, named with its share
+        name, share = stage.dominant_memory()
+        assert sum(stage.memory_terms.values()) == pytest.approx(stage.memory_bytes, abs=len(stage.memory_terms))
+        assert stage.memory_terms[name] == max(stage.memory_terms.values())
+        assert f"{name} ({share:.0%})" in text
 
 
 def test_png_needs_matplotlib_or_draws(profile_path, tmp_path, capsys):

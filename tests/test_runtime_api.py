@@ -170,7 +170,7 @@ def plan_for(model: nn.Module, balance: list[int], chunks: int = 2) -> Plan:
     for index, count in enumerate(balance):
         where = dict(index=index, device="cpu", start=start, stop=start + count,
                      first_layer=layers[start].name, last_layer=layers[start + count - 1].name)
-        costs = {f.name: 0 for f in dataclasses.fields(StagePlan) if f.name not in where}
+        costs = {f.name: 0 for f in dataclasses.fields(StagePlan) if f.name not in where and f.name != "memory_terms"}
         stages.append(StagePlan(**where, **costs))
         start += count
     return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), 8, chunks, "never", "gpipe",

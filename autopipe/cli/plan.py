@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default="auto", choices=["auto", "never", "except_last", "always"])
     parser.add_argument("--chunks", type=int, default=None, help="fix the micro-batch count (default: chosen)")
     parser.add_argument("--speeds", default=None, help="relative speed per device, e.g. 1,2")
-    parser.add_argument("--optimizer-state-factor", type=float, default=2.0,
-                        help="optimizer state per parameter byte (2: SGD with momentum, 3: Adam)")
+    parser.add_argument("--optimizer-state", default="momentum",
+                        help="what the optimizer keeps per parameter: sgd (nothing), momentum (SGD "
+                             "with momentum, 1x the parameters; default), adam (2x) or a factor")
     parser.add_argument("--engine", default="local", choices=["local", "distributed"],
                         help="what will run the plan: the in-process runtime (local) or "
                              "torch.distributed.pipelining under torchrun (distributed)")
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile)
     options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
-                   optimizer_state_factor=args.optimizer_state_factor, speeds=_speeds(args.speeds),
+                   optimizer_state=_optimizer_state(args.optimizer_state), speeds=_speeds(args.speeds),
                    chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
                    schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
     devices = _devices(args.devices)
@@ -138,3 +139,11 @@ def _bound_line(chosen: Plan) -> str:
     else:
         verdict = "search finished; the 1F1B and large interleaved searches prove only weak bounds"
     return f"lower bound:   {chosen.predicted.lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"
+
+
+def _optimizer_state(text: str) -> str | float:
+    """An optimizer name as given, a number as a factor (checked by the planner)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "they are timed beside a twin of the chain, as pipeline stages run there)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("-o", "--output", help="where to save the profile JSON (not saved if absent)")
+    parser.add_argument("--bytes-of", metavar="PROFILE",
+                        help="measure only the bytes (saved, workspace) of this saved profile again, "
+                             "keeping its times; its model, shape and batch are used")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     torch.set_num_threads(args.threads)
+    if args.bytes_of:
+        return _bytes_of(args)
     shape = parse_ints(args.input_shape, "--input-shape")
     sizes = parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
     devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
@@ -56,6 +61,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"saved {measured.save(args.output)}")
     else:
         print("not saved (pass -o profiles/NAME.json to keep it)")
+    return 0
+
+
+def _bytes_of(args: argparse.Namespace) -> int:
+    """``--bytes-of``: the saved profile with its bytes measured again."""
+    from ..profiling.remeasure import remeasure_memory
+
+    saved = Profile.load(args.bytes_of)
+    spec = saved.model.get("spec", args.model)
+    shape = saved.model.get("input_shape") or parse_ints(args.input_shape, "--input-shape")
+    torch.manual_seed(0)
+    model = load_model(spec)
+    measured = remeasure_memory(saved, model, torch.randn(saved.batch_size, *shape), quiet=args.quiet)
+    print(format_table(measured))
+    if args.output:
+        print(f"saved {measured.save(args.output)}")
     return 0
 
 

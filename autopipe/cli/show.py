@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..planning.plans import Plan
+from ..planning.plans import Plan, StagePlan
 from ..planning.replicas import reduction_events
 from ..planning.simulate import simulate_plan
 from ..timeline import Event, render
@@ -37,15 +37,16 @@ def run(args: argparse.Namespace) -> int:
 
 def stage_table(plan: Plan) -> str:
     """One row per stage: device (index:name; stages of an interleaved plan share an index),
-    layers, per-micro-batch times and predicted memory; then each replica's devices."""
+    layers, per-micro-batch times, predicted memory and its largest term
+    (:mod:`autopipe.planning.memory`); then each replica's devices."""
     lines = [f"{'stage':>5}  {'device':<10} {'layers':<24} {'F ms':>8} {'B ms':>8} {'R ms':>8} "
-             f"{'copy in':>8} {'grad in':>8} {'memory':>10}"]
+             f"{'copy in':>8} {'grad in':>8} {'memory':>10}  largest memory term"]
     for s in plan.stages:
         layers = f"{s.start}-{s.stop - 1} {s.first_layer}..{s.last_layer}"
         device = f"{plan.placement[s.index]}:{s.device}"
         lines.append(f"{s.index:>5}  {device:<10} {layers[:24]:<24} {s.forward_ms:>8.2f} {s.backward_ms:>8.2f} "
                      f"{s.recompute_ms:>8.2f} {s.copy_in_ms:>8.2f} {s.copy_grad_ms:>8.2f} "
-                     f"{s.memory_bytes / 2**20:>7.1f} MiB")
+                     f"{s.memory_bytes / 2**20:>7.1f} MiB  {_dominant(s)}")
     p = plan.predicted
     lines.append(f"predicted iteration {p.iteration_ms:.2f} ms (forward {p.forward_ms:.2f} + backward "
                  f"{p.backward_ms:.2f}), bubble {100 * p.bubble_fraction:.1f}%, "
@@ -56,6 +57,14 @@ def stage_table(plan: Plan) -> str:
                      "stage s of every replica reduces its gradients with the others' (A lane):")
         lines += [f"  replica {r}: stages on {', '.join(group)}" for r, group in enumerate(plan.replica_devices)]
     return "\n".join(lines)
+
+
+def _dominant(stage: StagePlan) -> str:
+    found = stage.dominant_memory()
+    if found is None:
+        return "- (plan made before memory terms were recorded)"
+    name, share = found
+    return f"{name} ({share:.0%})"
 
 
 def _pyplot() -> Any:

@@ -28,7 +28,7 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
                   first_layer=layers[bounds[s]].name, last_layer=layers[bounds[s + 1] - 1].name,
                   forward_ms=lanes.forward, backward_ms=lanes.backward, recompute_ms=lanes.recompute,
                   copy_in_ms=lanes.copy_in, copy_grad_ms=lanes.copy_grad,
-                  memory_bytes=int(math.ceil(lanes.memory)))
+                  memory_bytes=int(math.ceil(lanes.memory)), memory_terms=lanes.memory_terms)
         for s, lanes in enumerate(evaluation.stages)
     ]
     recomputed = recomputations(mode, chunks)

@@ -11,6 +11,7 @@ import numpy as np
 from .._vocab import (CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule,
                       check_device_name)
 from ..profiling.profiles import Profile
+from .memory import optimizer_factor
 
 __all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
 
@@ -30,15 +31,13 @@ class Options:
 
     @staticmethod
     def check(profile: Profile, names: list[str], batch_size: int | None, memory_limit: Any,
-              checkpoint: CheckpointChoice, optimizer_state_factor: float, schedule: Schedule,
+              checkpoint: CheckpointChoice, optimizer_state: str | float, schedule: Schedule,
               speeds: Sequence[float] | None, chunks: int | None, engine: EngineName,
               interleave: int | str = "auto") -> Options:
         schedules = _schedules(schedule, engine, interleave)
         if checkpoint not in CHECKPOINT_CHOICES:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
-        if optimizer_state_factor < 0:
-            raise ValueError(f"optimizer_state_factor must be ≥ 0 (2 for SGD with momentum, 3 for Adam), "
-                             f"got {optimizer_state_factor}")
+        factor = optimizer_factor(optimizer_state)
         batch = profile.batch_size if batch_size is None else int(batch_size)
         rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
         if len(rates) != len(names) or min(rates) <= 0:
@@ -48,7 +47,7 @@ class Options:
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
         factors = _interleaves(interleave, profile.layers, len(names), engine) if "gpipe" in schedules else [1]
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
-                 "checkpoint": checkpoint, "optimizer_state_factor": optimizer_state_factor,
+                 "checkpoint": checkpoint, "optimizer_state": optimizer_state, "optimizer_state_factor": factor,
                  "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
                  "interleaves_searched": factors, "schedule": schedule}
         return Options(batch, rates, memory_limits(memory_limit, names),

@@ -46,7 +46,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
     devices = list(options.get("devices", plan.devices))
     speeds = options.get("speeds") or [1.0] * len(devices)
     model = CostModel(profile, devices, speeds, plan.batch_size,
-                      float(options.get("optimizer_state_factor", 2.0)), options.get("engine", "local"))
+                      float(options.get("optimizer_state_factor", 1.0)), options.get("engine", "local"))
     limits = [np.inf if v is None else v for v in options.get("memory_limit_bytes", [None] * len(devices))]
     m = chunks or plan.chunks
     parts = min(len(devices), model.layers)

@@ -52,26 +52,12 @@ the simulator's (:func:`autopipe.planning.simulate.evaluate`).  A gpipe plan may
 on the distributed engine with ``1f1b`` (which needs ``m ≥`` stages); it then holds at most
 ``stages - s`` micro-batches on stage ``s``, no more memory than planned.
 
-Memory of stage ``s`` (bytes), with ``opt`` the optimizer-state factor::
-
-    params · (1 + 1 + opt) + buffers + activations + skips · m [+ input(b) · m]
-    activations:  never        (saved(b) + input(b)) · m
-                  always       input(b) · m + saved(b)
-                  except_last  input(b) · m + saved(b)
-
-``saved(b)`` is the stage's bytes saved for backward at size ``b`` — as profiled, the tensors its
-layers create, *excluding* the stage's own input — and ``input(b)`` its main input (the previous
-layer's output, or ``Profile.input_bytes`` per sample for stage 0), which the runtime holds for
-every micro-batch until that micro-batch's backward (all ``m`` are in flight in fill-drain).
-Checkpointed, a micro-batch keeps only its input until its backward reruns the forward, so one
-micro-batch's saved tensors are live at a time: ``always`` and ``except_last`` (whose last
-micro-batch keeps input and saved tensors, the others only their inputs) need the same peak.
-``skips`` are the skip tensors the stage holds per micro-batch: those it sends or receives, and
-with the ``distributed`` engine also those it passes along (stash before the stage, pop at or
-after its end).  The bracketed term is the ``distributed`` engine's receive buffer: every stage
-but the first keeps one more copy of its input per micro-batch.
-
-Other schedules hold fewer micro-batches: ``m`` above is the stage's
+Memory of stage ``s`` (bytes) is :func:`autopipe.planning.memory.stage_memory`: parameters,
+gradients, optimizer state, buffers, the saved activations and outputs of the micro-batches
+in flight (all ``m`` in fill-drain; one micro-batch's saved tensors when checkpointed), inputs
+and skips held, the gradient of its input and its largest layer's workspace — term by term in
+that module.  The ``distributed`` engine's receive buffer adds one more copy of the input per
+micro-batch to every stage but the first.  Other schedules hold fewer micro-batches: ``m`` is the stage's
 :func:`~autopipe.planning.schedules.in_flight` count (``min(stages - s, m)`` in 1F1B), and the
 saved tensors count :func:`~autopipe.planning.schedules.saved_sets` times (1F1B with
 ``except_last`` may hold two sets where fill-drain holds one).
@@ -80,13 +66,15 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from .._vocab import ENGINES, CheckpointMode, EngineName, Schedule
 from .graph import build_graph, chain_of
+from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
+                     stage_memory)
 from .schedules import in_flight, saved_sets
 from ..profiling.profiles import CopyFit, Profile
 
@@ -164,9 +152,12 @@ class SizeCosts:
     forward: np.ndarray
     backward: np.ndarray
     saved: np.ndarray
-    state: np.ndarray
-    input_bytes: np.ndarray
+    params: np.ndarray
+    buffers: np.ndarray
+    input_bytes: np.ndarray  # per layer: its main input at b
+    output_bytes: np.ndarray  # per layer: its output at b
     skip_bytes: np.ndarray
+    backward_peaks: BackwardTables
 
     def sum(self, table: np.ndarray, start: Any, stop: Any) -> Any:
         """``Σ`` of a per-layer table over ``[start, stop)``; either bound may be an index array."""
@@ -183,6 +174,7 @@ class StageLanes:
     copy_in: float
     copy_grad: float
     memory: float
+    memory_terms: dict[str, int] = field(default_factory=dict)  # memory by term (planning.memory)
 
 
 @dataclass(frozen=True)
@@ -206,7 +198,7 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state_factor: float, engine: EngineName = "local") -> None:
+                 batch_size: int, optimizer_state: str | float = "momentum", engine: EngineName = "local") -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
         self.profile = profile
@@ -215,7 +207,8 @@ class CostModel:
         self.devices = list(devices)
         self.speeds = np.asarray(speeds, dtype=float)
         self.batch_size = batch_size
-        self.optimizer_state_factor = optimizer_state_factor
+        self.optimizer_state_factor = optimizer_factor(optimizer_state)
+        self.own_copies = not all(d.startswith("cpu") for d in self.devices)  # see planning.memory
         self.latency, self.per_byte = copy_matrix(profile, devices)
         self._sizes: dict[int, SizeCosts] = {}
         self._per_size = _per_size(profile)
@@ -239,12 +232,18 @@ class CostModel:
         sizes = self.profile.batch_sizes
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
-        forward, backward, saved = (table @ weights for table in self._per_size)
-        state = [layer.param_bytes * (2 + self.optimizer_state_factor) + layer.buffer_bytes for layer in layers]
-        inputs = [self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]]
-        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), _prefix(state),
-                         np.asarray(inputs, dtype=float), np.asarray([s.bytes_per_sample * b for s in self.chain.skips],
-                                                                     dtype=float))
+        forward, backward, saved, workspace = (table @ weights for table in self._per_size)
+        outputs = np.asarray([layer.output_bytes for layer in layers], dtype=float) * b
+        inputs = np.asarray([self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]], dtype=float)
+        for index, layer in enumerate(layers):
+            if not layer.workspace_bytes:
+                workspace[index] = estimated_workspace(layer, inputs[index])
+        params = _prefix([layer.param_bytes for layer in layers])
+        tables = BackwardTables.build(_prefix(saved), params, workspace, outputs, output_saved_flags(layers),
+                                      [bool(layer.aliases_input) for layer in layers], self.own_copies)
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), params,
+                         _prefix([layer.buffer_bytes for layer in layers]), inputs, outputs,
+                         np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float), tables)
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
@@ -276,26 +275,44 @@ class CostModel:
             held = held + nbytes * (sends | receives | passes)
         return held
 
-    def memory(self, costs: SizeCosts, start: Any, stop: int, chunks: int, mode: CheckpointMode,
+    def memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                skip_bytes: Any) -> Any:
         """Peak bytes of stage ``[start, stop)``; ``skip_bytes`` per micro-batch of skips it holds
-        (any argument but ``chunks`` and ``mode`` may be an array; ``start > 0`` is a stage after
-        the first)."""
-        saved = costs.sum(costs.saved, start, stop)
+        (any argument but ``chunks`` and ``mode`` may be an array)."""
+        return self.memory_terms(costs, start, stop, chunks, mode, skip_bytes).total
+
+    def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
+                     skip_bytes: Any, held: int | None = None) -> MemoryTerms:
+        """:meth:`memory` term by term (:mod:`autopipe.planning.memory`) with ``held``
+        micro-batches in flight (default all ``chunks``, as in fill-drain)."""
+        first = np.asarray(start) == 0
         inputs = costs.input_bytes[start]
-        activations = inputs * chunks + (saved * chunks if mode == "never" else saved)
-        received = inputs * chunks * (np.asarray(start) > 0) if self.relayed else 0.0
-        return costs.sum(costs.state, start, stop) + activations + skip_bytes * chunks + received
+        return stage_memory(
+            params=costs.sum(costs.params, start, stop), buffers=costs.sum(costs.buffers, start, stop),
+            saved=costs.sum(costs.saved, start, stop), output=costs.output_bytes[np.asarray(stop) - 1],
+            output_saved=1.0 * (costs.backward_peaks.extra[stop] == 0), input_bytes=inputs, first=first,
+            skips=skip_bytes, in_flight=chunks if held is None else held,
+            backward=costs.backward_peaks.peaks(start, stop),
+            checkpointed=recomputations(mode, chunks) > 0, optimizer=self.optimizer_state_factor,
+            own_copies=self.own_copies,
+            received=inputs * ~first if self.relayed else 0.0)
+
+    def schedule_memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
+                              schedule: Schedule, stage: int, stages: int) -> MemoryTerms:
+        """The terms of stage ``stage`` (of ``stages``) holding layers ``[start, stop)`` under
+        ``schedule``: those of its micro-batches in flight, plus the saved tensors it holds beyond
+        what that counts (bounds may be index arrays)."""
+        held = in_flight(schedule, stage, stages, chunks)
+        terms = self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held)
+        extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
+        if extra:
+            terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop))
+        return terms
 
     def schedule_memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                         schedule: Schedule, stage: int, stages: int) -> Any:
-        """Peak bytes of stage ``stage`` (of ``stages``) holding layers ``[start, stop)`` under
-        ``schedule``: :meth:`memory` of its micro-batches in flight, plus the saved tensors it
-        holds beyond what that counts (bounds may be index arrays)."""
-        held = in_flight(schedule, stage, stages, chunks)
-        memory = self.memory(costs, start, stop, held, mode, self.held_bytes(costs, start, stop))
-        extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
-        return memory + extra * costs.sum(costs.saved, start, stop) if extra else memory
+        """Peak bytes of :meth:`schedule_memory_terms`."""
+        return self.schedule_memory_terms(costs, start, stop, chunks, mode, schedule, stage, stages).total
 
     def evaluate(self, bounds: Sequence[int], chunks: int, mode: CheckpointMode) -> Evaluation:
         """Cost the fill-drain split whose stage ``s`` holds layers ``[bounds[s], bounds[s+1])``
@@ -326,18 +343,21 @@ class CostModel:
         for s in range(count):
             forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
             recompute = forward if recomputations(mode, chunks) else 0.0
-            memory = self.schedule_memory(costs, bounds[s], bounds[s + 1], chunks, mode, schedule, s, count)
-            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(memory)))
+            terms = self.schedule_memory_terms(costs, bounds[s], bounds[s + 1], chunks, mode, schedule, s, count)
+            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(terms.total),
+                                     terms.to_json()))
         return stages
 
 
 def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
-    """Forward and backward medians and saved bytes as (layers × profiled sizes) matrices."""
+    """Forward and backward medians, saved and workspace bytes as (layers × profiled sizes)
+    matrices (a profile without workspace has 0s there, replaced by an estimate per size)."""
     sizes, layers = profile.batch_sizes, profile.layers
     forward = [[layer.forward[s].median_ms for s in sizes] for layer in layers]
     backward = [[layer.backward[s].median_ms for s in sizes] for layer in layers]
     saved = [[layer.saved_bytes[s] for s in sizes] for layer in layers]
-    return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved))
+    workspace = [[layer.workspace_bytes.get(s, 0) for s in sizes] for layer in layers]
+    return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved, workspace))
 
 
 def _prefix(values: Sequence[float]) -> np.ndarray:

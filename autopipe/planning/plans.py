@@ -30,8 +30,9 @@ class StagePlan:
     each on its own route); ``copy_grad_ms`` the backward copy of the gradients it receives.
     ``reduce_ms`` is the reduction of its gradients across replicas, started when its last
     backward ends (0 with one replica).  ``memory_bytes`` is the predicted peak: parameters,
-    gradients, optimizer state, activations of the micro-batches in flight and skip tensors held.
-    Formulas: :mod:`autopipe.planning.cost`.
+    gradients, optimizer state, activations of the micro-batches in flight and skip tensors held;
+    ``memory_terms`` the same by term (empty in plans made before they were recorded).
+    Formulas: :mod:`autopipe.planning.memory`.
     """
 
     index: int
@@ -47,9 +48,17 @@ class StagePlan:
     copy_grad_ms: float
     memory_bytes: int
     reduce_ms: float = 0.0
+    memory_terms: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def dominant_memory(self) -> tuple[str, float] | None:
+        """The largest memory term and its share of the stage's peak, if the plan records terms."""
+        if not self.memory_terms or self.memory_bytes <= 0:
+            return None
+        name = max(self.memory_terms, key=lambda key: self.memory_terms[key])
+        return name, self.memory_terms[name] / self.memory_bytes
 
     @staticmethod
     def from_json(f: Fields) -> StagePlan:
@@ -61,6 +70,8 @@ class StagePlan:
             copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
             reduce_ms=f.float("reduce_ms", 0.0) if f.has("reduce_ms") else 0.0,
+            memory_terms=({k: f.get("memory_terms").int(k) for k in f.get("memory_terms").keys()}
+                          if f.has("memory_terms") else {}),
         )
 
 

@@ -155,7 +155,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
             a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
         engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
-        **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state_factor``…,
+        **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state``, ``schedule``…,
             passed to the pipeline search of each replica.
 
     Returns:

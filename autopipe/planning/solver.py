@@ -49,7 +49,7 @@ def plan(
     batch_size: int | None = None,
     memory_limit: float | str | Sequence[float | str | None] | None = None,
     checkpoint: CheckpointChoice = "auto",
-    optimizer_state_factor: float = 2.0,
+    optimizer_state: str | float = "momentum",
     schedule: Schedule = "gpipe",
     speeds: Sequence[float] | None = None,
     chunks: int | None = None,
@@ -70,8 +70,9 @@ def plan(
         memory_limit: bytes, or a size such as ``"16GiB"``, for every device or one per device;
             default: the capacity of CUDA devices, no limit on CPU.
         checkpoint: a checkpoint mode, or ``"auto"`` to choose one.
-        optimizer_state_factor: optimizer state per parameter byte (2 for SGD with momentum, 3 for
-            Adam).
+        optimizer_state: what the optimizer keeps per parameter: ``"sgd"`` (nothing),
+            ``"momentum"`` (SGD with momentum: one buffer, 1x the parameters), ``"adam"`` (2x),
+            or a factor (state bytes per parameter byte; :mod:`autopipe.planning.memory`).
         schedule: ``"gpipe"`` (fill-drain: ``pipe(x)`` then ``loss.backward()``), ``"1f1b"``
             (fewer micro-batches in flight, trained with :meth:`~autopipe.Pipeline.train_step`;
             searched by :mod:`autopipe.planning.one_f_one_b`, a heuristic priced by simulation)
@@ -98,8 +99,8 @@ def plan(
     Raises:
         PlanningError: no plan fits the memory limits (the message gives the smallest limit that
             would fit).
-        ValueError: an option is invalid (unknown mode or schedule, chunks outside the profiled
-            sizes, a memory size that cannot be read, ...).
+        ValueError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
+            profiled sizes, a memory size that cannot be read, ...).
     """
     profile.validate()  # a profile built or edited in memory is checked as a loaded one
     budget = Budget(time_limit)  # from the start: the cost model and the profile's digest count too
@@ -108,9 +109,9 @@ def plan(
         raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
-                             optimizer_state_factor, schedule, speeds, chunks, engine, interleave)
+                             optimizer_state, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
-                      options.batch_size, optimizer_state_factor, engine)
+                      options.batch_size, optimizer_state, engine)
     searched, complete = placements.orders(model, placement)
     choice, lower, order = None, math.inf, searched[0]
     for candidate_order in searched:

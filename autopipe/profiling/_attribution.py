@@ -27,8 +27,21 @@ def attribute(measures: list[Measure]) -> list[int]:
     profiler ran each layer on its own copy of its input, so the sharing is rebuilt here from
     each layer's flags.  The chain's own input belongs to nobody (the planner adds stage inputs).
     """
-    saved = [m.internal_saved for m in measures]
+    counted, _ = _boundaries(measures)
+    return [m.internal_saved + (m.new_output_storage if counted[i] else 0) for i, m in enumerate(measures)]
+
+
+def outputs_saved(measures: list[Measure]) -> list[bool]:
+    """Per layer: whether its output's storage is in the saved bytes of the layer that made it
+    (itself, or the layer before an in-place or view layer)."""
+    counted, producers = _boundaries(measures)
+    return [producer is not None and counted[producer] for producer in producers]
+
+
+def _boundaries(measures: list[Measure]) -> tuple[list[bool], list[int | None]]:
+    """Which layers' new outputs some layer saves, and which layer made each layer's output."""
     counted = [False] * len(measures)
+    producers: list[int | None] = []
     producer: int | None = None
     for index, measure in enumerate(measures):
         if measure.saves_input and producer is not None:
@@ -36,7 +49,8 @@ def attribute(measures: list[Measure]) -> list[int]:
         if not measure.aliases_input:
             producer = index
             counted[index] = counted[index] or measure.saves_output
-    return [n + (measures[i].new_output_storage if counted[i] else 0) for i, n in enumerate(saved)]
+        producers.append(producer)
+    return counted, producers
 
 
 def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
@@ -51,6 +65,9 @@ def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         backward={b: m[index].backward for b, m in by_size.items()},
         output_bytes=per_sample(top.output_bytes, largest),
         saved_bytes={b: counts[index] for b, counts in saved.items()},
+        workspace_bytes={b: m[index].workspace for b, m in by_size.items()},
+        output_saved=outputs_saved(by_size[largest])[index],
+        aliases_input=top.aliases_input,
         param_bytes=sum(nbytes(p) for p in params),
         buffer_bytes=sum(nbytes(t) for t in _unique(layer.module.buffers())),
         param_count=sum(p.nelement() for p in params),

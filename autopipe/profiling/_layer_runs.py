@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from .._meter import AllocationCounter
 from ..model._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
 from ..errors import ProfileError
@@ -38,6 +39,7 @@ class Measure:
     saves_output: bool
     aliases_input: bool
     new_output_storage: int
+    workspace: int = 0
     output: Any = None
     stashed: dict[SkipKey, Tensor] = field(default_factory=dict)
 
@@ -129,9 +131,9 @@ class LayerRun:
         self.input_grad = input_grad
         self.leaves = map_tensors(args, lambda t: _leaf(t, input_grad))
         self.pop_leaves = {key: _leaf(t, True) for key, t in popped.items()}
-        params = [p for p in layer.module.parameters() if p.requires_grad]
+        self.params = [p for p in layer.module.parameters() if p.requires_grad]
         self.grad_inputs = [t for t in tensors_of(self.leaves) + list(self.pop_leaves.values())
-                            if t.requires_grad] + params
+                            if t.requires_grad] + self.params
         state = [*layer.module.parameters(), *layer.module.buffers()]
         self.state_storages = {storage(t)[0] for t in state}
         self.grads: list[Tensor] | None = None
@@ -167,8 +169,7 @@ class LayerRun:
         roots = [t for t in run.results if t.requires_grad]
         if not roots:
             return 0.0
-        if self.grads is None:
-            self.grads = [torch.randn_like(t) for t in roots]
+        self._output_grads(roots)
         timer = self.ops.timer()
         timer.start()
         torch.autograd.backward(roots, self.grads, inputs=self.grad_inputs or None)
@@ -177,9 +178,21 @@ class LayerRun:
             tensor.grad = None
         return backward_ms
 
+    def _output_grads(self, roots: list[Tensor]) -> list[Tensor]:
+        if self.grads is None:
+            self.grads = [torch.randn_like(t) for t in roots]
+        return self.grads
+
     def record(self) -> Measure:
         """One untimed forward and backward under ``saved_tensors_hooks``: what is saved, what
-        the output is."""
+        the output is, and the workspace.
+
+        The workspace is the most the layer holds beyond what its forward keeps (output, saved
+        and stashed tensors), in its forward or its backward: temporaries, the gradients it
+        computes before it passes or accumulates them.  The parameters already hold gradients
+        (as for every micro-batch after a step's first), so a new one is a temporary added to
+        them; the output gradients arrive from elsewhere and are not counted.  Only CPU
+        storages are counted (:mod:`autopipe._meter`; elsewhere the workspace is 0)."""
         saved: dict[int, int] = {}
 
         def pack(tensor: Tensor) -> Tensor:
@@ -187,8 +200,18 @@ class LayerRun:
             saved[ptr] = max(saved.get(ptr, 0), size)
             return tensor
 
-        run = self.forward(pack)
-        self.backward(run)
+        counter = AllocationCounter()
+        with counter.track(self):
+            run = self.forward(pack)
+        kept = counter.current[self]
+        forward_extra = counter.peak[self] - kept
+        self._output_grads([t for t in run.results if t.requires_grad])
+        for param in self.params:
+            param.grad = torch.zeros_like(param)
+        counter.reset_peak(self)
+        with counter.track(self):
+            self.backward(run)
+        workspace = max(forward_extra, counter.peak[self] - kept)
         output, stashed = run.output, run.stashed
         inputs = {storage(t)[0] for t in tensors_of(run.args)}
         pops = {storage(t)[0] for t in run.popped.values()}
@@ -204,6 +227,7 @@ class LayerRun:
             saves_output=bool(new_outputs & set(saved)),
             aliases_input=bool(inputs & set(outputs)),
             new_output_storage=sum(outputs[ptr] for ptr in new_outputs),
+            workspace=workspace,
             output=map_tensors(output, lambda t: t.detach()),
             stashed={k: t.detach() for k, t in stashed.items()},
         )

@@ -81,6 +81,13 @@ class LayerProfile:
     stage's activations per micro-batch are its layers' ``saved_bytes`` plus its own input
     (``b * output_bytes`` of the layer before it, or ``b * Profile.input_bytes``), which a
     pipeline holds until backward anyway and which is what checkpointing keeps.
+
+    ``workspace_bytes[b]`` is the most the layer holds beyond what its forward keeps, in its
+    forward or backward at size ``b`` (temporaries, gradients before they are passed on or
+    accumulated); ``output_saved`` whether the layer's output is among the saved bytes of the
+    layer that made it; ``aliases_input`` whether its output is its input's memory (an in-place
+    or view layer such as ``ReLU(inplace=True)``).  They are absent (``{}``, ``None``) in profiles made before they were
+    measured; the cost model then estimates them (:mod:`autopipe.planning.memory`).
     """
 
     name: str
@@ -95,6 +102,9 @@ class LayerProfile:
     stash: list[str] = field(default_factory=list)
     pop: list[str] = field(default_factory=list)
     stash_bytes: dict[str, int] = field(default_factory=dict)
+    workspace_bytes: dict[int, int] = field(default_factory=dict)
+    output_saved: bool | None = None
+    aliases_input: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +120,10 @@ class LayerProfile:
             "stash": self.stash,
             "pop": self.pop,
             "stash_bytes": self.stash_bytes,
+            **({"workspace_bytes": {str(b): n for b, n in sorted(self.workspace_bytes.items())}}
+               if self.workspace_bytes else {}),
+            **({} if self.output_saved is None else {"output_saved": self.output_saved}),
+            **({} if self.aliases_input is None else {"aliases_input": self.aliases_input}),
         }
 
     @staticmethod
@@ -127,7 +141,16 @@ class LayerProfile:
             stash=f.str_list("stash"),
             pop=f.str_list("pop"),
             stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
+            workspace_bytes=(_by_batch(f.get("workspace_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v))
+                             if f.has("workspace_bytes") else {}),
+            output_saved=_flag(f, "output_saved"),
+            aliases_input=_flag(f, "aliases_input"),
         )
+
+
+def _flag(f: Fields, key: str) -> bool | None:
+    """An optional true/false field: ``None`` where a profile predates it."""
+    return f.typed(key, lambda v: isinstance(v, bool), "true or false") if f.has(key) else None
 
 
 def _is_count(value: Any) -> bool:

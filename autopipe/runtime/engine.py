@@ -6,6 +6,7 @@ import weakref
 
 from .._vocab import Phase
 from ..timeline import Event
+from .memory import StagePeak
 from .run import Run
 from .schedule import actions
 from .stage import Stage
@@ -27,6 +28,7 @@ class Engine:
         self.schedule = schedule
         self.workers = [Worker(stage) for stage in stages]
         self.last: list[Event] = []
+        self.last_memory: list[StagePeak] | None = None
         self.closed = False
         weakref.finalize(self, _close_workers, self.workers)
 
@@ -47,6 +49,7 @@ class Engine:
         run.wait_phase()
         if phase != "forward" or not run.grad_enabled:
             self.last = sorted(run.events, key=lambda e: (e.start_ms, e.stage))
+            self.last_memory = None if run.meter is None else run.meter.peaks()
 
     def close(self) -> None:
         if not self.closed:

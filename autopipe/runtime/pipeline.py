@@ -35,6 +35,7 @@ from .balance import check_balance, stage_of_layer
 from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
+from .memory import StageMeter, StagePeak
 from .replicas import Copies, Replicas, copied_layers, shares_parameters
 from .run import Loss, Run
 from .skips import skip_spans, stage_routes
@@ -96,7 +97,10 @@ class Pipeline(nn.Module):
       last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
       (its backwards start before the last forward), and equivalent to
       ``f(pipe(*args), y).backward()`` for a ``"gpipe"`` one.
-    * ``last_trace()``: the measured timeline of the last iteration, for ``bench``.
+    * ``last_trace()``: the measured timeline of the last iteration, for ``bench``; with
+      ``pipe.measure_memory = True``, ``last_memory()``: each stage's peak bytes over it (on
+      CPU every operator then reports its allocations, which slows the step: measure memory
+      and time in different steps).
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
 
@@ -173,6 +177,7 @@ class Pipeline(nn.Module):
                     stage.brackets_batch_norm = False
         self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
+        self.measure_memory = False
 
     @property
     def stages(self) -> list[Stage]:
@@ -247,7 +252,11 @@ class Pipeline(nn.Module):
         """One call's runs: the batch split into replica shares, each into micro-batches."""
         shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
-        return Replicas(self._engines[:len(runs)], runs, self._copies)
+        engines = self._engines[:len(runs)]
+        if self.measure_memory:
+            for engine, run in zip(engines, runs):
+                run.meter = StageMeter(engine.stages)
+        return Replicas(engines, runs, self._copies)
 
     def _new_run(self, micro_batches: list[tuple[Any, ...]], grad: bool) -> Run:
         chunks = len(micro_batches)
@@ -260,6 +269,12 @@ class Pipeline(nn.Module):
     def last_trace(self) -> list[Event]:
         """Events of the last completed iteration (forward and backward), sorted by start."""
         return list(self._engine.last)
+
+    def last_memory(self) -> list[StagePeak] | None:
+        """Each stage's peak bytes over the last completed iteration, if ``measure_memory`` was
+        on when it started (:mod:`autopipe.runtime.memory` says what a stage's bytes are); with
+        replicas, the first replica's stages."""
+        return self._engine.last_memory
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)

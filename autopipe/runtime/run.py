@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
 from ..timeline import Event
+
+if TYPE_CHECKING:
+    from .memory import StageMeter
 
 __all__ = ["Run", "Saved", "Loss", "Aborted"]
 
@@ -98,6 +101,7 @@ class Run:
     error: BaseException | None = None
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
 
+    meter: StageMeter | None = None  # set when the pipeline measures memory
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]

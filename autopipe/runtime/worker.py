@@ -6,6 +6,7 @@ each has its own thread.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import TYPE_CHECKING
@@ -55,7 +56,8 @@ def _serve(stage: Stage, jobs: queue.SimpleQueue[_Job | None]) -> None:
         try:
             if torch.get_num_threads() != run.threads:
                 torch.set_num_threads(run.threads)
-            stage.execute(run, actions)
+            with run.meter.track(stage) if run.meter is not None else contextlib.nullcontext():
+                stage.execute(run, actions)
         except Aborted:
             pass
         except BaseException as error:  # reported to the caller, the worker lives on

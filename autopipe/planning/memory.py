@@ -1,0 +1,212 @@
+"""The memory of one stage, term by term: what a run of the stage measures at its peak.
+
+Stage ``s`` holds layers ``[a, c)``; ``n`` micro-batches of ``b`` samples are in flight at
+once (all ``m`` under fill-drain); ``P`` is its parameter bytes, ``opt`` the optimizer-state
+factor (:data:`OPTIMIZER_STATE`); per micro-batch ``S`` is its layers' saved bytes, ``O`` its
+output ``out`` unless among them (``output_saved``): ``H = S + O`` is what it holds from
+forward to backward (checkpointed, only ``out``: the saved bytes come back one micro-batch at a
+time, in its recomputation).
+
+The peak is in a backward.  While layer ``l`` runs its backward, the micro-batch still holds
+the saved bytes of layers ``a..l`` (autograd frees each layer's as it finishes) and the stage's
+output (kept for the whole backward; once among the saved bytes of ``p..l``, where ``p`` is the
+layer that made it — the last one not in place), plus the layer's workspace ``w_l`` (measured
+by the profiler: temporaries, its input gradient, a new parameter gradient before it is added
+to ``.grad``) and the gradient of its output, which the layer after it made (``out_l``; for the
+stage's last layer it comes from the next stage)::
+
+    backward_l = S(a..l) + (out if l < p else O) + w_l + out_l [l < c-1 or own copies]
+
+In the first micro-batch's backward the gradients do not all exist yet: those of layers after
+``l`` and ``l``'s own.  After it, every gradient exists and each finished micro-batch has freed
+its bytes, leaving the gradient of its input ``g`` with the previous stage.  So the peak is the
+larger of::
+
+    first  P + opt·P + buffers + P(l..c) + (n-1)·H + max_l backward_l
+    later  P + P + opt·P + buffers + (n-2)·H + g + max_l backward_l       (n ≥ 2)
+
+and, checkpointed, ``n·out`` (the outputs in flight) in place of ``(n-1)·H`` and ``(n-2)·H``.
+On devices with memory of their own, ``n`` copies of the input and of the skips received are
+added.  :class:`MemoryTerms` splits that sum: ``activations`` (the saved bytes of the
+micro-batches in flight), ``outputs``, ``inputs``, ``input_grad``, ``skips`` and ``transient``:
+the rest, what the backward holds beyond the steady terms (negative when the peak comes in
+the first backward, before every gradient exists).
+
+What is a stage's memory where devices share memory?  CPU "devices" share one address space
+and a tensor sent from one CPU stage to the next is the same memory, so the measurement
+(:mod:`autopipe.runtime.memory`) charges each tensor to the stage that allocated it: a stage's
+output, the gradient of its input and the skips it stashes are its own; the input, output
+gradient and skips it receives are its neighbours'.  On separate devices (CUDA) the receiver
+holds a copy, and ``inputs``, received skips and the last layer's output gradient count.  A
+stage's output is held for every micro-batch in flight even when checkpointed (by the next
+stage, as its input), and a recomputed output is a second tensor beside it.
+
+Profiles made before the workspace was measured have none; it is then estimated as the layer's
+parameter bytes (a new gradient) plus the bytes of its input (its gradient), and
+``output_saved`` as ``False`` (the output counted once more): bounds, not measurements.
+
+This module is the one place where these terms live: the schedule decides ``n``, replicas
+would change ``b`` — extend :func:`stage_memory`'s arguments, not its callers' arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..profiling.profiles import LayerProfile
+
+__all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "BackwardTables",
+           "range_max", "estimated_workspace", "output_saved_flags"]
+
+#: Optimizer-state bytes per parameter byte for the optimizers a plan can name: plain SGD keeps
+#: none, SGD with momentum a momentum buffer, Adam two moments.
+OPTIMIZER_STATE: Mapping[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
+
+
+def optimizer_factor(state: str | float) -> float:
+    """The factor of an optimizer name or a given factor (bytes of state per parameter byte)."""
+    if isinstance(state, str):
+        if state not in OPTIMIZER_STATE:
+            raise ValueError(f"optimizer_state '{state}' is not one of {list(OPTIMIZER_STATE)} "
+                             "nor a number (state bytes per parameter byte)")
+        return OPTIMIZER_STATE[state]
+    if isinstance(state, bool) or not isinstance(state, (int, float)) or not state >= 0:
+        raise ValueError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number ≥ 0 "
+                         f"(state bytes per parameter byte: 1 for SGD with momentum, 2 for Adam), got {state!r}")
+    return float(state)
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """One stage's predicted peak bytes by term (each a number, or an array over candidate
+    stages); the module docstring defines them."""
+
+    parameters: Any
+    gradients: Any
+    optimizer: Any
+    buffers: Any
+    activations: Any
+    outputs: Any
+    inputs: Any
+    input_grad: Any
+    skips: Any
+    transient: Any
+
+    @property
+    def total(self) -> Any:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def dominant(self) -> str:
+        """The largest term's name (for one stage)."""
+        return max((f.name for f in fields(self)), key=lambda name: float(getattr(self, name)))
+
+    def to_json(self) -> dict[str, int]:
+        return {f.name: int(np.ceil(getattr(self, f.name))) for f in fields(self)}
+
+
+def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_saved: Any,
+                 input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: int,
+                 checkpointed: bool, optimizer: float, own_copies: bool,
+                 received: Any = 0.0) -> MemoryTerms:
+    """The terms for a stage (or arrays of candidate stages), every byte count at size ``b``.
+
+    Args:
+        params, buffers: the stage's parameter and buffer bytes.
+        saved: its layers' saved bytes; ``output``: its output's bytes; ``output_saved``
+            whether the output is among ``saved`` (1/0).
+        input_bytes: its main input's bytes; ``first``: whether it is the first stage (whose
+            input needs no gradient).
+        skips: bytes of the skip tensors it holds per micro-batch.
+        backward: ``max_l backward_l`` of the module docstring, in the first micro-batch's
+            backward (with the gradients ``P(l..c)`` that exist then) and in a later one.
+        in_flight: micro-batches whose activations it holds at once.
+        checkpointed: whether the micro-batches in flight keep only their inputs.
+        optimizer: optimizer-state bytes per parameter byte.
+        own_copies: whether a received tensor is a copy in this device's memory.
+        received: bytes per micro-batch of the distributed engine's receive buffer.
+    """
+    extra = output * (1 - output_saved)  # O: the output, unless among the saved bytes
+    gradient = input_bytes * (1 - np.asarray(first, dtype=float))  # g: the first stage's input needs none
+    in_first, in_later = backward
+    if checkpointed:
+        activations, outputs, input_grad = saved, output * in_flight, gradient
+        before, after = outputs, outputs + gradient
+    else:
+        activations, outputs, input_grad = saved * in_flight, extra * in_flight, gradient * 0.0
+        before, after = (saved + extra) * (in_flight - 1), (saved + extra) * (in_flight - 2) + gradient
+    peak = in_first + before - params  # the gradients of the first backward are in in_first
+    if in_flight > 1 or checkpointed:
+        peak = np.maximum(peak, in_later + after)
+    terms = dict(parameters=params, gradients=params, optimizer=optimizer * params, buffers=buffers,
+                 activations=activations, outputs=outputs,
+                 inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
+                 input_grad=input_grad, skips=skips * in_flight)
+    steady = params * (2 + optimizer) + buffers + terms["inputs"] + terms["skips"]
+    total = steady + peak
+    return MemoryTerms(**terms, transient=total - sum(terms.values()))
+
+
+def range_max(values: Sequence[float]) -> np.ndarray:
+    """``table[a, c]`` = the largest of ``values[a:c]`` (-inf for an empty range), for index arrays."""
+    count = len(values)
+    table = np.full((count + 1, count + 1), -np.inf)
+    for start in range(count):
+        table[start, start + 1:] = np.maximum.accumulate(np.asarray(values[start:], dtype=float))
+    return table
+
+
+@dataclass(frozen=True)
+class BackwardTables:
+    """Per micro-batch size, what ``max_l backward_l`` needs for any stage ``[a, c)`` at once:
+    range maxima (:func:`range_max`) of ``S(0..l) + w_l + out_l`` for inner layers, the last
+    layer's own value, and where each stage's output was made."""
+
+    later: np.ndarray
+    later_last: np.ndarray
+    first: np.ndarray  # the same less P(0..l): the first backward adds the gradients P(l..c)
+    first_last: np.ndarray
+    producer: np.ndarray  # [c]: the last layer before c that is not in place
+    saved_prefix: np.ndarray
+    param_prefix: np.ndarray
+    output: np.ndarray  # [c]: the output of layer c - 1
+    extra: np.ndarray  # [c]: that output, unless among the saved bytes
+
+    @staticmethod
+    def build(saved_prefix: np.ndarray, param_prefix: np.ndarray, workspace: np.ndarray, outputs: np.ndarray,
+              output_saved: np.ndarray, aliases: Sequence[bool], own_copies: bool) -> BackwardTables:
+        inner = saved_prefix[1:] + workspace + outputs
+        last = saved_prefix[1:] + workspace + (outputs if own_copies else 0.0)
+        producer = np.zeros(len(outputs) + 1, dtype=int)
+        for stop in range(1, len(outputs) + 1):
+            made = stop - 1
+            while made > 0 and aliases[made]:
+                made -= 1
+            producer[stop] = made
+        pad = np.concatenate(([0.0], outputs))
+        return BackwardTables(range_max(inner), last, range_max(inner - param_prefix[:-1]),
+                              last - param_prefix[:-1], producer, saved_prefix, param_prefix, pad,
+                              pad * np.concatenate(([0.0], 1 - output_saved)))
+
+    def peaks(self, start: Any, stop: Any) -> tuple[Any, Any]:
+        """``max_l backward_l`` of stages ``[start, stop)`` in the first backward (with the
+        gradients that exist then) and a later one (index arrays allowed)."""
+        stop = np.asarray(stop)
+        made = np.maximum(self.producer[stop], start)
+        first, later = ((np.maximum(np.maximum(table[start, made] + self.output[stop] - self.extra[stop],
+                                               table[made, stop - 1]), last[stop - 1])
+                         + self.extra[stop] - self.saved_prefix[start])
+                        for table, last in ((self.first, self.first_last), (self.later, self.later_last)))
+        return first + self.param_prefix[stop], later
+
+
+def estimated_workspace(layer: LayerProfile, input_bytes: float) -> float:
+    """A layer's workspace when the profile has none measured: a new gradient of its
+    parameters and the gradient of its input."""
+    return layer.param_bytes + input_bytes
+
+
+def output_saved_flags(layers: Sequence[LayerProfile]) -> np.ndarray:
+    """Per layer 1 if its output is among the saved bytes, 0 if not or not known."""
+    return np.asarray([1.0 if layer.output_saved else 0.0 for layer in layers])
