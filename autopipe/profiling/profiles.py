@@ -187,15 +187,6 @@ class CopyFit:
 
     @staticmethod
     def from_json(f: Fields) -> CopyFit:
-        points = []
-        for point in f.get("points").items():
-            value = point.value
-            if not (isinstance(value, list) and len(value) == 2 and _is_count(value[0])
-                    and isinstance(value[1], (int, float)) and not isinstance(value[1], bool)
-                    and math.isfinite(value[1])):
-                raise point.error(f"expected [bytes, ms] (a non-negative integer and a finite "
-                                  f"number), found {json.dumps(value)[:60]}")
-            points.append((value[0], float(value[1])))
         return CopyFit(f.int("src", 0), f.int("dst", 0), f.float("latency_ms", 0.0),
                        f.float("ms_per_byte", 0.0), _points(f))
 
