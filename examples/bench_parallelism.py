@@ -102,8 +102,7 @@ def main() -> None:
     samples = _interleaved(steps, args.rounds)
     predicted = {"plain model": single.predicted.iteration_ms,
                  **{name: plan.predicted.iteration_ms for name, plan in plans.items()}}
-    memory = {"plain model": max(s.memory_bytes for s in single.stages),
-              **{name: max(s.memory_bytes for s in plan.stages) for name, plan in plans.items()}}
+    memory = {"plain model": _device_peak(single), **{name: _device_peak(plan) for name, plan in plans.items()}}
     described = {"plain model": "1 device", **{name: _describe(plan) for name, plan in plans.items()}}
     print(_table(samples, predicted, memory, described, [n for n in samples if n != "choice under the limit"]))
     print(f"load average {os.getloadavg()[0]:.2f} at end")
@@ -117,9 +116,17 @@ def main() -> None:
 def _replica_need(profile: autopipe.Profile, share: int) -> int:
     """The least memory a whole replica needs on one device for ``share`` samples, over
     micro-batch counts and checkpoint modes."""
-    model = CostModel(profile, ["cpu"], [1.0], share, 2.0, "local")
+    model = CostModel(profile, ["cpu"], [1.0], share)  # the planner's default optimizer state
     chunks = candidate_chunks(share, profile.batch_sizes)
     return int(math.ceil(smallest_memory(model, chunks, ["never", "except_last", "always"], 1)[0]))
+
+
+def _device_peak(plan: autopipe.Plan) -> int:
+    """The predicted peak of the busiest device: the sum of the stages it holds."""
+    held: dict[int, int] = {}
+    for stage, device in zip(plan.stages, plan.placement):
+        held[device] = held.get(device, 0) + stage.memory_bytes
+    return max(held.values())
 
 
 def _describe(plan: autopipe.Plan) -> str:
@@ -131,7 +138,7 @@ def _table(samples: dict[str, list[float]], predicted: dict[str, float], memory:
            described: dict[str, str], names: list[str], limit: int | None = None) -> str:
     plain = samples["plain model"]
     lines = [f"{'row':26s} {'plan':44s} {'median ms':>10s} {'speedup':>8s} {'predicted':>10s} {'pred. x':>8s} "
-             f"{'error':>7s} {'memory MiB':>10s}" + (" fits" if limit else "")]
+             f"{'error':>7s} {'device MiB':>10s}" + (" fits" if limit else "")]
     for name in names:
         ms = statistics.median(samples[name])
         speedup = statistics.median(p / t for p, t in zip(plain, samples[name]))
