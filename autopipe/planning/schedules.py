@@ -23,7 +23,7 @@ rule, whichever the planner predicts faster.
 """
 from __future__ import annotations
 
-from .._vocab import SCHEDULES, TURN_RULES, Schedule, TurnRule
+from .._vocab import SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
 __all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "TurnRule", "order", "in_flight", "saved_sets", "priority",
            "checkpointed"]
@@ -67,9 +67,10 @@ def saved_sets(schedule: str, mode: str, stage: int, stages: int, chunks: int) -
     return 2 if mode == "except_last" and warm else 1
 
 
-def checkpointed(mode: str, micro_batch: int, chunks: int) -> bool:
+def checkpointed(mode: CheckpointMode, micro_batch: int, chunks: int) -> bool:
     """Whether checkpoint ``mode`` reruns micro-batch ``micro_batch``'s forward before its
-    backward: never, all but the last (``chunks - 1``), or always."""
+    backward (dropping its activations until then): never, all but the last (whose backward
+    comes at once), or always.  The runtime and the simulator both follow it."""
     return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
 
 

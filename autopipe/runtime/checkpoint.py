@@ -25,17 +25,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .._vocab import CheckpointMode
+from ..planning.schedules import checkpointed
 
 __all__ = ["buffers_restored", "checkpointed", "is_recomputing", "recomputing", "RandomGuard"]
 
 _local = threading.local()
-
-
-def checkpointed(mode: CheckpointMode, micro_batch: int, chunks: int) -> bool:
-    """Whether micro-batch ``micro_batch`` of ``chunks`` drops its activations for recomputation:
-    all of them with ``always``, all but the last with ``except_last`` (its backward comes at once)."""
-    return mode == "always" or (mode == "except_last" and micro_batch < chunks - 1)
 
 
 @contextlib.contextmanager
