@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
@@ -54,7 +55,7 @@ from .solver import (
     device_names,
     memory_limits,
 )
-from .solver import plan as plan_pipeline
+from .solver import search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
            "best_pipeline", "parallelism", "reduction_events"]
@@ -142,7 +143,7 @@ def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[
 
 def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replicas: int | str = "auto",
          batch_size: int | None = None, memory_limit: Any = None, speeds: Sequence[float] | None = None,
-         engine: str = "local", **options: Any) -> Plan:
+         engine: str = "local", time_limit: float | None = 1.0, **options: Any) -> Plan:
     """The plan of least predicted iteration time over replica counts and pipelines.
 
     Args:
@@ -155,6 +156,8 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         memory_limit, speeds: per device or one for all, as for :func:`autopipe.planning.solver.plan`;
             a replica's stage ``s`` must fit on (and runs at the speed of) every replica's device ``s``.
         engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
+        time_limit: seconds for the whole search (``None``: no limit), shared by the replica
+            counts in turn; the plan's lower bound is the least over the counts searched.
         **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state``, ``schedule``…,
             passed to the pipeline search of each replica.
 
@@ -166,6 +169,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         ValueError: ``replicas`` does not divide the devices or exceeds the batch.
         PlanningError: no replica count has a plan within the memory limits.
     """
+    profile.validate()  # once here: the pipeline searches below take it as checked
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
@@ -177,9 +181,13 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     lowest: float | None = math.inf  # the least lower bound over the replica counts planned
     tried: dict[str, float | None] = {}
     failures: list[str] = []
+    deadline = None if time_limit is None else time.perf_counter() + time_limit
     for count in counts:
+        # one deadline for the whole call: each count searches in what the previous ones left
+        left = None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
         try:
-            candidate = _replicated(profile, names, count, batch, limits, rates, engine, options)
+            candidate = _replicated(profile, names, count, batch, limits, rates, engine,
+                                    {**options, "time_limit": left})
         except ValueError as error:  # PlanningError, or options that a share of the batch cannot take
             if not isinstance(error, PlanningError) and (count == 1 or replicas != "auto"):
                 raise
@@ -198,6 +206,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     measured = reduction_time(profile, engine, 2, 1.0)[1]
     best.options.update({
         "devices": names, "batch_size": batch, "replicas": replicas, "replicas_searched": tried,
+        "time_limit": time_limit,
         "memory_limit": list(memory_limit) if isinstance(memory_limit, (list, tuple)) else memory_limit,
         "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in limits], "speeds": rates,
         "reduction": "measured" if measured else "estimated from copy fits",
@@ -214,13 +223,14 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     limit = limits.reshape(count, per).min(axis=0)
     speed = np.asarray(rates).reshape(count, per).min(axis=0)
     share = -(-batch // count)
-    pipeline = plan_pipeline(profile, groups[0], batch_size=share,
+    pipeline = search_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
                              speeds=[float(v) for v in speed], engine=engine, **options)
     searched = pipeline.predicted.gap == 0  # the pipeline search finished: its time is the least
     bound = pipeline.predicted.lower_bound_ms
     if count > 1 and per > 1:
-        pipeline = _least_total(profile, pipeline, count, engine)
+        deadline = None if options.get("time_limit") is None else time.perf_counter() + options["time_limit"]
+        pipeline = _least_total(profile, pipeline, count, engine, deadline)
         searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
     replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
     chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
@@ -231,10 +241,11 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     return chosen
 
 
-def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> Plan:
+def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, deadline: float | None) -> Plan:
     """The replica pipeline of least total time (pipeline + reduction tail), starting from
     ``pipeline``, the one of least pipeline time: every one-stage-per-device
-    ``(split, chunks, mode)`` whose pipeline time is under the best total is priced."""
+    ``(split, chunks, mode)`` whose pipeline time is under the best total is priced, until
+    ``deadline`` (``time.perf_counter()``; the plan's options then say the search was cut)."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
@@ -249,8 +260,11 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -
     first = [stage.start for stage in pipeline.stages] + [layers]
     best = pipeline.predicted.iteration_ms + _tail(simulate_plan(pipeline),
                                                    _reductions(profile, first, replicas, engine))
-    found = None
+    found, split = None, "least total"
     for bounds in _splits(layers, len(devices)):
+        if deadline is not None and time.perf_counter() > deadline:
+            split = "least total of the splits priced before the time limit"
+            break
         for m in chunks:
             for mode in modes:
                 evaluation = model.evaluate(bounds, m, mode)
@@ -261,7 +275,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str) -
                 total = evaluation.iteration_ms + _tail(timeline, _reductions(profile, bounds, replicas, engine))
                 if total < best:
                     best, found = total, (bounds, m, mode)
-    options["replica_split"] = "least total"
+    options["replica_split"] = split
     if found is None:
         return pipeline
     bounds, m, mode = found

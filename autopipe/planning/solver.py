@@ -35,8 +35,8 @@ from .plans import Plan
 from .candidates import Candidate, Choice, greedy_split, least_largest
 from .search import Search
 
-__all__ = ["plan", "solve", "Search", "Choice", "PlanningError", "build_plan", "candidate_chunks", "device_names",
-           "memory_limits", "parse_bytes", "smallest_memory"]
+__all__ = ["plan", "search_pipeline", "solve", "Search", "Choice", "PlanningError", "build_plan", "candidate_chunks",
+           "device_names", "memory_limits", "parse_bytes", "smallest_memory"]
 
 # plans taken from each grid of caps, by each of two orders (Completions.plans)
 _PLANS = 3
@@ -103,6 +103,20 @@ def plan(
             profiled sizes, a memory size that cannot be read, ...).
     """
     profile.validate()  # a profile built or edited in memory is checked as a loaded one
+    return search_pipeline(profile, devices, batch_size=batch_size, memory_limit=memory_limit,
+                           checkpoint=checkpoint, optimizer_state=optimizer_state, schedule=schedule,
+                           speeds=speeds, chunks=chunks, engine=engine, interleave=interleave,
+                           time_limit=time_limit, placement=placement)
+
+
+def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None, *, batch_size: int | None = None,
+                    memory_limit: float | str | Sequence[float | str | None] | None = None,
+                    checkpoint: CheckpointChoice = "auto", optimizer_state: str | float = "momentum",
+                    schedule: Schedule | str = "gpipe", speeds: Sequence[float] | None = None,
+                    chunks: int | None = None, engine: EngineName = "local", interleave: int | str = "auto",
+                    time_limit: float | None = 1.0, placement: str = "given") -> Plan:
+    """:func:`plan` of a profile already validated (the replica search validates it once for
+    all its pipeline searches)."""
     budget = Budget(time_limit)  # from the start: the cost model and the profile's digest count too
     digest = profile.digest
     if placement not in placements.PLACEMENTS:
