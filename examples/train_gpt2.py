@@ -40,13 +40,15 @@ def main() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # use_cache is turned off for the capture
-        pipe = autopipe.partition(model, data[0], devices=["cpu", "cpu"], quiet=not args.progress)
+        pipe = autopipe.partition(model, data[0], devices=["cpu", "cpu"], quiet=not args.progress,
+                                  optimizer_state="adam")  # AdamW below: two state tensors per parameter
     plan = pipe.plan
     assert plan is not None
     print(f"GPT-2: {args.layers} blocks, width {args.width}, {sum(p.numel() for p in model.parameters()):,} "
           f"parameters; batch {args.batch} x {args.sequence} tokens")
-    print(f"plan: stages {plan.balance} on {plan.devices[:plan.device_count]} "
-          f"({plan.interleave} per device), {plan.chunks} micro-batches, checkpoint={plan.checkpoint}")
+    print(f"plan: {plan.replicas} replica(s) (data parallel over {plan.replicas}), each of stages {plan.balance} "
+          f"on {plan.devices[:plan.device_count]} ({plan.interleave} per device), {plan.chunks} micro-batches, "
+          f"checkpoint={plan.checkpoint}")
     for index, name in plan.split_points:
         print(f"  cut before layer {index} ({name})")
 
