@@ -9,7 +9,7 @@ from torch import nn
 
 from autopipe import Pipeline
 from autopipe._jsonio import write_json_atomic
-from autopipe._meter import AllocationCounter
+from autopipe.profiling._meter import AllocationCounter
 from autopipe.bench import Trainer, measure_memory, plan_of
 from autopipe.profiling.profiler import profile
 from autopipe.profiling.profiles import Profile

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .._meter import AllocationCounter
+from ._meter import AllocationCounter
 from ..model._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
 from ..errors import ProfileError
@@ -192,7 +192,7 @@ class LayerRun:
         computes before it passes or accumulates them.  The parameters already hold gradients
         (as for every micro-batch after a step's first), so a new one is a temporary added to
         them; the output gradients arrive from elsewhere and are not counted.  Only CPU
-        storages are counted (:mod:`autopipe._meter`; elsewhere the workspace is 0)."""
+        storages are counted (:mod:`autopipe.profiling._meter`; elsewhere the workspace is 0)."""
         saved: dict[int, int] = {}
 
         def pack(tensor: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ What counts as a stage's memory depends on its device (the :mod:`autopipe.device
 * a CPU stage, whose device shares one address space with every other CPU stage, is charged
   what it holds when the call starts (its parameters, buffers and existing gradients) plus the
   peak of what its worker thread allocates during the call, however long each allocation lives
-  and whoever frees it (:class:`~autopipe._meter.AllocationCounter`).  A tensor passed to the
+  and whoever frees it (:class:`~autopipe.profiling._meter.AllocationCounter`).  A tensor passed to the
   next CPU stage is the same memory, so it is charged once, to the stage that made it.
 
 Optimizer state is not the pipeline's: :func:`optimizer_state_bytes` counts it for a caller
@@ -22,7 +22,7 @@ from typing import ContextManager, Iterable, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._meter import AllocationCounter
+from ..profiling._meter import AllocationCounter
 from ..device import DeviceOps
 
 __all__ = ["StagePeak", "StageMeter", "optimizer_state_bytes", "unique_bytes"]
