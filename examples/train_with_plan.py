@@ -37,7 +37,7 @@ def main() -> None:
                                  checkpoint=args.checkpoint, deferred_batch_norm=args.deferred_batch_norm,
                                  interleave=args.interleave)
         batch = args.batch
-    print(f"{args.model}: stages {pipe.balance} on {[str(d) for d in pipe.devices]} "
+    print(f"{args.model}: {pipe.replicas} replica(s) of stages {pipe.balance} on {[str(d) for d in pipe.devices]} "
           f"({pipe.interleave} per device), "
           f"{pipe.chunks} micro-batches, checkpoint={pipe.checkpoint}, batch {batch}")
 
