@@ -107,14 +107,14 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     found, left = best, math.inf
     enumerated: dict[int, _Splits] = {}
     for least, chunks, mode, k in tried:
-        if found is not None and least >= found.iteration_ms or math.isfinite(left) and budget is not None \
-                and budget.spent:
+        # the groups left are bounded by ``least`` too: they come in its order
+        if found is not None and least >= found.iteration_ms or budget is not None and budget.out():
             left = min(left, least)
             break
         if math.comb(model.layers - 1, k * interleave - 1) > BUDGET:
             left = min(left, least)
             if budget is not None and budget.out(_MIN_MAX_S * k * interleave * model.layers ** 2):
-                break  # the groups left are bounded by ``least`` too: they come in its order
+                break
             rows = [_min_max(model, chunks, mode, k, interleave, limits)]
             lower = np.full(1, least)
         else:
