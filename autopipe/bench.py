@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ._vocab import CheckpointMode
 from .planning.cost import CostModel
+from .planning.memory import OPTIMIZER_STATE
 from .device import ops_for
 from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
@@ -67,7 +68,7 @@ class StepTime:
 
 
 #: The optimizers a bench trains with, by the optimizer-state factor a plan was made for.
-OPTIMIZERS = {0.0: "sgd", 1.0: "momentum", 2.0: "adam"}
+OPTIMIZERS = {factor: name for name, factor in OPTIMIZER_STATE.items()}
 
 
 def make_optimizer(name: str, params: Iterable[Tensor], lr: float) -> torch.optim.Optimizer:

@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile)
     options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                    optimizer_state=_optimizer_state(args.optimizer_state), speeds=_speeds(args.speeds),
-                   chunks=args.chunks, engine=args.engine, interleave=_interleave(args.interleave),
+                   chunks=args.chunks, engine=args.engine, interleave=_auto_or_count(args.interleave, "--interleave"),
                    schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
     devices = _devices(args.devices)
-    chosen = plan(profile, devices, replicas=_replicas(args.replicas), **options)
+    chosen = plan(profile, devices, replicas=_auto_or_count(args.replicas, "--replicas"), **options)
     print(summary(chosen))
     if args.compare:
         print()
@@ -70,21 +70,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replicas(text: str) -> int | str:
-    if text != "auto" and not text.isdigit():
-        raise ValueError(f"--replicas '{text}' must be 'auto' or a positive integer, e.g. 2")
-    return text if text == "auto" else int(text)
-
-
 def _devices(text: str | None) -> int | list[str] | None:
     if text is None:
         return None
     return int(text) if text.isdigit() else [d.strip() for d in text.split(",") if d.strip()]
 
 
-def _interleave(text: str) -> int | str:
+def _auto_or_count(text: str, option: str) -> int | str:
+    """``--replicas`` and ``--interleave``: ``auto`` (the planner chooses) or a count."""
     if text != "auto" and not text.isdigit():
-        raise ValueError(f"--interleave '{text}' must be 'auto' or a positive integer, e.g. 2")
+        raise ValueError(f"{option} '{text}' must be 'auto' or a positive integer, e.g. 2")
     return text if text == "auto" else int(text)
 
 

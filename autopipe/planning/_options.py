@@ -13,7 +13,7 @@ from .._vocab import (CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, Checkpoin
 from ..profiling.profiles import Profile
 from .memory import optimizer_factor
 
-__all__ = ["Options", "candidate_chunks", "device_names", "memory_limits", "parse_bytes"]
+__all__ = ["Options", "candidate_chunks", "device_names", "device_speeds", "memory_limits", "parse_bytes"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,7 @@ class Options:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
         factor = optimizer_factor(optimizer_state)
         batch = profile.batch_size if batch_size is None else int(batch_size)
-        rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
-        if len(rates) != len(names) or min(rates) <= 0:
-            raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+        rates = device_speeds(speeds, names)
         # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
         # same memory, so it is at least as fast and as small.
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
@@ -151,6 +149,14 @@ def parse_bytes(text: str | float | int) -> float:
         return float(number) * _UNITS[unit]
     except (ValueError, KeyError):
         raise ValueError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
+
+
+def device_speeds(speeds: Sequence[float] | None, names: Sequence[str]) -> list[float]:
+    """One relative speed per device (default 1 each); raises ``ValueError`` unless positive."""
+    rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
+    if len(rates) != len(names) or min(rates) <= 0:
+        raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+    return rates
 
 
 def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:

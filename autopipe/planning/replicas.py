@@ -48,14 +48,8 @@ from . import interleaved
 from .cost import CostModel
 from .plans import Plan
 from .simulate import Simulation, simulate, simulate_plan
-from .solver import (
-    PlanningError,
-    build_plan,
-    candidate_chunks,
-    device_names,
-    memory_limits,
-)
-from .solver import search_pipeline
+from ._options import device_speeds
+from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
            "best_pipeline", "parallelism", "reduction_events"]
@@ -174,9 +168,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     batch = profile.batch_size if batch_size is None else int(batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
     limits = memory_limits(memory_limit, names)
-    rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
-    if len(rates) != len(names):
-        raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
+    rates = device_speeds(speeds, names)
     best: Plan | None = None
     lowest: float | None = math.inf  # the least lower bound over the replica counts planned
     tried: dict[str, float | None] = {}

@@ -32,13 +32,9 @@ class Engine:
         self.closed = False
         weakref.finalize(self, _close_workers, self.workers)
 
-    def run_phase(self, run: Run, phase: Phase) -> None:
-        """Run ``phase`` of ``run`` on every stage; re-raises the first stage failure once every
-        stage has stopped."""
-        self.start_phase(run, phase)
-        self.finish_phase(run, phase)
-
     def start_phase(self, run: Run, phase: Phase) -> None:
+        """Hand every stage its actions of ``phase`` (:class:`~autopipe.runtime.replicas.Replicas`
+        starts and finishes the phases of a call on every replica's engine)."""
         if self.closed:
             raise RuntimeError("this pipeline was closed; its worker threads are gone")
         run.begin_phase()

@@ -111,7 +111,8 @@ class Pipeline(nn.Module):
 
     Args:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
-        plan: the plan to run; it sets balance, devices, chunks, checkpoint and interleave.
+        plan: the plan to run; it sets balance, devices, chunks, checkpoint, interleave,
+            replicas, schedule and turns.
         balance: layers per stage (manual form, without a plan).
         devices: one per device (manual form; default ``"cpu"`` for each).
         chunks: micro-batches per mini-batch (manual form).
@@ -119,11 +120,15 @@ class Pipeline(nn.Module):
         deferred_batch_norm: swap batch norms for :class:`~autopipe.DeferredBatchNorm`, whose
             running statistics see the whole mini-batch once, as in the plain model.
         interleave: stages per device (manual form).
+        replicas: copies of the pipeline trained side by side on shares of the batch (manual form).
+        schedule: ``"gpipe"`` or ``"1f1b"`` (manual form).
+        turns: ``"depth_first"`` or ``"breadth_first"``: how stages sharing a device take turns
+            (manual form).
 
     Raises:
         TypeError: neither a plan nor a balance, or both a plan and balance/devices.
-        ValueError: the plan was made for another model or for another schedule; a balance,
-            chunks, checkpoint mode, interleave or device count that does not fit the model.
+        ValueError: the plan was made for another model; a balance, chunks, checkpoint mode,
+            interleave, replica count, schedule, turn rule or device count that does not fit.
         ChainError: the model cannot be read as a chain of layers.
         DeviceError: a device does not exist.
     """
@@ -235,7 +240,7 @@ class Pipeline(nn.Module):
                 naming the stage, phase and micro-batch.
             ValueError: ``target`` does not have the inputs' batch size.
         """
-        targets = scatter((target,), self.replicas) if self.replicas > 1 else [(target,)]
+        targets = self._shares((target,))
         replicas = self._replicas(args, True)
         total = sum(replicas.sizes)
         for run, share_target in zip(replicas.runs, targets):
@@ -248,10 +253,13 @@ class Pipeline(nn.Module):
         losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
 
+    def _shares(self, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """``args`` split into the replicas' shares of the batch, as micro-batches are split."""
+        return scatter(args, self.replicas) if self.replicas > 1 else [args]
+
     def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
         """One call's runs: the batch split into replica shares, each into micro-batches."""
-        shares = scatter(args, self.replicas) if self.replicas > 1 else [args]
-        runs = [self._new_run(scatter(share, self.chunks), grad) for share in shares]
+        runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
         engines = self._engines[:len(runs)]
         if self.measure_memory:
             for engine, run in zip(engines, runs):
@@ -333,10 +341,6 @@ def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: Che
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
-    if turns not in TURN_RULES:
-        raise ValueError(f"turns '{turns}' is not one of {list(TURN_RULES)}")
 
 
 def _used_devices(devices: list[torch.device], per_replica: int, interleave: int,
@@ -356,8 +360,7 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
     (batch norm statistics would be updated in place by two threads at once).  A parameter
     shared by stages on one device is fine: each stage's backward adds into its ``.grad``."""
     placed: dict[int, tuple[str, int]] = {}
-    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
-    for layer, stage in zip(layers, stage_of_layer):
+    for layer, stage in zip(layers, stage_of_layer(balance)):
         state: list[tuple[str, torch.Tensor, bool]] = [(name, p, True) for name, p in layer.module.named_parameters()]
         state += [(name, b, False) for name, b in layer.module.named_buffers()]
         for name, tensor, is_parameter in state:
