@@ -92,10 +92,16 @@ def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> F
 class Fields:
     """A JSON value with the path that reached it, for errors that name the field."""
 
-    def __init__(self, value: Any, source: str, path: str) -> None:
+    def __init__(self, value: Any, source: str, path: str = "", parent: Fields | None = None,
+                 key: str | int | None = None) -> None:
         self.value = value
         self.source = source
-        self.path = path
+        self._path = path
+        self._parent, self._key = parent, key  # the path is joined only for an error: reading stays cheap
+
+    @property
+    def path(self) -> str:
+        return self._path if self._parent is None else self._parent._join(self._key)  # type: ignore[arg-type]
 
     def error(self, message: str, key: str | None = None) -> FormatError:
         where = self._join(key) if key is not None else self.path
@@ -103,16 +109,18 @@ class Fields:
         return FormatError(f"{self.source}:{field} {message}")
 
     def _join(self, key: str | int) -> str:
+        path = self.path
         if isinstance(key, int):
-            return f"{self.path}[{key}]"
-        return f"{self.path}.{key}" if self.path else key
+            return f"{path}[{key}]"
+        return f"{path}.{key}" if path else key
 
     def get(self, key: str) -> Fields:
-        if not isinstance(self.value, dict):
+        value = self.value
+        if not isinstance(value, dict):
             raise self.error("expected an object")
-        if key not in self.value:
+        if key not in value:
             raise self.error("missing", key)
-        return Fields(self.value[key], self.source, self._join(key))
+        return Fields(value[key], self.source, parent=self, key=key)
 
     def has(self, key: str) -> bool:
         return isinstance(self.value, dict) and key in self.value
@@ -120,7 +128,7 @@ class Fields:
     def items(self) -> list[Fields]:
         if not isinstance(self.value, list):
             raise self.error(f"expected a list, found {type(self.value).__name__}")
-        return [Fields(v, self.source, self._join(i)) for i, v in enumerate(self.value)]
+        return [Fields(v, self.source, parent=self, key=i) for i, v in enumerate(self.value)]
 
     def keys(self) -> list[str]:
         if not isinstance(self.value, dict):
@@ -128,26 +136,28 @@ class Fields:
         return list(self.value)
 
     def typed(self, key: str, check: Callable[[Any], bool], what: str) -> Any:
-        field = self.get(key)
-        if not check(field.value):
-            raise field.error(f"expected {what}, found {json.dumps(field.value)[:60]}")
-        return field.value
+        value = self._value(key)
+        if not check(value):
+            raise self.get(key).error(f"expected {what}, found {json.dumps(value)[:60]}")
+        return value
+
+    def _value(self, key: str) -> Any:
+        """The value at ``key`` (errors as :meth:`get`'s), without a :class:`Fields` for it."""
+        if isinstance(self.value, dict) and key in self.value:
+            return self.value[key]
+        return self.get(key).value  # raises, naming what is wrong
 
     def str(self, key: str) -> str:
-        return self.typed(key, lambda v: isinstance(v, str), "a string")
+        return self.typed(key, _is_str, "a string")
 
     def int(self, key: str, minimum: int | None = None) -> int:
-        value = self.typed(key, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+        value = self.typed(key, _is_int, "an integer")
         if minimum is not None and value < minimum:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
 
     def float(self, key: str, minimum: float | None = None) -> float:
-        value = float(self.typed(
-            key,
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-            "a finite number",
-        ))
+        value = float(self.typed(key, _is_finite, "a finite number"))
         if minimum is not None and value < minimum:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
@@ -165,6 +175,18 @@ class Fields:
             lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
             "a list of integers",
         )
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def digest(document: Any) -> str:

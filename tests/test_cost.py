@@ -27,10 +27,10 @@ def test_interpolation_is_piecewise_linear_and_refuses_extrapolation():
 def test_stage_times_divide_by_speed_and_interpolate():
     profile = make_profile([4.0, 8.0], sizes=(2, 4), batch_size=6, devices=2)  # scale: 0.25+0.75*b/4
     model = model_of(profile, speeds=[1.0, 2.0])
-    costs = model.at(3)  # halfway between 2 (0.625) and 4 (1.0): 0.8125
-    forward, backward = model.compute(costs, 0, 2, 1)
-    assert forward == pytest.approx(12.0 * 0.8125 / 2)
-    assert backward == pytest.approx(24.0 * 0.8125 / 2)
+    # 2 micro-batches of 3, halfway between 2 (0.625) and 4 (1.0): 0.8125; both layers on device 1
+    stage, = model.stage_lanes((0, 2), 2, "never", placement=[1])
+    assert stage.forward == pytest.approx(12.0 * 0.8125 / 2)
+    assert stage.backward == pytest.approx(24.0 * 0.8125 / 2)
 
 
 def test_memory_terms_for_each_checkpoint_mode():

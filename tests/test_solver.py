@@ -231,7 +231,7 @@ def test_dominance_filters_keep_exactly_the_labels_no_earlier_one_dominates():
 def test_completions_bound_every_way_to_finish(seed):
     """For every split and every cut in it, what the grid says the rest costs at least, added to
     the plan so far, is no more than the split's time; and its plans are splits."""
-    from autopipe.planning.completion import Completions
+    from autopipe.planning.completion import Completions, grid_levels
     from autopipe.planning.candidates import Candidate
 
     rng = random.Random(seed)
@@ -243,7 +243,8 @@ def test_completions_bound_every_way_to_finish(seed):
         chunks, mode = rng.choice([1, 2, 4, 8]), rng.choice(["never", "except_last", "always"])
         candidate = Candidate.of(model, chunks, mode, devices)
         lanes = None if rng.random() < 0.5 else tuple(f * rng.uniform(1.0, 1.5) for f in candidate.floors)
-        grid = Completions.around(candidate, model.speeds[:devices], (math.inf, math.inf), lanes)
+        grid = Completions.grid(candidate, model.speeds[:devices],
+                                *grid_levels(candidate, devices, (math.inf, math.inf), lanes))
         times = []
         for bounds in all_splits(layers, devices):
             evaluation = model.evaluate(bounds, chunks, mode)

@@ -11,7 +11,7 @@ import numpy as np
 from .._vocab import CheckpointMode
 from .cost import CostModel, SizeCosts, effective_mode
 
-__all__ = ["Candidate", "Choice", "greedy_split", "least_largest", "reach"]
+__all__ = ["Candidate", "Choice", "better", "greedy_split", "least_largest", "reach"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,13 @@ class Choice:
     interleave: int = 1
     schedule: str = "gpipe"
     turns: str = "depth_first"
+
+
+def better(best: Choice | None, other: Choice | None) -> Choice | None:
+    """The faster of two plans, ``best`` on a tie."""
+    if best is None or other is not None and other.iteration_ms < best.iteration_ms:
+        return other
+    return best
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ where ``x⁻, y⁻`` are the caps one level below the cell's (a completion whose
 ``w = m-1`` (``m-2`` with ``except_last``, as ``V ≥ (m-2)·M``).  Unlike a bound from averages
 this sees that moving cuts to cheap copies unbalances the lanes, and that a plan lagging behind
 needs larger lanes to finish on the devices left.  The bound is as tight as the grid is fine
-where the best plans' lanes are, so :meth:`Completions.around` places the levels densely
+where the best plans' lanes are, so :func:`grid_levels` places the levels densely
 around a known plan.  Walking the DP's minima from the first layer gives a plan per cell.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from .candidates import Candidate, reach
 
-__all__ = ["Completions"]
+__all__ = ["Completions", "grid_levels"]
 
 # Relative levels, the most wanted first: before a plan is known, above the least possible lane;
 # then around a plan's lanes, densest just around them (where a completion trades a little lane
@@ -37,42 +37,44 @@ _AROUND = np.array([0.0, -1 / 32, 1 / 32, 1 / 4, -1 / 16, 1 / 16, -1 / 64, 1 / 6
 # Most floats a grid may hold (8 bytes each): its table and a few arrays of the same size per device.
 _BUDGET = 8_000_000
 # Levels a lane of the coarse grid, before a plan is known.
-_COARSE = 6
+_COARSE = 4
 # Ratio of the levels beyond the last relative one, up to the cap: fine enough for unequal speeds,
 # where moving work to faster devices trades lane sum for larger lanes over a wide range.
 _FAR = 1.2
 
 
 class Completions:
-    """The DP of the module docstring for one :class:`~autopipe.planning.candidates.Candidate` on a grid
-    of caps ``xs × ys`` (increasing, the last possibly ``inf``)."""
+    """The DP of the module docstring for one :class:`~autopipe.planning.candidates.Candidate`
+    over cells of caps: cell ``i`` holds the plans whose largest lanes lie in
+    ``(low_x[i], cap_x[i]] × (low_y[i], cap_y[i]]``.  A grid ``xs × ys`` (:meth:`grid`) also
+    bounds partial plans (:meth:`lower_bound`); any cells bound whole plans (:meth:`cell_bounds`)."""
 
-    def __init__(self, candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:
+    def __init__(self, candidate: Candidate, speeds: np.ndarray, cells: tuple[np.ndarray, ...],
+                 levels: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.candidate = candidate
         self.speeds = speeds
-        floor_x, floor_y = candidate.floors
-        self.lows = np.concatenate(([floor_x], xs[:-1])), np.concatenate(([floor_y], ys[:-1]))
-        self.cap_x, self.cap_y = np.repeat(xs, len(ys)), np.tile(ys, len(xs))
-        self.low_x, self.low_y = np.repeat(self.lows[0], len(ys)), np.tile(self.lows[1], len(xs))
+        self.cap_x, self.cap_y, self.low_x, self.low_y = cells
+        self.lows = levels  # a grid's lower caps per lane, for lower_bound
         self.work = candidate.costs.forward + candidate.back
         self.windows: dict[float, _RangeMin] = {}
-        self.stage: tuple[tuple[float, np.ndarray, np.ndarray], np.ndarray] | None = None
+        self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
 
     @staticmethod
-    def around(candidate: Candidate, speeds: np.ndarray, caps: tuple[float, float],
-               lanes: tuple[float, float] | None) -> Completions:
-        """A grid from the least possible lanes (``candidate.floors``) to ``caps``: a coarse one
-        (:data:`_COARSE` levels a lane) from :data:`_FIRST` above the floors, or one with as
-        many levels as :data:`_BUDGET` allows from :data:`_AROUND` the lanes ``(X, M)`` of a
-        plan; a lane whose weight is 0 gets only its cap."""
-        layers = len(candidate.back) - 1
-        count = max(int(math.sqrt(_BUDGET / ((len(speeds) + 6) * (layers + 1)))), 1)
-        count = min(count, _COARSE) if lanes is None else count
-        x, y = (_levels(floor, cap, lane, weight, count)
-                for floor, cap, lane, weight in zip(candidate.floors, caps, lanes or (None, None), candidate.weights))
-        return Completions(candidate, speeds, x, y)
+    def grid(candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> Completions:
+        """The cells of the grid of caps ``xs × ys`` (increasing, the last possibly ``inf``),
+        each reaching down to the level below (the floors below the first)."""
+        floor_x, floor_y = candidate.floors
+        lows = np.concatenate(([floor_x], xs[:-1])), np.concatenate(([floor_y], ys[:-1]))
+        cells = np.repeat(xs, len(ys)), np.tile(ys, len(xs)), np.repeat(lows[0], len(ys)), np.tile(lows[1], len(xs))
+        return Completions(candidate, speeds, cells, lows)
+
+    def cell_bounds(self) -> np.ndarray:
+        """Per cell, a lower bound on the time of every plan in it: ``rest + (m-1)·x⁻ + w·y⁻``
+        (``inf`` where no plan fits its caps)."""
+        weight_x, weight_m = self.candidate.weights
+        return self.rest[0, :, 0] + weight_x * self.low_x + weight_m * self.low_y
 
     def _rest(self) -> np.ndarray:
         """``rest[d, cell, p]``: the least lane sum of stages on devices ``d, d+1, …`` covering
@@ -90,14 +92,12 @@ class Completions:
     def _stage(self, device: int) -> np.ndarray:
         """Per cell, what a stage on ``device`` ending at each position costs beyond its start:
         its work to there at the device's speed plus the copies of the cut there to the next
-        device and back, ``inf`` where either copy exceeds the cell's cap (reused while the
-        devices are alike)."""
-        key = (float(self.speeds[device]), self.candidate.copy_forward[device], self.candidate.copy_back[device])
-        if self.stage is None or not (key[0] == self.stage[0][0] and np.array_equal(key[1], self.stage[0][1])
-                                      and np.array_equal(key[2], self.stage[0][2])):
-            speed, forward, back = key
-            self.stage = key, self.work / speed + _cut(forward, back, self.cap_x[:, None], self.cap_y[:, None])
-        return self.stage[1]
+        device and back, ``inf`` where either copy exceeds the cell's cap (the copies reused
+        while the devices' copy costs are alike)."""
+        copies = self.candidate.copy_forward[device], self.candidate.copy_back[device]
+        if self.stage is None or not all(np.array_equal(a, b) for a, b in zip(copies, self.stage[0])):
+            self.stage = copies, _cut(*copies, self.cap_x[:, None], self.cap_y[:, None])
+        return self.stage[1] + self.work / float(self.speeds[device])
 
     def _window(self, speed: float) -> _RangeMin:
         """The stops ``(p, reach]`` a stage from each ``p`` may end at on a device of ``speed``."""
@@ -119,6 +119,7 @@ class Completions:
         ``a`` the x-levels whose lower cap is at most ``X`` (so ``max(X, x⁻) = X`` in their
         cells) and ``b`` likewise for ``M``, the cells split into four blocks, each the least
         of a table over the grid that running minima make once per start, not per plan."""
+        assert self.lows is not None, "lower_bound needs a grid"
         (weight_x, weight_m), (low_x, low_y) = self.candidate.weights, self.lows
         positions, at = np.unique(starts, return_inverse=True)
         rest = self.rest[device][:, positions].reshape(len(low_x), len(low_y), -1)
@@ -138,7 +139,7 @@ class Completions:
         weight_x, weight_m = self.candidate.weights
         rest = self.rest[0, :, 0]
         promise = rest + (weight_x * self.cap_x if weight_x else 0.0) + (weight_m * self.cap_y if weight_m else 0.0)
-        least = rest + weight_x * self.low_x + weight_m * self.low_y
+        least = self.cell_bounds()
         cells = dict.fromkeys(int(c) for order in (np.argsort(promise), np.argsort(least)) for c in order[:count]
                               if math.isfinite(rest[c]))
         return [self._walk(cell) for cell in cells]
@@ -157,6 +158,19 @@ class Completions:
             values = self.work[stops] / speed + cut + self.rest[device + 1, cell, stops]
             bounds.append(int(stops[np.argmin(values)]))
         return tuple(bounds)
+
+
+def grid_levels(candidate: Candidate, devices: int, caps: tuple[float, float],
+                lanes: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """The levels per lane of a grid (:meth:`Completions.grid`) from the least possible lanes
+    (``candidate.floors``) to ``caps``: a coarse one (:data:`_COARSE` levels a lane) from
+    :data:`_FIRST` above the floors, or one with as many levels as :data:`_BUDGET` allows from
+    :data:`_AROUND` the lanes ``(X, M)`` of a plan; a lane whose weight is 0 gets only its cap."""
+    count = max(int(math.sqrt(_BUDGET / ((devices + 6) * len(candidate.back)))), 1)
+    count = min(count, _COARSE) if lanes is None else count
+    x, y = (_levels(floor, cap, lane, weight, count)
+            for floor, cap, lane, weight in zip(candidate.floors, caps, lanes or (None, None), candidate.weights))
+    return x, y
 
 
 def _suffix_min(values: np.ndarray, axis: int) -> np.ndarray:

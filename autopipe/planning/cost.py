@@ -258,12 +258,6 @@ class CostModel:
             return []
         return [(s - 1, s) for s in range(src + 1, dst + 1)] if self.relayed else [(src, dst)]
 
-    def compute(self, costs: SizeCosts, start: int, stop: int, device: int) -> tuple[float, float]:
-        """Forward and backward (no recompute) time of layers ``[start, stop)`` on ``device``."""
-        speed = self.speeds[device]
-        return (float(costs.sum(costs.forward, start, stop) / speed),
-                float(costs.sum(costs.backward, start, stop) / speed))
-
     def held_bytes(self, costs: SizeCosts, start: Any, stop: Any) -> Any:
         """Bytes per micro-batch of the skips stage ``[start, stop)`` sends on or receives, and
         when relayed also passes along (either bound may be an index array)."""
@@ -305,7 +299,7 @@ class CostModel:
         held = in_flight(schedule, stage, stages, chunks)
         terms = self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held)
         extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
-        if extra:
+        if np.any(extra):
             terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop))
         return terms
 
@@ -339,14 +333,15 @@ class CostModel:
             for hop_src, hop_dst in self.route(src, dst):
                 copy_in[hop_dst] += self.copy_ms(where[hop_src], where[hop_dst], nbytes)
                 copy_grad[hop_src] += self.copy_ms(where[hop_dst], where[hop_src], nbytes)
-        stages = []
-        for s in range(count):
-            forward, backward = self.compute(costs, bounds[s], bounds[s + 1], where[s])
-            recompute = forward if recomputations(mode, chunks) else 0.0
-            terms = self.schedule_memory_terms(costs, bounds[s], bounds[s + 1], chunks, mode, schedule, s, count)
-            stages.append(StageLanes(forward, backward, recompute, copy_in[s], copy_grad[s], float(terms.total),
-                                     terms.to_json()))
-        return stages
+        starts, stops, index = np.asarray(bounds[:-1]), np.asarray(bounds[1:]), np.asarray(where)
+        speed = self.speeds[index]
+        forward = costs.sum(costs.forward, starts, stops) / speed
+        backward = costs.sum(costs.backward, starts, stops) / speed
+        recompute = forward * (1.0 if recomputations(mode, chunks) else 0.0)
+        terms = self.schedule_memory_terms(costs, starts, stops, chunks, mode, schedule, np.arange(count), count)
+        memory = np.broadcast_to(terms.total, (count,))
+        return [StageLanes(float(forward[s]), float(backward[s]), float(recompute[s]), copy_in[s], copy_grad[s],
+                           float(memory[s]), row) for s, row in enumerate(terms.rows(count))]
 
 
 def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:

@@ -58,7 +58,7 @@ import numpy as np
 from ..profiling.profiles import LayerProfile
 
 __all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "BackwardTables",
-           "range_max", "estimated_workspace", "output_saved_flags"]
+           "RangeMax", "estimated_workspace", "output_saved_flags"]
 
 #: Optimizer-state bytes per parameter byte for the optimizers a plan can name: plain SGD keeps
 #: none, SGD with momentum a momentum buffer, Adam two moments.
@@ -105,9 +105,14 @@ class MemoryTerms:
     def to_json(self) -> dict[str, int]:
         return {f.name: int(np.ceil(getattr(self, f.name))) for f in fields(self)}
 
+    def rows(self, count: int) -> list[dict[str, int]]:
+        """:meth:`to_json` of each of ``count`` stages whose terms are arrays."""
+        table = np.ceil(np.array([np.broadcast_to(getattr(self, f.name), (count,)) for f in fields(self)]))
+        return [dict(zip((f.name for f in fields(self)), map(int, column))) for column in table.T]
+
 
 def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_saved: Any,
-                 input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: int,
+                 input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: Any,
                  checkpointed: bool, optimizer: float, own_copies: bool,
                  received: Any = 0.0) -> MemoryTerms:
     """The terms for a stage (or arrays of candidate stages), every byte count at size ``b``.
@@ -137,8 +142,7 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         activations, outputs, input_grad = saved * in_flight, extra * in_flight, gradient * 0.0
         before, after = (saved + extra) * (in_flight - 1), (saved + extra) * (in_flight - 2) + gradient
     peak = in_first + before - params  # the gradients of the first backward are in in_first
-    if in_flight > 1 or checkpointed:
-        peak = np.maximum(peak, in_later + after)
+    peak = np.where((np.asarray(in_flight) > 1) | checkpointed, np.maximum(peak, in_later + after), peak)
     terms = dict(parameters=params, gradients=params, optimizer=optimizer * params, buffers=buffers,
                  activations=activations, outputs=outputs,
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
@@ -148,24 +152,37 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
     return MemoryTerms(**terms, transient=total - sum(terms.values()))
 
 
-def range_max(values: Sequence[float]) -> np.ndarray:
-    """``table[a, c]`` = the largest of ``values[a:c]`` (-inf for an empty range), for index arrays."""
-    count = len(values)
-    table = np.full((count + 1, count + 1), -np.inf)
-    for start in range(count):
-        table[start, start + 1:] = np.maximum.accumulate(np.asarray(values[start:], dtype=float))
-    return table
+class RangeMax:
+    """``table[a, c]`` = the largest of ``values[a:c]`` (-inf for an empty range), for index
+    arrays: maxima over power-of-two spans (``O(L log L)`` to build), each range answered as
+    the two overlapping spans of the largest length that fits in it."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        spans = [np.append(np.asarray(values, dtype=float), -np.inf)]  # a last -inf: empty ranges
+        while 2 ** len(spans) <= len(spans[0]) - 1:
+            half, top = 2 ** (len(spans) - 1), spans[-1]
+            spans.append(np.append(np.maximum(top[:-half], top[half:]), np.full(half, -np.inf)))
+        self.spans = np.stack(spans)
+        self.empty = len(spans[0]) - 1
+
+    def __getitem__(self, index: tuple[Any, Any]) -> Any:
+        start, stop = (np.asarray(i) for i in index)
+        width = stop - start
+        level = np.floor(np.log2(np.maximum(width, 1))).astype(np.intp)
+        left = np.where(width > 0, start, self.empty)
+        right = np.where(width > 0, stop - (1 << level), self.empty)
+        return np.maximum(self.spans[level, left], self.spans[level, right])
 
 
 @dataclass(frozen=True)
 class BackwardTables:
     """Per micro-batch size, what ``max_l backward_l`` needs for any stage ``[a, c)`` at once:
-    range maxima (:func:`range_max`) of ``S(0..l) + w_l + out_l`` for inner layers, the last
+    range maxima (:class:`RangeMax`) of ``S(0..l) + w_l + out_l`` for inner layers, the last
     layer's own value, and where each stage's output was made."""
 
-    later: np.ndarray
+    later: RangeMax
     later_last: np.ndarray
-    first: np.ndarray  # the same less P(0..l): the first backward adds the gradients P(l..c)
+    first: RangeMax  # the same less P(0..l): the first backward adds the gradients P(l..c)
     first_last: np.ndarray
     producer: np.ndarray  # [c]: the last layer before c that is not in place
     saved_prefix: np.ndarray
@@ -185,7 +202,7 @@ class BackwardTables:
                 made -= 1
             producer[stop] = made
         pad = np.concatenate(([0.0], outputs))
-        return BackwardTables(range_max(inner), last, range_max(inner - param_prefix[:-1]),
+        return BackwardTables(RangeMax(inner), last, RangeMax(inner - param_prefix[:-1]),
                               last - param_prefix[:-1], producer, saved_prefix, param_prefix, pad,
                               pad * np.concatenate(([0.0], 1 - output_saved)))
 

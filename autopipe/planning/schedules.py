@@ -23,6 +23,10 @@ rule, whichever the planner predicts faster.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from .._vocab import SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
 __all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "TurnRule", "order", "in_flight", "saved_sets", "priority",
@@ -45,17 +49,18 @@ def order(schedule: str, stage: int, stages: int, chunks: int) -> list[Task]:
     raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
 
 
-def in_flight(schedule: str, stage: int, stages: int, chunks: int) -> int:
-    """Most micro-batches whose forward ran and backward did not yet on ``stage``: what its
-    memory holds activations for (``chunks`` in gpipe, ``min(stages - stage, chunks)`` in 1f1b)."""
+def in_flight(schedule: str, stage: Any, stages: int, chunks: int) -> Any:
+    """Most micro-batches whose forward ran and backward did not yet on ``stage`` (an index,
+    or an array of them): what its memory holds activations for (``chunks`` in gpipe,
+    ``min(stages - stage, chunks)`` in 1f1b)."""
     if schedule == "gpipe":
-        return chunks
+        return chunks + 0 * stage
     if schedule == "1f1b":
-        return min(stages - stage, chunks)
+        return np.minimum(stages - stage, chunks) if isinstance(stage, np.ndarray) else min(stages - stage, chunks)
     raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
 
 
-def saved_sets(schedule: str, mode: str, stage: int, stages: int, chunks: int) -> int:
+def saved_sets(schedule: str, mode: str, stage: Any, stages: int, chunks: int) -> Any:
     """Most micro-batches whose saved tensors (not only inputs) ``stage`` holds at once under
     checkpoint ``mode``: all in flight with ``never``; one with ``always`` (the one being
     recomputed); with ``except_last`` one, except in 1F1B on a stage with a warm-up, where the
@@ -63,8 +68,9 @@ def saved_sets(schedule: str, mode: str, stage: int, stages: int, chunks: int) -
     (``F(m-1) B(m-1-w) …``): two."""
     if mode == "never":
         return in_flight(schedule, stage, stages, chunks)
-    warm = schedule == "1f1b" and min(stages - stage - 1, chunks - 1) > 0
-    return 2 if mode == "except_last" and warm else 1
+    warm = np.minimum(stages - stage - 1, chunks - 1) > 0 if schedule == "1f1b" else 0 * stage > 0
+    twice = np.where(warm, 2, 1) if mode == "except_last" else 1 + 0 * stage
+    return twice if isinstance(stage, np.ndarray) else int(twice)
 
 
 def checkpointed(mode: CheckpointMode, micro_batch: int, chunks: int) -> bool:

@@ -29,10 +29,11 @@ from ._assembly import build_plan
 from ._budget import Budget, Outcome
 from ._infeasible import infeasible, smallest_memory
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
-from .completion import Completions
+from .completion import Completions, grid_levels
+from .refinement import Cells, refine
 from .cost import CostModel
 from .plans import Plan
-from .candidates import Candidate, Choice, greedy_split, least_largest
+from .candidates import Candidate, Choice, better, greedy_split, least_largest
 from .search import Search
 
 __all__ = ["plan", "search_pipeline", "solve", "Search", "Choice", "PlanningError", "build_plan", "candidate_chunks",
@@ -102,11 +103,12 @@ def plan(
         ValueError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
             profiled sizes, a memory size that cannot be read, ...).
     """
+    budget = Budget(time_limit)  # from the start: checking the profile counts too
     profile.validate()  # a profile built or edited in memory is checked as a loaded one
     return search_pipeline(profile, devices, batch_size=batch_size, memory_limit=memory_limit,
                            checkpoint=checkpoint, optimizer_state=optimizer_state, schedule=schedule,
                            speeds=speeds, chunks=chunks, engine=engine, interleave=interleave,
-                           time_limit=time_limit, placement=placement)
+                           time_limit=time_limit, placement=placement, budget=budget)
 
 
 def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None, *, batch_size: int | None = None,
@@ -114,10 +116,10 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                     checkpoint: CheckpointChoice = "auto", optimizer_state: str | float = "momentum",
                     schedule: Schedule | str = "gpipe", speeds: Sequence[float] | None = None,
                     chunks: int | None = None, engine: EngineName = "local", interleave: int | str = "auto",
-                    time_limit: float | None = 1.0, placement: str = "given") -> Plan:
+                    time_limit: float | None = 1.0, placement: str = "given", budget: Budget | None = None) -> Plan:
     """:func:`plan` of a profile already validated (the replica search validates it once for
-    all its pipeline searches)."""
-    budget = Budget(time_limit)  # from the start: the cost model and the profile's digest count too
+    all its pipeline searches), within ``budget`` if given (else ``time_limit`` from now)."""
+    budget = Budget(time_limit) if budget is None else budget
     digest = profile.digest
     if placement not in placements.PLACEMENTS:
         raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
@@ -175,36 +177,35 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     ``budget``, and a lower bound on the optimum (equal to the plan's time when the search
     finished: it is then exact).
 
-    Candidates are scouted in order of their cheap bound while it is under the best time: a
-    coarse grid of caps gives each a lower bound and plans.  Then each gets a finer grid around
-    its best plan (a tighter bound, more plans), and then each is searched exactly for a
-    strictly better plan, those with the best plans first, so that the others are cut off
-    early.  Ties go to the plan found first.  When the time is up, what is left contributes its
-    bound: a candidate not scouted its cheap bound, one not searched to the end its grid's.
+    Best first over all candidates (:mod:`autopipe.planning.refinement`): a candidate whose
+    cheap bound is the least open one is scouted (a coarse grid of caps gives it cells with
+    lower bounds, and plans), else the cells of least bound are refined; until every cell is
+    dropped (the best plan is then optimal) or too narrow to refine.  A candidate with
+    cells left gets a finer grid around its best plan and the exact search, those with the best
+    plans first, so that the others are cut off early.  Ties go to the plan found first.  When
+    the time is up, what is left contributes its bound: a candidate not scouted its cheap
+    bound, one not searched to the end its cells'.
     """
     pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
                    key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
-    best = _seed(model, pairs[0], limits)
-    leads, left, longest = [], [math.inf], 0.0  # longest: the slowest step of the current kind
-    for pair in pairs:
-        if best is not None and pair.lower_bound >= best.iteration_ms:
-            break
-        if budget.out(2 * longest):  # steps vary; twice the slowest so far
-            left.append(pair.lower_bound)  # the least of those not scouted (sorted by it)
-            break
-        start = time.perf_counter()
-        leads.append(_scout(model, pair, limits, best))
-        best, longest = _better(best, leads[-1].plan), max(longest, time.perf_counter() - start)
-    refined, longest = [], 0.0
-    for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        if best is not None and lead.least >= best.iteration_ms:
+    leads: list[_Lead] = []
+
+    def scout(candidate: Candidate, best: Choice | None) -> tuple[Cells, Choice | None]:
+        leads.append(_scout(model, candidate, limits, best))
+        return leads[-1].cells, leads[-1].plan
+
+    best, waiting, per_cell = refine(pairs, scout, lambda candidate, splits: _best_plan(model, candidate, limits, splits)[0],
+                              model.speeds[: len(limits)], _seed(model, pairs[0], limits), budget)
+    left = [waiting]
+    unsettled = [lead for lead in leads if lead.cells.least() < (math.inf if best is None else best.iteration_ms)]
+    refined = []
+    for lead in sorted(unsettled, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
+        xs, ys = _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)
+        if budget.out(2 * per_cell * len(xs) * len(ys)):  # foreseen from the cells refined; twice, as steps vary
+            left.append(lead.cells.least())
             continue
-        if budget.out(2 * longest):  # steps vary; twice the slowest so far
-            left.append(lead.least)
-            continue
-        start = time.perf_counter()
-        refined.append(_refine(model, lead, limits, best))
-        best, longest = _better(best, refined[-1].plan), max(longest, time.perf_counter() - start)
+        refined.append(_refine(model, lead, limits, best, xs, ys))
+        best = better(best, refined[-1].plan)
     for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
         best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
@@ -214,12 +215,12 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
 
 @dataclass(frozen=True)
 class _Lead:
-    """What a coarse grid of caps tells about a candidate: a lower bound on its time and on the
-    lane sum of its plans (within the grid's caps), its best plan found and that plan's largest
-    forward and backward lanes."""
+    """What a coarse grid of caps tells about a candidate: its cells with their lower bounds
+    (refined later), a lower bound on the lane sum of its plans (within the grid's caps), its
+    best plan found and that plan's largest forward and backward lanes."""
 
     candidate: Candidate
-    least: float
+    cells: Cells
     floor: float
     plan: Choice | None
     lanes: tuple[float, float] | None
@@ -237,8 +238,9 @@ def _seed(model: CostModel, candidate: Candidate, limits: np.ndarray) -> Choice 
 def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None) -> _Lead:
     """A coarse grid of caps for ``candidate``: cheap, and its bound and plans decide the order of
     the exact searches and cut most of them off."""
-    completions = _grid(model, candidate, limits, best, None, candidate.work)
-    return _Lead(candidate, completions.least(), completions.floor,
+    completions = Completions.grid(candidate, model.speeds[: len(limits)],
+                                   *_levels(model, candidate, limits, best, None, candidate.work))
+    return _Lead(candidate, Cells.of(completions), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
@@ -253,12 +255,13 @@ class _Refined:
     plan: Choice | None
 
 
-def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None) -> _Refined:
-    """A finer grid of caps around ``lead``'s best plan: a tighter bound and more plans, before
-    any exact search, so that a time limit leaves small gaps."""
-    completions = _grid(model, lead.candidate, limits, best, lead.lanes, lead.floor)
-    found = _better(lead.plan, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
-    return _Refined(lead.candidate, completions, max(lead.least, completions.least()), found)
+def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | None, xs: np.ndarray,
+            ys: np.ndarray) -> _Refined:
+    """The finer grid of caps ``xs × ys`` around ``lead``'s best plan, for the exact search to
+    prune by."""
+    completions = Completions.grid(lead.candidate, model.speeds[: len(limits)], xs, ys)
+    found = better(lead.plan, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
+    return _Refined(lead.candidate, completions, max(lead.cells.least(), completions.least()), found)
 
 
 def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice | None,
@@ -276,12 +279,12 @@ def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice |
     return found, math.inf if search.finished else grid.least
 
 
-def _grid(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
-          lanes: tuple[float, float] | None, least_sum: float) -> Completions:
-    """The grid of caps up to the largest lanes a plan better than ``best`` can have, given
-    that its lane sum is at least ``least_sum``."""
+def _levels(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
+            lanes: tuple[float, float] | None, least_sum: float) -> tuple[np.ndarray, np.ndarray]:
+    """The levels of a grid of caps up to the largest lanes a plan better than ``best`` can
+    have, given that its lane sum is at least ``least_sum`` (coarse, or around ``lanes``)."""
     caps = candidate.caps(math.inf if best is None else best.iteration_ms, least_sum)
-    return Completions.around(candidate, model.speeds[: len(limits)], caps, lanes)
+    return grid_levels(candidate, len(limits), caps, lanes)
 
 
 def _best_plan(model: CostModel, candidate: Candidate, limits: np.ndarray,
@@ -300,10 +303,3 @@ def _best_plan(model: CostModel, candidate: Candidate, limits: np.ndarray,
     lanes = (max(max(s.forward, s.copy_in) for s in evaluation.stages),
              max(max(s.backward + s.recompute, s.copy_grad) for s in evaluation.stages))
     return Choice(bounds, candidate.chunks, candidate.mode, evaluation.iteration_ms), lanes
-
-
-def _better(best: Choice | None, other: Choice | None) -> Choice | None:
-    """The faster of two plans, ``best`` on a tie."""
-    if best is None or other is not None and other.iteration_ms < best.iteration_ms:
-        return other
-    return best

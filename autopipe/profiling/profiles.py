@@ -43,6 +43,11 @@ class Stat:
 
     @staticmethod
     def from_json(f: Fields) -> Stat:
+        value = f.value
+        if (isinstance(value, dict) and all(_is_time(value.get(key)) for key in _STAT_TIMES)
+                and _is_count(value.get("repeats"))
+                and value["min_ms"] <= value["median_ms"] <= value["max_ms"]):  # well formed: read it at once
+            return Stat(float(value["median_ms"]), float(value["min_ms"]), float(value["max_ms"]), value["repeats"])
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -151,6 +156,14 @@ class LayerProfile:
 def _flag(f: Fields, key: str) -> bool | None:
     """An optional true/false field: ``None`` where a profile predates it."""
     return f.typed(key, lambda v: isinstance(v, bool), "true or false") if f.has(key) else None
+
+
+_STAT_TIMES = ("median_ms", "min_ms", "max_ms")
+
+
+def _is_time(value: Any) -> bool:
+    """A finite number of milliseconds, at least 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _is_count(value: Any) -> bool:

@@ -1,0 +1,146 @@
+"""Best-first refinement of cells of lane caps: lower bounds within a few per cent of the
+optimum, fast, and the plans that come with them.
+
+A grid of caps (:mod:`autopipe.planning.completion`) bounds the plans of a cell by its lower
+edges, ``rest + (m-1)·x⁻ + w·y⁻``, so a wide cell bounds loosely; a fine grid everywhere costs
+too much.  Here each candidate's cells are kept as a list, and the cells of least bound (over
+all candidates) are halved along the lane whose width weighs more, as in a branch and bound:
+a half's bound is never below its parent's, and a cell whose bound reaches the best time found
+is dropped.  Refining stops when every cell is dropped (the best plan is then optimal — the
+bounds hold for every plan), when the time is up, or when the cells left are too narrow to
+halve (the relaxation, not the cells, is what is loose there: memory, skips and ``except_last``
+are left out of it, so an exact search must settle those).  Each refined cell's DP also walks
+a plan (:meth:`Completions.plans`), priced by the cost model: upper bounds come with the lower.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ._budget import Budget
+from .candidates import Candidate, Choice, better
+from .completion import Completions
+
+__all__ = ["Cells", "refine"]
+
+# Cells halved at once (their halves share one DP over the devices).
+_BATCH = 16
+# A cell narrower than this (weighted lane widths, relative to the best time) is not halved.
+_NARROW = 2e-4
+# Plans walked from each batch of halves (those of least bound).
+_WALKS = 2
+# Most cells a candidate keeps open: beyond, its relaxation is what is loose (the cells left
+# would only multiply), and it is settled as too narrow.
+_MOST = 512
+
+#: prices stage bounds for a candidate: the best plan among them that fits in memory, or ``None``.
+Price = Callable[[Candidate, Sequence[tuple[int, ...]]], "Choice | None"]
+#: a candidate's first cells of caps and its best plan found there (given the best so far).
+Scout = Callable[[Candidate, "Choice | None"], "tuple[Cells, Choice | None]"]
+
+
+@dataclass
+class Cells:
+    """One candidate's cells still open: caps, lower caps and bounds as parallel arrays, and
+    whether any was too narrow to halve (:data:`_NARROW`), or all were, or too many to halve
+    (:data:`_MOST`)."""
+
+    candidate: Candidate
+    cap_x: np.ndarray
+    cap_y: np.ndarray
+    low_x: np.ndarray
+    low_y: np.ndarray
+    bound: np.ndarray
+    narrow: bool = False
+    settled: bool = False
+
+    @staticmethod
+    def of(completions: Completions) -> Cells:
+        """The cells of ``completions`` in which some plan fits."""
+        bound = completions.cell_bounds()
+        keep = np.flatnonzero(np.isfinite(bound))
+        return Cells(completions.candidate, completions.cap_x[keep], completions.cap_y[keep],
+                     completions.low_x[keep], completions.low_y[keep], bound[keep])
+
+    def least(self) -> float:
+        """A lower bound on every plan of the candidate (``inf``: none is left open)."""
+        return float(np.min(self.bound, initial=math.inf))
+
+    def prune(self, best: float) -> None:
+        """Drop the cells whose bound reaches ``best``."""
+        self._keep(np.flatnonzero(self.bound < best))
+
+    def _keep(self, index: np.ndarray) -> None:
+        self.cap_x, self.cap_y, self.low_x, self.low_y, self.bound = (
+            table[index] for table in (self.cap_x, self.cap_y, self.low_x, self.low_y, self.bound))
+
+    def halves(self, best: float) -> tuple[np.ndarray, ...] | None:
+        """Take the (up to :data:`_BATCH`) cells of least bound out and return their halves,
+        each cut along the lane of larger weighted width; ``None`` if those are too narrow."""
+        (weight_x, weight_m) = self.candidate.weights
+        width_x = weight_x * np.where(np.isfinite(self.cap_x), self.cap_x - self.low_x, self.low_x)
+        width_y = weight_m * np.where(np.isfinite(self.cap_y), self.cap_y - self.low_y, self.low_y)
+        wide = (width_x + width_y) > _NARROW * best
+        self.narrow = self.narrow or bool(np.any(~wide))
+        order = np.flatnonzero(wide)[np.argsort(self.bound[wide], kind="stable")[:_BATCH]]
+        if not len(order) or len(self.bound) > _MOST:
+            self.settled = True
+            return None
+        along_x = width_x[order] >= width_y[order]
+        cap_x, cap_y, low_x, low_y = (t[order] for t in (self.cap_x, self.cap_y, self.low_x, self.low_y))
+        mid_x = np.where(np.isfinite(cap_x), (low_x + cap_x) / 2, 2 * low_x)
+        mid_y = np.where(np.isfinite(cap_y), (low_y + cap_y) / 2, 2 * low_y)
+        self._keep(np.setdiff1d(np.arange(len(self.bound)), order))
+        lower = (np.where(along_x, mid_x, cap_x), np.where(along_x, cap_y, mid_y), low_x, low_y)
+        upper = (cap_x, cap_y, np.where(along_x, mid_x, low_x), np.where(along_x, low_y, mid_y))
+        return tuple(np.concatenate(pair) for pair in zip(lower, upper))
+
+    def add(self, completions: Completions) -> None:
+        """Take in the cells of ``completions`` in which some plan fits."""
+        more = Cells.of(completions)
+        for name in ("cap_x", "cap_y", "low_x", "low_y", "bound"):
+            setattr(self, name, np.concatenate((getattr(self, name), getattr(more, name))))
+
+
+def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.ndarray, best: Choice | None,
+           budget: Budget) -> tuple[Choice | None, float, float]:
+    """Best first over all candidates: scout the candidate of least cheap bound
+    (``pending``, in that order) while it is under every open cell's bound, else halve the
+    open cells of least bound; until no cell is open (each dropped or settled), or ``budget``
+    runs out.
+
+    Returns:
+        The best plan found (``best`` or a faster one), the least cheap bound of the
+        candidates not scouted (``inf``: none) and the most seconds a cell's DP took (to foresee
+        larger grids; 0 if none was halved); each scouted candidate's :class:`Cells` (from ``scout``) keep
+        what is still open.
+    """
+    cells: list[Cells] = []
+    waiting = list(pending)
+    longest, per_cell = 0.0, 0.0  # the slowest step so far, and per cell
+    while True:
+        upper = math.inf if best is None else best.iteration_ms
+        for group in cells:
+            group.prune(upper)
+        waiting = [candidate for candidate in waiting if candidate.lower_bound < upper]
+        open_ = [group for group in cells if len(group.bound) and not group.settled]
+        least = min(open_, key=Cells.least, default=None)
+        if least is None and not waiting or budget.out(2 * longest):  # steps vary; twice the slowest
+            return best, waiting[0].lower_bound if waiting else math.inf, per_cell
+        start = time.perf_counter()
+        if waiting and (least is None or waiting[0].lower_bound <= least.least()):
+            group, found = scout(waiting.pop(0), best)
+            cells.append(group)
+            best = better(best, found)
+        else:
+            halves = least.halves(upper)
+            if halves is not None:
+                completions = Completions(least.candidate, speeds, halves)
+                least.add(completions)
+                per_cell = max(per_cell, (time.perf_counter() - start) / len(halves[0]))
+                best = better(best, price(least.candidate, completions.plans(_WALKS)))
+        longest = max(longest, time.perf_counter() - start)
