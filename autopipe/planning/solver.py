@@ -14,7 +14,6 @@ optimal; stopped by the time limit, the least bound of what is left is a proven 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -194,8 +193,11 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
         leads.append(_scout(model, candidate, limits, best))
         return leads[-1].cells, leads[-1].plan
 
-    best, waiting, per_cell = refine(pairs, scout, lambda candidate, splits: _best_plan(model, candidate, limits, splits)[0],
-                              model.speeds[: len(limits)], _seed(model, pairs[0], limits), budget)
+    def price(candidate: Candidate, splits: Sequence[tuple[int, ...]]) -> Choice | None:
+        return _best_plan(model, candidate, limits, splits)[0]
+
+    best, waiting, per_cell = refine(pairs, scout, price, model.speeds[: len(limits)],
+                                     _seed(model, pairs[0], limits), budget)
     left = [waiting]
     unsettled = [lead for lead in leads if lead.cells.least() < (math.inf if best is None else best.iteration_ms)]
     refined = []
