@@ -25,6 +25,14 @@ class Budget:
         self.end = math.inf if seconds is None else time.perf_counter() + seconds
         self.spent = False
 
+    def share(self, parts: int) -> Budget:
+        """A budget of ``1 / parts`` of the time left (all of it when unlimited), ending no
+        later than this one."""
+        part = Budget(None)
+        if math.isfinite(self.end):
+            part.end = time.perf_counter() + max(self.end - time.perf_counter(), 0.0) / parts
+        return part
+
     def out(self, expected: float = 0.0) -> bool:
         """Whether the time is up, or would be after a step ``expected`` to take that many
         seconds (and stays up once it was)."""

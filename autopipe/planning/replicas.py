@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
@@ -45,6 +44,7 @@ import numpy as np
 from ..profiling.profiles import Profile
 from ..timeline import Event
 from . import interleaved
+from ._budget import Budget
 from .cost import CostModel
 from .plans import Plan
 from .simulate import Simulation, simulate, simulate_plan
@@ -163,6 +163,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         ValueError: ``replicas`` does not divide the devices or exceeds the batch.
         PlanningError: no replica count has a plan within the memory limits.
     """
+    budget = Budget(time_limit)  # from the start: checking the profile counts too
     profile.validate()  # once here: the pipeline searches below take it as checked
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
@@ -173,13 +174,12 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     lowest: float | None = math.inf  # the least lower bound over the replica counts planned
     tried: dict[str, float | None] = {}
     failures: list[str] = []
-    deadline = None if time_limit is None else time.perf_counter() + time_limit
-    for count in counts:
-        # one deadline for the whole call: each count searches in what the previous ones left
-        left = None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
+    for index, count in enumerate(counts):
+        # one deadline for the whole call: each count gets an equal share of what is left
+        share = budget.share(len(counts) - index)
         try:
             candidate = _replicated(profile, names, count, batch, limits, rates, engine,
-                                    {**options, "time_limit": left})
+                                    {**options, "time_limit": time_limit}, share)
         except ValueError as error:  # PlanningError, or options that a share of the batch cannot take
             if not isinstance(error, PlanningError) and (count == 1 or replicas != "auto"):
                 raise
@@ -207,7 +207,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
 
 
 def _replicated(profile: Profile, names: list[str], count: int, batch: int, limits: np.ndarray,
-                rates: list[float], engine: str, options: dict[str, Any]) -> Plan:
+                rates: list[float], engine: str, options: dict[str, Any], budget: Budget) -> Plan:
     """The best plan of ``count`` replicas: one replica's pipeline on the strictest of the
     replicas' device limits and the slowest of their speeds, with its reduction tail."""
     per = len(names) // count
@@ -217,12 +217,11 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     share = -(-batch // count)
     pipeline = search_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
-                             speeds=[float(v) for v in speed], engine=engine, **options)
+                             speeds=[float(v) for v in speed], engine=engine, budget=budget, **options)
     searched = pipeline.predicted.gap == 0  # the pipeline search finished: its time is the least
     bound = pipeline.predicted.lower_bound_ms
     if count > 1 and per > 1:
-        deadline = None if options.get("time_limit") is None else time.perf_counter() + options["time_limit"]
-        pipeline = _least_total(profile, pipeline, count, engine, deadline)
+        pipeline = _least_total(profile, pipeline, count, engine, budget)
         searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
     replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
     chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
@@ -233,11 +232,11 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     return chosen
 
 
-def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, deadline: float | None) -> Plan:
+def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget) -> Plan:
     """The replica pipeline of least total time (pipeline + reduction tail), starting from
     ``pipeline``, the one of least pipeline time: every one-stage-per-device
     ``(split, chunks, mode)`` whose pipeline time is under the best total is priced, until
-    ``deadline`` (``time.perf_counter()``; the plan's options then say the search was cut)."""
+    ``budget`` runs out (the plan's options then say the search was cut)."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
@@ -254,7 +253,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, d
                                                    _reductions(profile, first, replicas, engine))
     found, split = None, "least total"
     for bounds in _splits(layers, len(devices)):
-        if deadline is not None and time.perf_counter() > deadline:
+        if budget.out():
             split = "least total of the splits priced before the time limit"
             break
         for m in chunks:
