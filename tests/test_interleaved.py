@@ -143,7 +143,7 @@ def test_planner_interleave_options_are_checked() -> None:
 
 def test_interleaved_beyond_enumeration_gets_a_min_max_split() -> None:
     """40 layers on 4 devices, 2 stages each: C(39, 7) splits are not enumerated; the min-max
-    split is simulated, fits the memory limit, and its bound stays open (gap reported)."""
+    split, descended, fits the memory limit, and its bound stays open (gap reported)."""
     wide = make_profile([1.0 + (i % 5) for i in range(40)], devices=4, saved_bytes=100, linear=True)
     chosen = plan(wide, interleave=2, chunks=8, memory_limit=60_000, time_limit=None)
     assert chosen.interleave == 2 and len(chosen.stages) == 8

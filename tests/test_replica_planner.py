@@ -73,9 +73,9 @@ def test_optimal_against_brute_force_with_each_kind_winning() -> None:
         expected, replicas, stages = brute_force(profile, devices, limit)
         if math.isinf(expected):
             with pytest.raises(PlanningError):
-                plan(profile, devices, memory_limit=limit, interleave=1, optimizer_state=2.0)
+                plan(profile, devices, memory_limit=limit, interleave=1, optimizer_state=2.0, time_limit=None)
             continue
-        chosen = plan(profile, devices, memory_limit=limit, interleave=1, optimizer_state=2.0)
+        chosen = plan(profile, devices, memory_limit=limit, interleave=1, optimizer_state=2.0, time_limit=None)
         assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9)
         assert all(stage.memory_bytes <= limit + 1 for stage in chosen.stages)
         won[_kind(replicas, stages, devices)] = won.get(_kind(replicas, stages, devices), 0) + 1

@@ -11,21 +11,23 @@ the pipeline::
 
 Stages sharing a device take turns, so there is no closed form: a split's time is the
 simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
-of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.  The search is
-exact by enumeration with pruning: a lower bound on every split is computed at once with numpy,
-per phase the larger of
+of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.
+The ``(chunks, mode, device count)`` groups are taken in order of a lower bound on all their
+splits (:func:`_group_bound`: per phase the busiest device, and the chain — one micro-batch
+through every stage plus ``m - 1`` on a lane no smaller than the least largest lane of any
+split), until it reaches the best time found.  Within a group:
 
-* the busiest device: ``m · Σ`` of its stages' lanes (forward; backward with recomputation), and
-* the chain: one micro-batch through every stage plus ``m - 1`` more on the slowest lane
-  (``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might not happen),
+* with at most :data:`EXACT` splits, every split in order of its own bound (per phase the
+  larger of the busiest device, ``m · Σ`` of its stages' lanes with what must run before and
+  after, and the chain ``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might
+  not happen) until that bound reaches the best time: exact;
+* beyond, a polynomial search: the split of least largest lane (within each device's memory,
+  shared equally by its stages), then a descent that moves one cut at a time to the
+  neighbouring layer while the simulated time falls — at most ``2 (n - 1)`` simulations a
+  round.  The group's bound then stays open, and the plan's gap shows what that may cost.
 
-and splits are simulated in order of bound until it reaches the best time found (the
-``(chunks, mode, device count)`` groups themselves taken in order of a bound on all their
-splits, see :func:`search`); a split over a device's memory limit (the sum of its
-stages') is passed over.  There are ``C(L-1, n-1)`` splits of ``L`` layers; a group of more
-than :data:`BUDGET` is not enumerated but given one split, the min-max split of
-:mod:`autopipe.planning._minmax` (``O(n · L²)``, each stage within an equal share of its
-device's memory), and its bound stays open: the plan's gap shows what that may cost.
+A split over a device's memory limit (the sum of its stages') is passed over.  Every step
+checks the time limit.
 """
 from __future__ import annotations
 
@@ -40,15 +42,15 @@ from .cost import CostModel, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
 from ._minmax import min_max_split
-from .candidates import Choice
+from .candidates import Choice, better, greedy_split, least_largest
 from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["BUDGET", "search", "time_of", "timed"]
+__all__ = ["EXACT", "search", "time_of", "timed"]
 
-#: splits (over all device counts) that the planner enumerates for one interleave factor.
-BUDGET = 200_000
-#: seconds per stage and squared layer that a min-max split takes (measured: ~6 s for 128 stages
+#: most splits of one group that the search enumerates (exactly); larger groups are descended.
+EXACT = 20_000
+#: seconds per stage and squared layer that a min-max DP takes (measured: ~6 s for 128 stages
 #: of 1,000 layers on the 2-core machine of the README), to skip one that would overrun the budget
 _MIN_MAX_S = 5e-8
 
@@ -93,82 +95,115 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
            interleave: int, best: Choice | None, budget: Budget | None = None) -> Outcome:
     """The best interleaved split strictly faster than ``best`` (any split if ``best`` is
     ``None``; the outcome's choice is ``None`` if none is), and a lower bound on the time of
-    ``best`` and of every interleaved split.
-
-    Each ``(chunks, mode, device count)`` is taken in order of a lower bound on its time
-    (:func:`_group_bound`); one of at most :data:`BUDGET` splits is enumerated,
-    each split in order of its bound, a larger one gets the min-max split of
-    :mod:`autopipe.planning._minmax` (its bound then stays open).  Both loops stop at the best
-    time found, so what they skip cannot be faster.  When ``budget`` runs out, the bound of what
-    is left (the next split's, or the next group's) is the outcome's."""
+    ``best`` and of every interleaved split (see the module docstring).  When ``budget`` runs
+    out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
     tried = sorted((_group_bound(model, chunks, mode, k, interleave), chunks, mode, k)
                    for chunks in candidates for mode in modes for k in range(2, devices + 1))
     found, left = best, math.inf
-    enumerated: dict[int, _Splits] = {}
     for least, chunks, mode, k in tried:
         # the groups left are bounded by ``least`` too: they come in its order
         if found is not None and least >= found.iteration_ms or budget is not None and budget.out():
             left = min(left, least)
             break
-        if math.comb(model.layers - 1, k * interleave - 1) > BUDGET:
-            left = min(left, least)
-            if budget is not None and budget.out(_MIN_MAX_S * k * interleave * model.layers ** 2):
-                break
-            rows = [_min_max(model, chunks, mode, k, interleave, limits)]
-            lower = np.full(1, least)
+        group = _Group(model, chunks, mode, k, interleave, limits, budget)
+        if math.comb(model.layers - 1, k * interleave - 1) <= EXACT:
+            found, unsearched = group.enumerate(found)
         else:
-            if k not in enumerated:
-                enumerated[k] = _Splits.of(model.layers, k, interleave)
-            splits = enumerated[k]
-            lower = _lower_bounds(model, splits, chunks, mode, interleave)
-            rows = [tuple(int(b) for b in splits.bounds[row]) for row in np.argsort(lower, kind="stable")]
-            lower = np.sort(lower, kind="stable")
-        for bounds, bound in zip(rows, lower):
-            if found is not None and bound >= found.iteration_ms:
-                break
-            if budget is not None and budget.out():
-                left = min(left, float(bound))
-                break
-            if bounds is None:
-                continue
-            ms, rule = timed(model, bounds, chunks, mode, interleave, limits)
-            if found is None and math.isfinite(ms) or found is not None and ms < found.iteration_ms:
-                found = Choice(bounds, chunks, mode, ms, interleave, turns=rule)
+            found, unsearched = group.descend(found), least
+        left = min(left, unsearched)
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, left))
 
 
-def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
-             limits: np.ndarray) -> tuple[int, ...] | None:
+class _Group:
+    """The splits of one ``(chunks, mode, device count)``, searched under ``budget``."""
+
+    def __init__(self, model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
+                 limits: np.ndarray, budget: Budget | None) -> None:
+        self.model, self.chunks, self.mode, self.devices = model, chunks, mode, devices
+        self.interleave, self.limits, self.budget = interleave, limits, budget
+
+    def out(self) -> bool:
+        return self.budget is not None and self.budget.out()
+
+    def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
+        """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
+        ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits)
+        if math.isfinite(ms) and (found is None or ms < found.iteration_ms):
+            return Choice(bounds, self.chunks, self.mode, ms, self.interleave, turns=rule)
+        return found
+
+    def enumerate(self, found: Choice | None) -> tuple[Choice | None, float]:
+        """Every split in order of its bound, until that reaches the best time: the best plan
+        and the bound of the splits left unsearched when the time ran out (``inf``: none)."""
+        splits = _Splits.of(self.model.layers, self.devices, self.interleave)
+        lower = _lower_bounds(self.model, splits, self.chunks, self.mode, self.interleave)
+        for row in np.argsort(lower, kind="stable"):
+            if found is not None and lower[row] >= found.iteration_ms:
+                break
+            if self.out():
+                return found, float(lower[row])
+            found = self.better(tuple(int(b) for b in splits.bounds[row]), found)
+        return found, math.inf
+
+    def descend(self, found: Choice | None) -> Choice | None:
+        """The min-max split, then single-cut moves while they lower the simulated time."""
+        start = _min_max(self.model, self.chunks, self.mode, self.devices, self.interleave, self.limits, self.budget)
+        if start is None:
+            return found
+        current = self.better(start, None)
+        improved = current is not None
+        while improved and current is not None and not self.out():
+            improved = False
+            for cut in range(1, len(current.bounds) - 1):
+                for step in (-1, 1):
+                    bounds = list(current.bounds)
+                    bounds[cut] += step
+                    if bounds[cut - 1] < bounds[cut] < bounds[cut + 1] and not self.out():
+                        moved = self.better(tuple(bounds), current)
+                        improved, current = improved or moved is not current, moved
+        return better(found, current)
+
+
+def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int, limits: np.ndarray,
+             budget: Budget | None) -> tuple[int, ...] | None:
     """The split of least largest stage lane, each stage within its device's limit shared
-    equally by the device's ``interleave`` stages (so that their sum fits)."""
+    equally by the device's ``interleave`` stages (so that their sum fits): by bisection on the
+    lane without memory limits, else by the ``O(n · L²)`` DP (``None`` if it would overrun
+    ``budget``, or no split fits)."""
     costs = model.at(model.micro_batch_size(chunks))
     where = placement(devices * interleave, interleave)
+    speeds = model.speeds[where]
+    if np.all(np.isinf(limits[:devices])):
+        lane = costs.forward * (2.0 if recomputations(mode, chunks) else 1.0) + costs.backward
+        return tuple(sorted({0, *greedy_split(lane, speeds, least_largest(lane, speeds, 1e-3)[1])}))
+    if budget is not None and budget.out(_MIN_MAX_S * len(where) * model.layers ** 2):
+        return None
 
     def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
         memory = model.memory(costs, start, stop, chunks, mode, model.held_bytes(costs, start, stop))
         return memory <= limits[where[s]] / interleave
 
-    bounds = min_max_split(model, chunks, mode, model.speeds[where], fits)
+    bounds = min_max_split(model, chunks, mode, speeds, fits)
     return None if bounds is None else tuple(bounds)
 
 
 def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> float:
     """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
     the larger of all its work over the devices' total speed and the chain: one micro-batch
-    through every stage (``Σ F_s/v_s ≥ F/v_max``) plus ``m - 1`` on the slowest lane (at least
-    the average of the ``n`` stages')."""
+    through every stage (``Σ F_s/v_s ≥ F/v_max``) plus ``m - 1`` on the slowest lane, at least
+    the average of the ``n`` stages' and the largest layer at the top speed."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
     speeds = model.speeds[:devices]
-    spread, top, stages = float(np.sum(speeds)), float(np.max(speeds)), devices * interleave
-    lane = backward + (forward if recomputed else 0.0)  # the slowest lane with recomputation
+    spread, top = float(np.sum(speeds)), float(np.max(speeds))
+    lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
+    slowest = [max(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    return (max(chunks * forward / spread, forward / top * (1 + (chunks - 1) / stages))
-            + max((chunks * backward + recomputed * forward) / spread,
-                  first / top + (chunks - 1) * lane / (stages * top)))
+    return (max(chunks * forward / spread, forward / top + (chunks - 1) * slowest[0])
+            + max((chunks * backward + recomputed * forward) / spread, first / top + (chunks - 1) * slowest[1]))
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:

@@ -29,7 +29,7 @@ pipeline of least ``T`` is the answer.  With several replicas of several stages 
 larger ``T`` but shorter tail can win: since the total is at least ``T``, every
 ``(split, chunks, mode)`` of ``T`` under the best total found is then priced
 (:func:`_least_total`, one stage per device), as long as there are at most
-:data:`~autopipe.planning.interleaved.BUDGET` splits; beyond that the plan's options say
+:data:`SPLITS` splits; beyond that the plan's options say
 ``"replica_split": "pipeline-optimal"`` (the total is then not proven least).
 """
 from __future__ import annotations
@@ -43,7 +43,6 @@ import numpy as np
 
 from ..profiling.profiles import Profile
 from ..timeline import Event
-from . import interleaved
 from ._budget import Budget
 from .cost import CostModel
 from .plans import Plan
@@ -52,7 +51,10 @@ from ._options import device_speeds
 from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
-           "best_pipeline", "parallelism", "reduction_events"]
+           "best_pipeline", "parallelism", "reduction_events", "SPLITS"]
+
+#: most splits (over all stage counts) whose totals with the reduction tail are priced one by one.
+SPLITS = 200_000
 
 
 def replica_counts(devices: int, batch_size: int, replicas: int | str, equal: bool = False) -> list[int]:
@@ -165,6 +167,7 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
     profile.validate()  # once here: the pipeline searches below take it as checked
+    options = {**options, "digest": profile.digest}
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
@@ -241,7 +244,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, b
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
     layers = model.layers
-    if sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > interleaved.BUDGET:
+    if sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > SPLITS:
         options["replica_split"] = "pipeline-optimal"
         return pipeline
     limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]
