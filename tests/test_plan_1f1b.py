@@ -62,15 +62,28 @@ def test_1f1b_plans_fit_or_fail_with_the_reason() -> None:
     for limit in (3000, 6000, 20000):
         chosen = plan(profile, memory_limit=limit, schedule="1f1b")
         assert max(s.memory_bytes for s in chosen.stages) <= limit
-        assert chosen.schedule == "1f1b" and chosen.interleave == 1
+        assert chosen.schedule == "1f1b"
         bound = chosen.predicted.lower_bound_ms
         assert bound is not None and bound <= chosen.predicted.iteration_ms
     with pytest.raises(PlanningError, match="no plan fits"):
         plan(profile, memory_limit=500, schedule="1f1b")
-    with pytest.raises(ValueError, match="one stage per device"):
-        plan(profile, schedule="1f1b", interleave=2)
     with pytest.raises(ValueError, match="schedule 'pipedream' is not one of"):
         plan(profile, schedule="pipedream")
+
+
+def test_interleaved_1f1b_plans_are_priced_by_the_simulator_and_fit() -> None:
+    """Two stages per device under 1F1B: each device holds the sum of its stages, the
+    prediction is the simulator's, and under a limit it can beat one stage per device."""
+    profile = eight_layers()
+    for limit in (6000, 12000, None):
+        chosen = plan(profile, memory_limit=limit, schedule="1f1b", interleave=2, time_limit=None)
+        assert chosen.schedule == "1f1b" and chosen.interleave == 2 and len(chosen.stages) == 2 * chosen.device_count
+        held = [0] * chosen.device_count
+        for stage, device in zip(chosen.stages, chosen.placement):
+            held[device] += stage.memory_bytes
+        assert limit is None or max(held) <= limit
+        assert chosen.predicted.iteration_ms == pytest.approx(simulate_plan(chosen).iteration_ms)
+        assert chosen.predicted.lower_bound_ms <= chosen.predicted.iteration_ms
 
 
 def test_1f1b_plan_file_round_trip_and_old_files_load_as_gpipe(tmp_path) -> None:

@@ -34,7 +34,7 @@ class Options:
               checkpoint: CheckpointChoice, optimizer_state: str | float, schedule: Schedule,
               speeds: Sequence[float] | None, chunks: int | None, engine: EngineName,
               interleave: int | str = "auto") -> Options:
-        schedules = _schedules(schedule, engine, interleave)
+        schedules = _schedules(schedule, engine)
         if checkpoint not in CHECKPOINT_CHOICES:
             raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
         factor = optimizer_factor(optimizer_state)
@@ -43,7 +43,7 @@ class Options:
         # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
         # same memory, so it is at least as fast and as small.
         modes = ["never", "except_last"] if checkpoint == "auto" else [checkpoint]
-        factors = _interleaves(interleave, profile.layers, len(names), engine) if "gpipe" in schedules else [1]
+        factors = _interleaves(interleave, profile.layers, len(names), engine)
         given = {"devices": names, "batch_size": batch, "memory_limit": memory_limit,
                  "checkpoint": checkpoint, "optimizer_state": optimizer_state, "optimizer_state_factor": factor,
                  "speeds": rates, "chunks": chunks, "engine": engine, "interleave": interleave,
@@ -66,7 +66,7 @@ class Options:
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
 
 
-def _schedules(asked: Schedule | str, engine: EngineName, interleave: int | str) -> list[Schedule]:
+def _schedules(asked: Schedule | str, engine: EngineName) -> list[Schedule]:
     """The schedules to search: ``[asked]``, or both for ``"auto"`` on the local engine."""
     if asked not in ("auto", *SCHEDULES):
         raise ValueError(f"schedule '{asked}' is not one of {['auto', *SCHEDULES]}")
@@ -78,9 +78,6 @@ def _schedules(asked: Schedule | str, engine: EngineName, interleave: int | str)
                              "(the distributed engine can run a gpipe plan with schedule='1f1b' "
                              "when chunks >= stages)")
         return ["gpipe"]
-    if asked == "1f1b" and interleave not in ("auto", 1):
-        raise ValueError(f"the planner searches 1f1b plans with one stage per device; use interleave=1 "
-                         f"(or 'auto'), not {interleave!r}, or schedule='gpipe'")
     return list(SCHEDULES) if asked == "auto" else [asked]
 
 

@@ -43,10 +43,11 @@ from .plans import placement
 from ._budget import Budget, Outcome
 from ._minmax import min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
+from .._vocab import Schedule
 from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["EXACT", "search", "time_of", "timed"]
+__all__ = ["EXACT", "Group", "search", "time_of", "timed"]
 
 #: most splits of one group that the search enumerates (exactly); larger groups are descended.
 EXACT = 20_000
@@ -63,16 +64,16 @@ def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, int
 
 
 def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
-          limits: np.ndarray) -> tuple[float, str]:
-    """:func:`time_of` and the turn rule that gives it (depth-first on a tie)."""
+          limits: np.ndarray, schedule: Schedule = "gpipe") -> tuple[float, str]:
+    """:func:`time_of` (under ``schedule``) and the turn rule that gives it (depth-first on a tie)."""
     where = placement(len(bounds) - 1, interleave)
-    lanes = model.stage_lanes(bounds, chunks, mode, where)
+    lanes = model.stage_lanes(bounds, chunks, mode, where, schedule)
     held = np.zeros(len(limits))
     for stage, device in zip(lanes, where):
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
         return math.inf, TURN_RULES[0]
-    times = [(simulate(lanes, chunks, mode, where, turns=rule).iteration_ms, rule) for rule in TURN_RULES]
+    times = [(simulate(lanes, chunks, mode, where, schedule, rule).iteration_ms, rule) for rule in TURN_RULES]
     return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
 
 
@@ -106,7 +107,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
         if found is not None and least >= found.iteration_ms or budget is not None and budget.out():
             left = min(left, least)
             break
-        group = _Group(model, chunks, mode, k, interleave, limits, budget)
+        group = Group(model, chunks, mode, k, interleave, limits, budget)
         if math.comb(model.layers - 1, k * interleave - 1) <= EXACT:
             found, unsearched = group.enumerate(found)
         else:
@@ -116,22 +117,23 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     return Outcome(None if found is best else found, min(upper, left))
 
 
-class _Group:
-    """The splits of one ``(chunks, mode, device count)``, searched under ``budget``."""
+class Group:
+    """The interleaved splits of one ``(chunks, mode, device count)`` under ``schedule``,
+    searched within ``budget`` (:mod:`autopipe.planning.one_f_one_b` descends its 1F1B ones)."""
 
     def __init__(self, model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
-                 limits: np.ndarray, budget: Budget | None) -> None:
+                 limits: np.ndarray, budget: Budget | None, schedule: Schedule = "gpipe") -> None:
         self.model, self.chunks, self.mode, self.devices = model, chunks, mode, devices
-        self.interleave, self.limits, self.budget = interleave, limits, budget
+        self.interleave, self.limits, self.budget, self.schedule = interleave, limits, budget, schedule
 
     def out(self) -> bool:
         return self.budget is not None and self.budget.out()
 
     def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
         """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
-        ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits)
+        ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits, self.schedule)
         if math.isfinite(ms) and (found is None or ms < found.iteration_ms):
-            return Choice(bounds, self.chunks, self.mode, ms, self.interleave, turns=rule)
+            return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule)
         return found
 
     def enumerate(self, found: Choice | None) -> tuple[Choice | None, float]:
@@ -149,7 +151,8 @@ class _Group:
 
     def descend(self, found: Choice | None) -> Choice | None:
         """The min-max split, then single-cut moves while they lower the simulated time."""
-        start = _min_max(self.model, self.chunks, self.mode, self.devices, self.interleave, self.limits, self.budget)
+        start = _min_max(self.model, self.chunks, self.mode, self.devices, self.interleave, self.limits, self.budget,
+                         self.schedule)
         if start is None:
             return found
         current = self.better(start, None)
@@ -167,7 +170,7 @@ class _Group:
 
 
 def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int, limits: np.ndarray,
-             budget: Budget | None) -> tuple[int, ...] | None:
+             budget: Budget | None, schedule: Schedule) -> tuple[int, ...] | None:
     """The split of least largest stage lane, each stage within its device's limit shared
     equally by the device's ``interleave`` stages (so that their sum fits): by bisection on the
     lane without memory limits, else by the ``O(n · L²)`` DP (``None`` if it would overrun
@@ -182,7 +185,7 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
         return None
 
     def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        memory = model.memory(costs, start, stop, chunks, mode, model.held_bytes(costs, start, stop))
+        memory = model.schedule_memory(costs, start, stop, chunks, mode, schedule, s, len(where))
         return memory <= limits[where[s]] / interleave
 
     bounds = min_max_split(model, chunks, mode, speeds, fits)

@@ -1,4 +1,5 @@
-"""The planner's search for 1F1B plans: one stage per device, stages on devices ``0..k-1``.
+"""The planner's search for 1F1B plans: stages on devices ``0..k-1``, one per device or
+``interleave`` per device round-robin (interleaved 1F1B).
 
 1F1B (:mod:`autopipe.planning.schedules`) holds at most ``k - s`` micro-batches on stage
 ``s`` instead of all ``m``, so under a memory limit it may need no checkpointing where
@@ -10,7 +11,9 @@ gives the split of least largest compute lane ``(F + W + R) / v`` whose every st
 device's memory with 1F1B's in-flight count, and the simulator prices it.  The lower bound is
 the larger of all work spread over the ``k`` devices' total speed and one micro-batch's
 forward and backward through the chain at the top speed; a ``(chunks, mode, k)`` whose bound
-reaches the best time is never better, so the search skips it.
+reaches the best time is never better, so the search skips it.  An interleaved group gets the
+min-max split of its ``k · interleave`` stages and a descent on the simulated time
+(:class:`autopipe.planning.interleaved.Group`), each device's stages sharing its memory.
 
 The DP over stages ``s`` and cut positions is ``O(k · L²)`` per ``(chunks, mode, k)``; at most
 :data:`CELLS` cells are spent in all, and none after the planner's time limit.  Since the split
@@ -28,6 +31,7 @@ from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
 from ._minmax import min_max_split
+from .interleaved import Group
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -37,22 +41,25 @@ CELLS = 60_000_000
 
 
 def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
-           best: Choice | None, budget: Budget | None = None) -> Outcome:
+           best: Choice | None, budget: Budget | None = None, interleaves: Sequence[int] = (1,)) -> Outcome:
     """A 1F1B plan faster than ``best`` (any schedule; ``None`` in the outcome if none is
-    found), over ``candidates`` micro-batch counts, checkpoint ``modes`` and stage counts up to
-    the devices given, and a lower bound on the time of ``best`` and of every 1F1B plan: the
-    least bound of the groups (searched or not, as the split the DP picks need not be the
-    fastest of its group)."""
-    groups = sorted((_bound(model, chunks, mode, k), chunks, mode, k)
-                    for chunks in candidates for mode in modes
-                    for k in range(1, min(len(limits), model.layers) + 1))
+    found), over ``candidates`` micro-batch counts, checkpoint ``modes``, stage counts up to
+    the devices given and stages per device ``interleaves``, and a lower bound on the time of
+    ``best`` and of every 1F1B plan: the least bound of the groups (searched or not, as the
+    split the DP picks need not be the fastest of its group)."""
+    groups = sorted((_bound(model, chunks, mode, k), chunks, mode, k, factor)
+                    for chunks in candidates for mode in modes for factor in interleaves
+                    for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1))
     spent, found = 0, best
-    for least, chunks, mode, k in groups:
-        cells = k * model.layers * (model.layers + 1) // 2
+    for least, chunks, mode, k, factor in groups:
+        cells = k * factor * model.layers * (model.layers + 1) // 2
         over = found is not None and least >= found.iteration_ms
         if over or spent + cells > CELLS or budget is not None and budget.out():
             break
         spent += cells
+        if factor > 1:  # interleaved 1F1B: its min-max split, descended on the simulated time
+            found = Group(model, chunks, mode, k, factor, limits, budget, "1f1b").descend(found)
+            continue
         bounds = _split(model, chunks, mode, k, limits)
         if bounds is None:
             continue
@@ -60,12 +67,12 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
         if found is None or time < found.iteration_ms:
             found = Choice(tuple(bounds), chunks, mode, time, schedule="1f1b")
     upper = math.inf if found is None else found.iteration_ms
-    return Outcome(None if found is best else found, min(upper, groups[0][0]))
+    return Outcome(None if found is best else found, min(upper, groups[0][0]) if groups else upper)
 
 
 def _bound(model: CostModel, chunks: int, mode: str, k: int) -> float:
-    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches into ``k`` stages
-    on devices ``0..k-1`` (copies only add time)."""
+    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches over devices
+    ``0..k-1``, one stage each or more (copies only add time)."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward

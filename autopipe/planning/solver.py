@@ -160,7 +160,8 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
             outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     if "1f1b" in options.schedules:
-        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget)
+        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
+                                     options.interleaves)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     return choice, lower
 
