@@ -34,8 +34,12 @@ _NARROW = 2e-4
 # Plans walked from each batch of halves (those of least bound).
 _WALKS = 2
 # Most cells a candidate keeps open: beyond, its relaxation is what is loose (the cells left
-# would only multiply), and it is settled as too narrow.
-_MOST = 512
+# would only multiply), and it is settled.
+_MOST = 128
+# Halvings in a row that may leave a candidate's least bound where it was (risen by less than
+# _NARROW of the best time) before it is settled, where the relaxation is loose (Cells.loose):
+# that, not its cells, is then what holds the bound down.
+_STALLS = 3
 
 #: prices stage bounds for a candidate: the best plan among them that fits in memory, or ``None``.
 Price = Callable[[Candidate, Sequence[tuple[int, ...]]], "Choice | None"]
@@ -46,8 +50,8 @@ Scout = Callable[[Candidate, "Choice | None"], "tuple[Cells, Choice | None]"]
 @dataclass
 class Cells:
     """One candidate's cells still open: caps, lower caps and bounds as parallel arrays, and
-    whether any was too narrow to halve (:data:`_NARROW`), or all were, or too many to halve
-    (:data:`_MOST`)."""
+    whether any was too narrow to halve (:data:`_NARROW`), and whether it is settled: every cell
+    too narrow, too many cells (:data:`_MOST`) or its bound stalled (:data:`_STALLS`)."""
 
     candidate: Candidate
     cap_x: np.ndarray
@@ -57,14 +61,17 @@ class Cells:
     bound: np.ndarray
     narrow: bool = False
     settled: bool = False
+    stalls: int = 0
+    loose: bool = True  # whether the relaxation leaves out something of this candidate's plans
 
     @staticmethod
-    def of(completions: Completions) -> Cells:
-        """The cells of ``completions`` in which some plan fits."""
+    def of(completions: Completions, loose: bool = True) -> Cells:
+        """The cells of ``completions`` in which some plan fits; ``loose``: whether the
+        relaxation leaves out memory limits, skips or ``except_last`` that these plans have."""
         bound = completions.cell_bounds()
         keep = np.flatnonzero(np.isfinite(bound))
         return Cells(completions.candidate, completions.cap_x[keep], completions.cap_y[keep],
-                     completions.low_x[keep], completions.low_y[keep], bound[keep])
+                     completions.low_x[keep], completions.low_y[keep], bound[keep], loose=loose)
 
     def least(self) -> float:
         """A lower bound on every plan of the candidate (``inf``: none is left open)."""
@@ -139,8 +146,12 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
         else:
             halves = least.halves(upper)
             if halves is not None:
+                before = least.least()
                 completions = Completions(least.candidate, speeds, halves)
                 least.add(completions)
+                least.prune(upper)
+                least.stalls = 0 if least.least() > before + _NARROW * upper else least.stalls + 1
+                least.settled = least.loose and least.stalls >= _STALLS
                 per_cell = max(per_cell, (time.perf_counter() - start) / len(halves[0]))
                 best = better(best, price(least.candidate, completions.plans(_WALKS)))
         longest = max(longest, time.perf_counter() - start)

@@ -245,7 +245,8 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
     the exact searches and cut most of them off."""
     completions = Completions.grid(candidate, model.speeds[: len(limits)],
                                    *_levels(model, candidate, limits, best, None, candidate.work))
-    return _Lead(candidate, Cells.of(completions), completions.floor,
+    loose = bool(model.chain.skips) or candidate.effective == "except_last" or bool(np.any(np.isfinite(limits)))
+    return _Lead(candidate, Cells.of(completions, loose), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
