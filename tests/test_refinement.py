@@ -1,0 +1,98 @@
+"""Best-first refinement of lane-cap cells: each cell bounds every plan whose lanes lie in it,
+halving covers a cell exactly, and the refined bound is sound and tight where the relaxation is."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from helpers import all_splits, model_of
+from synthetic import random_profile
+
+from autopipe.planning._budget import Budget
+from autopipe.planning.candidates import Candidate, Choice
+from autopipe.planning.completion import Completions, grid_levels
+from autopipe.planning.refinement import Cells, refine
+
+
+def lanes_of(model, bounds, chunks, mode):
+    """A split's time and its largest forward and backward lanes (as the search counts them)."""
+    evaluation = model.evaluate(bounds, chunks, mode)
+    x = max(max(s.forward, s.copy_in) for s in evaluation.stages)
+    y = max(max(s.backward + s.recompute, s.copy_grad) for s in evaluation.stages)
+    return evaluation.iteration_ms, x, y
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cell_bounds_every_plan_whose_lanes_lie_in_it(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(10):
+        layers, devices = rng.randint(2, 8), rng.randint(1, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=rng.random() < 0.5)
+        model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)])
+        chunks, mode = rng.choice([1, 2, 4, 8]), rng.choice(["never", "except_last", "always"])
+        candidate = Candidate.of(model, chunks, mode, devices)
+        grid = Completions.grid(candidate, model.speeds[:devices],
+                                *grid_levels(candidate, devices, (math.inf, math.inf), None))
+        cells = Cells.of(grid)
+        for _ in range(3):  # halve a few times, then check every cell left and its halves
+            halves = cells.halves(1e3)
+            if halves is None:
+                break
+            cells.add(Completions(candidate, model.speeds[:devices], halves))
+        for bounds in all_splits(layers, devices):
+            time, x, y = lanes_of(model, bounds, chunks, candidate.effective)
+            floor_x, floor_y = candidate.floors  # the lowest cells hold their floor too
+            inside = ((cells.low_x < x) | np.isclose(cells.low_x, floor_x)) & (x <= cells.cap_x * (1 + 1e-9))
+            inside &= ((cells.low_y < y) | np.isclose(cells.low_y, floor_y)) & (y <= cells.cap_y * (1 + 1e-9))
+            assert np.all(cells.bound[inside] <= time * (1 + 1e-9))
+
+
+def test_halves_cover_their_cell_exactly() -> None:
+    """A cell is cut in two along the lane of larger weighted width: the halves share the other
+    lane's span and meet where the cut is; a cell with an open cap is cut at twice its floor."""
+    model = model_of(random_profile(random.Random(3), 6, 3), [1.0, 1.0, 2.0])
+    candidate = Candidate.of(model, 4, "never", 3)  # weights (3, 3)
+    for cell, cut in (((9.0, 7.0, 5.0, 6.0), ("x", 7.0)), ((6.0, 20.0, 5.0, 10.0), ("y", 15.0)),
+                      ((math.inf, 7.0, 5.0, 6.0), ("x", 10.0))):
+        cells = Cells(candidate, *(np.array([v]) for v in cell), bound=np.zeros(1))
+        cap_x, cap_y, low_x, low_y = cells.halves(100.0)
+        assert len(cells.bound) == 0 and len(cap_x) == 2  # taken out, two halves back
+        if cut[0] == "x":
+            assert list(low_x) == [cell[2], cut[1]] and list(cap_x) == [cut[1], cell[0]]
+            assert list(low_y) == [cell[3]] * 2 and list(cap_y) == [cell[1]] * 2
+        else:
+            assert list(low_y) == [cell[3], cut[1]] and list(cap_y) == [cut[1], cell[1]]
+            assert list(low_x) == [cell[2]] * 2 and list(cap_x) == [cell[0]] * 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_refined_bound_brackets_the_optimum_and_is_tight_without_memory_or_skips(seed: int) -> None:
+    """No memory limit, no skips, no recomputation: the relaxation is the cost model, so the
+    refined bound closes on the optimum (brute force); it never exceeds it."""
+    rng = random.Random(seed)
+    layers, devices = 9, 3
+    profile = random_profile(rng, layers, devices, per_pair=False)
+    model = model_of(profile, [1.0, 1.5, 2.0])
+    candidates = [Candidate.of(model, m, "never", devices) for m in (1, 2, 4, 8)]
+    optimum = min(model.evaluate(bounds, c.chunks, "never").iteration_ms
+                  for c in candidates for bounds in all_splits(layers, devices))
+    found: list[Cells] = []
+
+    def scout(candidate, best):
+        grid = Completions.grid(candidate, model.speeds, *grid_levels(candidate, devices, (math.inf, math.inf), None))
+        found.append(Cells.of(grid, loose=False))
+        return found[-1], price(candidate, grid.plans(3))
+
+    def price(candidate, splits):
+        times = [(model.evaluate(b, candidate.chunks, "never").iteration_ms, b) for b in splits]
+        ms, bounds = min(times)
+        return Choice(tuple(bounds), candidate.chunks, "never", ms)
+
+    best, waiting, _ = refine(sorted(candidates, key=lambda c: c.lower_bound), scout, price, model.speeds,
+                              None, Budget(None))
+    least = min([waiting, *(cells.least() for cells in found)])
+    assert best is not None and best.iteration_ms >= optimum * (1 - 1e-9)
+    assert least <= optimum * (1 + 1e-9)
+    assert least >= optimum * (1 - 1e-3)  # the cells left are narrow: within _NARROW of it
