@@ -96,3 +96,23 @@ def test_refined_bound_brackets_the_optimum_and_is_tight_without_memory_or_skips
     assert best is not None and best.iteration_ms >= optimum * (1 - 1e-9)
     assert least <= optimum * (1 + 1e-9)
     assert least >= optimum * (1 - 1e-3)  # the cells left are narrow: within _NARROW of it
+
+
+def test_filled_against_a_fine_search_over_caps() -> None:
+    """The candidate's cheap bound: least over caps X of the fastest-first time sum plus
+    weight·X, equal to a fine scan over X with the fastest-first fill worked out by hand."""
+    from autopipe.planning.candidates import filled
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        speeds = rng.choice([0.5, 1.0, 1.5, 2.0], rng.integers(1, 6))
+        work, weight = rng.uniform(1, 100), int(rng.integers(0, 8))
+        floor = rng.uniform(0, work / speeds.sum() * 1.5)
+        best = math.inf
+        for cap in np.linspace(max(floor, work / speeds.sum()), max(floor, work / speeds.max()) * 1.2 + 1, 4001):
+            left, spent = work, 0.0
+            for speed in sorted(speeds, reverse=True):
+                busy = min(cap, left / speed)
+                spent, left = spent + busy, left - busy * speed
+            best = min(best, spent + weight * cap)
+        assert best * (1 - 1e-2) <= filled(work, speeds, floor, weight) <= best + 1e-9

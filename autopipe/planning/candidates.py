@@ -11,7 +11,7 @@ import numpy as np
 from .._vocab import CheckpointMode
 from .cost import CostModel, SizeCosts, effective_mode
 
-__all__ = ["Candidate", "Choice", "better", "greedy_split", "least_largest", "reach"]
+__all__ = ["Candidate", "Choice", "better", "filled", "greedy_split", "least_largest", "reach"]
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,11 @@ class Candidate:
 
     @staticmethod
     def of(model: CostModel, chunks: int, mode: CheckpointMode, devices: int) -> Candidate:
-        """``lower_bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of: work at the
-        top speed of the first ``k`` devices, the ``k - 1`` cheapest cuts, and
-        ``(m-1)·X + w·M`` with ``X ≥ X*`` and the forward work over those devices' total
-        speed (``M`` likewise), where ``X*``, ``M*`` are the floors (copies only add lanes) and
-        ``w`` is ``m-1``, or ``m-2`` with ``except_last`` (``V ≥ (m-2)·M``)."""
+        """``lower_bound``: ``S + (m-1)·X + V ≥`` the least over stage counts ``k`` of the
+        ``k - 1`` cheapest cuts plus, per lane, :func:`filled` on the first ``k`` devices: the
+        least compute sum when no stage's lane exceeds ``X`` plus ``(m-1)·X`` (``w·M`` for
+        the backward lane, ``w`` being ``m-1``, or ``m-2`` with ``except_last``, as
+        ``V ≥ (m-2)·M``), with ``X`` at least its floor."""
         costs = model.at(model.micro_batch_size(chunks))
         effective = effective_mode(mode, chunks)
         back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
@@ -71,16 +71,14 @@ class Candidate:
         floors = least_largest(costs.forward, speeds, 1e-3)[0], least_largest(back, speeds, 1e-3)[0]
         weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
         copy_forward, copy_back = _cut_costs(model, costs, devices)
-        count = np.arange(1, min(devices, model.layers) + 1)
-        spread, top = np.cumsum(speeds)[count - 1], np.maximum.accumulate(speeds)[count - 1]
         cut = np.min(copy_forward[:-1] + copy_back[:-1], axis=0, initial=math.inf)
         cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
+        lower_bound = min(filled(float(costs.forward[-1]), speeds[:k], floors[0], weights[0])
+                          + filled(float(back[-1]), speeds[:k], floors[1], weights[1]) + cheapest[k - 1]
+                          for k in range(1, min(devices, model.layers) + 1))
         total = float(costs.forward[-1] + back[-1])
-        lower_bound = float(np.min(total / top + cheapest[count - 1]
-                             + weights[0] * np.maximum(floors[0], costs.forward[-1] / spread)
-                             + weights[1] * np.maximum(floors[1], back[-1] / spread)))
-        return Candidate(lower_bound, chunks, mode, effective, costs, back, copy_forward, copy_back, floors, weights,
-                         total / float(np.max(speeds)))
+        return Candidate(float(lower_bound), chunks, mode, effective, costs, back, copy_forward, copy_back, floors,
+                         weights, total / float(np.max(speeds)))
 
     def caps(self, best: float, least_sum: float) -> tuple[float, float]:
         """Largest forward and backward lane a plan better than ``best`` can have when its lane
@@ -90,6 +88,23 @@ class Candidate:
         (weight_x, weight_m), (floor_x, floor_m) = self.weights, self.floors
         return ((spare - weight_m * floor_m) / weight_x if weight_x > 0 else math.inf,
                 (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
+
+
+def filled(work: float, speeds: np.ndarray, floor: float, weight: float) -> float:
+    """The least over caps ``X`` (at least ``floor``) of ``S(X) + weight·X``, where ``S(X)``
+    is the least time sum of ``work`` spread over devices of ``speeds`` with no device busier
+    than ``X``: the fastest filled first (a relaxation of contiguous stages in order).  ``S``
+    is convex and piecewise linear, so the least is at ``X``'s lowest value or where one more
+    device fills up."""
+    fastest = np.sort(np.asarray(speeds, dtype=float))[::-1]
+    capacity = np.cumsum(fastest)  # work that the j + 1 fastest do in unit time
+    lowest = max(floor, work / capacity[-1])
+    caps = np.concatenate(([lowest], work / capacity))
+    caps = caps[caps >= lowest]
+    full = np.minimum(np.sum(caps[:, None] * capacity[None, :] < work, axis=1), len(fastest) - 1)
+    done = np.where(full > 0, caps * capacity[np.maximum(full - 1, 0)], 0.0)
+    spent = full * caps + np.maximum(work - done, 0.0) / fastest[full]
+    return float(np.min(spent + weight * caps))
 
 
 def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> tuple[float, float]:

@@ -32,7 +32,7 @@ _BATCH = 16
 # A cell narrower than this (weighted lane widths, relative to the best time) is not halved.
 _NARROW = 2e-4
 # Plans walked from each batch of halves (those of least bound).
-_WALKS = 2
+_WALKS = 1
 # Most cells a candidate keeps open: beyond, its relaxation is what is loose (the cells left
 # would only multiply), and it is settled.
 _MOST = 128
@@ -68,7 +68,9 @@ class Cells:
     def of(completions: Completions, loose: bool = True) -> Cells:
         """The cells of ``completions`` in which some plan fits; ``loose``: whether the
         relaxation leaves out memory limits, skips or ``except_last`` that these plans have."""
-        bound = completions.cell_bounds()
+        # a cell's own bound loses what lies between its lower and upper caps; the candidate's
+        # cheap bound (no caps) holds for every cell too
+        bound = np.maximum(completions.cell_bounds(), completions.candidate.lower_bound)
         keep = np.flatnonzero(np.isfinite(bound))
         return Cells(completions.candidate, completions.cap_x[keep], completions.cap_y[keep],
                      completions.low_x[keep], completions.low_y[keep], bound[keep], loose=loose)
