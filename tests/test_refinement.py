@@ -115,4 +115,5 @@ def test_filled_against_a_fine_search_over_caps() -> None:
                 busy = min(cap, left / speed)
                 spent, left = spent + busy, left - busy * speed
             best = min(best, spent + weight * cap)
-        assert best * (1 - 1e-2) <= filled(work, speeds, floor, weight) <= best + 1e-9
+        assert best * (1 - 1e-2) <= filled(work, speeds, floor, weight)[-1] <= best + 1e-9
+        assert filled(work, speeds, floor, weight)[0] == pytest.approx(filled(work, speeds[:1], floor, weight)[0])

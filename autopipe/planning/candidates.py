@@ -73,9 +73,9 @@ class Candidate:
         copy_forward, copy_back = _cut_costs(model, costs, devices)
         cut = np.min(copy_forward[:-1] + copy_back[:-1], axis=0, initial=math.inf)
         cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
-        lower_bound = min(filled(float(costs.forward[-1]), speeds[:k], floors[0], weights[0])
-                          + filled(float(back[-1]), speeds[:k], floors[1], weights[1]) + cheapest[k - 1]
-                          for k in range(1, min(devices, model.layers) + 1))
+        count = min(devices, model.layers)
+        lower_bound = np.min((filled(float(costs.forward[-1]), speeds, floors[0], weights[0])
+                              + filled(float(back[-1]), speeds, floors[1], weights[1]))[:count] + cheapest[:count])
         total = float(costs.forward[-1] + back[-1])
         return Candidate(float(lower_bound), chunks, mode, effective, costs, back, copy_forward, copy_back, floors,
                          weights, total / float(np.max(speeds)))
@@ -90,21 +90,24 @@ class Candidate:
                 (spare - weight_x * floor_x) / weight_m if weight_m > 0 else math.inf)
 
 
-def filled(work: float, speeds: np.ndarray, floor: float, weight: float) -> float:
-    """The least over caps ``X`` (at least ``floor``) of ``S(X) + weight·X``, where ``S(X)``
-    is the least time sum of ``work`` spread over devices of ``speeds`` with no device busier
-    than ``X``: the fastest filled first (a relaxation of contiguous stages in order).  ``S``
-    is convex and piecewise linear, so the least is at ``X``'s lowest value or where one more
-    device fills up."""
-    fastest = np.sort(np.asarray(speeds, dtype=float))[::-1]
-    capacity = np.cumsum(fastest)  # work that the j + 1 fastest do in unit time
-    lowest = max(floor, work / capacity[-1])
-    caps = np.concatenate(([lowest], work / capacity))
-    caps = caps[caps >= lowest]
-    full = np.minimum(np.sum(caps[:, None] * capacity[None, :] < work, axis=1), len(fastest) - 1)
-    done = np.where(full > 0, caps * capacity[np.maximum(full - 1, 0)], 0.0)
-    spent = full * caps + np.maximum(work - done, 0.0) / fastest[full]
-    return float(np.min(spent + weight * caps))
+def filled(work: float, speeds: np.ndarray, floor: float, weight: float) -> np.ndarray:
+    """For each ``k``, the least over caps ``X`` (at least ``floor``) of ``S(X) + weight·X``,
+    where ``S(X)`` is the least time sum of ``work`` spread over the first ``k`` devices
+    (``speeds[:k]``) with none busier than ``X``: the fastest filled first (a relaxation of
+    contiguous stages in order).  ``S`` is convex and piecewise linear, so the least is at
+    ``X``'s lowest value or where one more device fills up."""
+    count = len(speeds)
+    prefix = np.where(np.tri(count, dtype=bool), np.asarray(speeds, dtype=float)[None, :], 0.0)  # row k-1: k devices
+    fastest = -np.sort(-prefix, axis=1)
+    capacity = np.cumsum(fastest, axis=1)  # work the j + 1 fastest do in unit time
+    lowest = np.maximum(floor, work / capacity[:, -1])
+    with np.errstate(divide="ignore"):
+        caps = np.concatenate((lowest[:, None], work / capacity), axis=1)  # (k, candidate caps)
+    caps = np.where(caps >= lowest[:, None], caps, lowest[:, None])
+    full = np.minimum(np.sum(caps[:, :, None] * capacity[:, None, :] < work, axis=2), np.arange(count)[:, None])
+    done = np.where(full > 0, caps * np.take_along_axis(capacity, np.maximum(full - 1, 0), axis=1), 0.0)
+    spent = full * caps + np.maximum(work - done, 0.0) / np.take_along_axis(fastest, full, axis=1)
+    return np.min(spent + weight * caps, axis=1)
 
 
 def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> tuple[float, float]:
