@@ -163,12 +163,12 @@ def _limited_plans(profile: autopipe.Profile, args: argparse.Namespace) -> dict[
 
 
 def _forcing_limit(profile: autopipe.Profile, args: argparse.Namespace) -> float | None:
-    """The peak stage memory of a 1F1B plan without checkpointing (most micro-batches first)
+    """The peak device memory of a 1F1B plan without checkpointing (most micro-batches first)
     under which no fill-drain plan fits without checkpointing, or ``None``."""
     for m in sorted((int(c) for c in args.chunks.split(",")), reverse=True):
         one = autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, chunks=m, checkpoint="never",
                             schedule="1f1b", replicas=1)
-        limit = float(max(s.memory_bytes for s in one.stages))
+        limit = float(max(one.device_memory_bytes))
         try:
             autopipe.plan(profile, ["cpu", "cpu"], batch_size=args.batch, checkpoint="never", memory_limit=limit,
                           replicas=1)

@@ -148,10 +148,10 @@ def test_interleaved_beyond_enumeration_gets_a_min_max_split() -> None:
     chosen = plan(wide, interleave=2, chunks=8, memory_limit=60_000, time_limit=None)
     assert chosen.interleave == 2 and len(chosen.stages) == 8
     assert simulate_plan(chosen).iteration_ms == pytest.approx(chosen.predicted.iteration_ms)
-    held = [0] * 4
+    held = [0] * 4  # by hand: each device's stages
     for stage, device in zip(chosen.stages, chosen.placement):
         held[device] += stage.memory_bytes
-    assert max(held) <= 60_000
+    assert max(held) <= 60_000 and held == chosen.device_memory_bytes
     assert chosen.predicted.lower_bound_ms <= chosen.predicted.iteration_ms
     assert plan(wide, chunks=8).options["interleaves_searched"] == [1, 2]
 

@@ -178,6 +178,15 @@ class Plan:
         return [stage.stop - stage.start for stage in self.stages]
 
     @property
+    def device_memory_bytes(self) -> list[int]:
+        """Predicted peak bytes per device of one replica: the sum of its stages' (what a
+        memory limit bounds when a device holds several stages)."""
+        held = [0] * self.device_count
+        for stage, device in zip(self.stages, self.placement):
+            held[device] += stage.memory_bytes
+        return held
+
+    @property
     def micro_batch_size(self) -> int:
         return -(-self.replica_batch_size // self.chunks)
 
