@@ -24,29 +24,38 @@ def lanes_of(model, bounds, chunks, mode):
     return evaluation.iteration_ms, x, y
 
 
+@pytest.mark.parametrize("skips", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_cell_bounds_every_plan_whose_lanes_lie_in_it(seed: int) -> None:
+def test_a_cell_bounds_every_plan_whose_lanes_lie_in_it(seed: int, skips: bool) -> None:
+    """Also when each stage is charged the least its device pays to receive the skips it pops
+    (which then raises some bounds)."""
     rng = random.Random(seed)
+    raised = 0
     for _ in range(10):
         layers, devices = rng.randint(2, 8), rng.randint(1, 4)
-        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=rng.random() < 0.5)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=rng.random() < 0.7)
         model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)])
         chunks, mode = rng.choice([1, 2, 4, 8]), rng.choice(["never", "except_last", "always"])
         candidate = Candidate.of(model, chunks, mode, devices)
         grid = Completions.grid(candidate, model.speeds[:devices],
-                                *grid_levels(candidate, devices, (math.inf, math.inf), None))
+                                *grid_levels(candidate, devices, (math.inf, math.inf), None), skips=skips)
+        plain = Completions.grid(candidate, model.speeds[:devices],
+                                 *grid_levels(candidate, devices, (math.inf, math.inf), None))
+        assert np.all(grid.cell_bounds() >= plain.cell_bounds() - 1e-9)
+        raised += int(np.any(grid.cell_bounds() > plain.cell_bounds() + 1e-9))
         cells = Cells.of(grid)
         for _ in range(3):  # halve a few times, then check every cell left and its halves
             halves = cells.halves(1e3)
             if halves is None:
                 break
-            cells.add(Completions(candidate, model.speeds[:devices], halves))
+            cells.add(Completions(candidate, model.speeds[:devices], halves, skips=skips))
         for bounds in all_splits(layers, devices):
             time, x, y = lanes_of(model, bounds, chunks, candidate.effective)
             floor_x, floor_y = candidate.floors  # the lowest cells hold their floor too
             inside = ((cells.low_x < x) | np.isclose(cells.low_x, floor_x)) & (x <= cells.cap_x * (1 + 1e-9))
             inside &= ((cells.low_y < y) | np.isclose(cells.low_y, floor_y)) & (y <= cells.cap_y * (1 + 1e-9))
             assert np.all(cells.bound[inside] <= time * (1 + 1e-9))
+    assert raised > 0 or not skips
 
 
 def test_halves_cover_their_cell_exactly() -> None:

@@ -281,13 +281,34 @@ def test_range_minima_against_slicing():
 
     rng = np.random.default_rng(1)
     for _ in range(100):
-        rows, count = rng.integers(1, 5), rng.integers(1, 40)
-        lo = np.broadcast_to(np.arange(count) + 1, (rows, count))
-        hi = np.minimum(lo - 1 + rng.integers(-1, 12, (rows, count)), count)
+        rows, count, queries = rng.integers(1, 5), rng.integers(1, 40), rng.integers(1, 60)
+        row = rng.integers(0, rows, queries)
+        lo = rng.integers(0, count + 1, queries)
+        hi = np.clip(lo - 1 + rng.integers(-1, 12, queries), lo - 1, count)  # lo - 1: empty
         values = rng.normal(size=(rows, count + 1))
-        expected = [[values[r, lo[r, c]: hi[r, c] + 1].min(initial=math.inf) for c in range(count)]
-                    for r in range(rows)]
-        assert _RangeMin(lo, hi).of(values, np.zeros_like(values)).tolist() == expected
+        expected = [values[r, a: b + 1].min(initial=math.inf) for r, a, b in zip(row, lo, hi)]
+        assert _RangeMin(row, lo, hi, (rows, count + 1)).of(values, np.zeros_like(values)).tolist() == expected
+
+
+def test_skip_charges_by_hand():
+    """Layers 0..3 on 2 devices, one skip stashed by layer 0 and popped by layer 2: a second
+    stage starting at 1 or 2 pops it (and pays to receive it), one starting at 3 does not."""
+    from autopipe.planning.candidates import Candidate
+    from autopipe.planning.completion import Completions
+
+    profile = make_profile([1.0] * 4, devices=2, skips=[("s", 0, 2, 100)], copies=(0.5, 0.01))
+    model = model_of(profile, [1.0, 1.0])
+    candidate = Candidate.of(model, 1, "never", 2)
+    receive = candidate.receive[0, 1]
+    assert receive == pytest.approx(2 * (0.5 + 0.01 * 100 * 8)) and candidate.receive[0, 0] == 0
+    caps = (np.array([math.inf]),) * 2 + (np.zeros(1),) * 2
+    plain, charged = (Completions(candidate, model.speeds, caps, skips=skips) for skips in (False, True))
+    # from start p on device 1 the rest is one stage [p, 4): it pops the skip iff 0 < p <= 2
+    extra = charged.rest[1, 0, :4] - plain.rest[1, 0, :4]
+    assert extra.tolist() == pytest.approx([0.0, receive, receive, 0.0])
+    # the whole plan: the best split either keeps the skip in one stage or pays for it
+    splits = {cut: model.evaluate((0, cut, 4), 1, "never").iteration_ms for cut in (1, 2, 3)}
+    assert charged.least() <= min(min(splits.values()), model.evaluate((0, 4), 1, "never").iteration_ms) + 1e-9
 
 
 def test_min_max_split_against_brute_force():

@@ -43,7 +43,8 @@ class Candidate:
     of ``copy_forward`` and ``copy_back``: the copy of a cut at each position from device ``d``
     to ``d + 1`` (its main input) and back (that input's gradient), 0 at both ends; the least
     possible largest forward and backward compute lanes (``floors``); their weights ``(m-1, w)``
-    in the time; all work at the top speed; and a lower bound on its time (``lower_bound``)."""
+    in the time; all work at the top speed; a lower bound on its time (``lower_bound``); the
+    skips' stash and pop layers and the least each device pays to receive each (``receive``)."""
 
     lower_bound: float
     chunks: int
@@ -56,6 +57,9 @@ class Candidate:
     floors: tuple[float, float]
     weights: tuple[int, int]
     work: float
+    skip_stash: np.ndarray
+    skip_pop: np.ndarray
+    receive: np.ndarray
 
     @staticmethod
     def of(model: CostModel, chunks: int, mode: CheckpointMode, devices: int) -> Candidate:
@@ -77,8 +81,10 @@ class Candidate:
         lower_bound = np.min((filled(float(costs.forward[-1]), speeds, floors[0], weights[0])
                               + filled(float(back[-1]), speeds, floors[1], weights[1]))[:count] + cheapest[:count])
         total = float(costs.forward[-1] + back[-1])
+        skips = model.chain.skips
         return Candidate(float(lower_bound), chunks, mode, effective, costs, back, copy_forward, copy_back, floors,
-                         weights, total / float(np.max(speeds)))
+                         weights, total / float(np.max(speeds)), np.array([t.stash for t in skips], dtype=int),
+                         np.array([t.pop for t in skips], dtype=int), _receive(model, costs, devices))
 
     def caps(self, best: float, least_sum: float) -> tuple[float, float]:
         """Largest forward and backward lane a plan better than ``best`` can have when its lane
@@ -155,6 +161,19 @@ def _cut_costs(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.nda
                      for src, dst in ((rows, rows + 1), (rows + 1, rows)))
     last = np.zeros((1, len(nbytes)))
     return np.concatenate((forward, last)), np.concatenate((back, last))
+
+
+def _receive(model: CostModel, costs: SizeCosts, devices: int) -> np.ndarray:
+    """``[t, d]``: the least that device ``d`` pays to receive skip ``t`` from an earlier
+    device and send its gradient back (0 on device 0, and when relayed: hop by hop, a skip's
+    copies are the neighbours')."""
+    nbytes = costs.skip_bytes[:, None, None]
+    both = model.latency[:devices, :devices] + model.latency[:devices, :devices].T + nbytes * (
+        model.per_byte[:devices, :devices] + model.per_byte[:devices, :devices].T)  # [t, from, to]
+    both = np.where(nbytes > 0, both, 0.0)
+    earlier = np.tri(devices, k=-1, dtype=bool).T  # [from, to]: from < to
+    least = np.min(np.where(earlier[None], both, np.inf), axis=1, initial=np.inf)
+    return np.zeros_like(least) if model.relayed else np.where(np.isfinite(least), least, 0.0)
 
 
 def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:

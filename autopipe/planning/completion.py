@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from ._arrays import ragged_arange
 from .candidates import Candidate, reach
 
 __all__ = ["Completions", "grid_levels"]
@@ -50,25 +51,28 @@ class Completions:
     bounds partial plans (:meth:`lower_bound`); any cells bound whole plans (:meth:`cell_bounds`)."""
 
     def __init__(self, candidate: Candidate, speeds: np.ndarray, cells: tuple[np.ndarray, ...],
-                 levels: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 levels: tuple[np.ndarray, np.ndarray] | None = None, skips: bool = False) -> None:
         self.candidate = candidate
+        self.skips = skips and bool(np.any(candidate.receive))  # charge the skips a stage receives
         self.speeds = speeds
         self.cap_x, self.cap_y, self.low_x, self.low_y = cells
         self.lows = levels  # a grid's lower caps per lane, for lower_bound
         self.work = candidate.costs.forward + candidate.back
-        self.windows: dict[float, _RangeMin] = {}
+        self.windows: dict[float, _Windows] = {}
         self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
 
     @staticmethod
-    def grid(candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> Completions:
+    def grid(candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray,
+             skips: bool = False) -> Completions:
         """The cells of the grid of caps ``xs × ys`` (increasing, the last possibly ``inf``),
-        each reaching down to the level below (the floors below the first)."""
+        each reaching down to the level below (the floors below the first); ``skips``: charge
+        the skips each stage receives (bounds of whole plans only, see :class:`_Windows`)."""
         floor_x, floor_y = candidate.floors
         lows = np.concatenate(([floor_x], xs[:-1])), np.concatenate(([floor_y], ys[:-1]))
         cells = np.repeat(xs, len(ys)), np.tile(ys, len(xs)), np.repeat(lows[0], len(ys)), np.tile(lows[1], len(xs))
-        return Completions(candidate, speeds, cells, lows)
+        return Completions(candidate, speeds, cells, lows, skips)
 
     def cell_bounds(self) -> np.ndarray:
         """Per cell, a lower bound on the time of every plan in it: ``rest + (m-1)·x⁻ + w·y⁻``
@@ -85,7 +89,7 @@ class Completions:
         rest[:, :, layers] = 0.0
         for device in range(devices - 1, -1, -1):
             speed = float(self.speeds[device])
-            least = self._window(speed).of(self._stage(device), rest[device + 1])
+            least = self._window(speed).least(self._stage(device), rest[device + 1], device)
             np.subtract(least, self.work[:layers] / speed, out=rest[device, :, :layers])
         return rest
 
@@ -99,19 +103,19 @@ class Completions:
             self.stage = copies, _cut(*copies, self.cap_x[:, None], self.cap_y[:, None])
         return self.stage[1] + self.work / float(self.speeds[device])
 
-    def _window(self, speed: float) -> _RangeMin:
+    def _window(self, speed: float) -> _Windows:
         """The stops ``(p, reach]`` a stage from each ``p`` may end at on a device of ``speed``."""
         if speed not in self.windows:
             candidate = self.candidate
             starts = np.arange(len(self.work) - 1)
             last = np.minimum(reach(candidate.costs.forward, starts, self.cap_x[:, None] * speed),
                               reach(candidate.back, starts, self.cap_y[:, None] * speed))
-            self.windows[speed] = _RangeMin(np.broadcast_to(starts + 1, last.shape), last)
+            self.windows[speed] = _Windows(last, candidate if self.skips else None)
         return self.windows[speed]
 
     def least(self) -> float:
         """A lower bound on the time of every plan within the largest caps."""
-        return float(np.min(self.lower_bound(0, np.zeros(1, dtype=int), np.zeros(1), np.zeros(1))))
+        return float(np.min(self.cell_bounds()))
 
     def lower_bound(self, device: int, starts: np.ndarray, x: np.ndarray, peak: np.ndarray) -> np.ndarray:
         """The least over cells of the module docstring's completion time (without ``S`` and
@@ -119,7 +123,7 @@ class Completions:
         ``a`` the x-levels whose lower cap is at most ``X`` (so ``max(X, x⁻) = X`` in their
         cells) and ``b`` likewise for ``M``, the cells split into four blocks, each the least
         of a table over the grid that running minima make once per start, not per plan."""
-        assert self.lows is not None, "lower_bound needs a grid"
+        assert self.lows is not None and not self.skips, "lower_bound needs a grid that charges no skips"
         (weight_x, weight_m), (low_x, low_y) = self.candidate.weights, self.lows
         positions, at = np.unique(starts, return_inverse=True)
         rest = self.rest[device][:, positions].reshape(len(low_x), len(low_y), -1)
@@ -205,27 +209,28 @@ def _levels(floor: float, cap: float, lane: float | None, weight: float, count: 
 
 
 class _RangeMin:
-    """Minima of ``values[row, lo … hi]`` for fixed ranges per ``(row, column)`` (``inf`` when
+    """Minima of ``values[row, lo … hi]`` for fixed queries ``(row, lo, hi)`` (``inf`` when
     empty), over any ``values``: minima over power-of-two spans, one span length at a time, each
     range answered as the two (overlapping) spans of the largest length that fits in it."""
 
-    def __init__(self, lo: np.ndarray, hi: np.ndarray) -> None:
-        self.hi = hi
-        width = hi.shape[1] + 2  # a last column of inf, for empty ranges
-        level = np.where(hi < lo, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
-        row = np.arange(hi.shape[0])[:, None] * width
-        left = np.where(hi < lo, row + width - 1, row + lo).ravel()
-        right = np.where(hi < lo, row + width - 1, row + hi - (1 << level) + 1).ravel()
-        order = np.argsort(level, axis=None, kind="stable")
-        ends = np.searchsorted(level.ravel()[order], np.arange(int(level.max(initial=0)) + 2))
+    def __init__(self, row: np.ndarray, lo: np.ndarray, hi: np.ndarray, shape: tuple[int, int]) -> None:
+        width = shape[1] + 1  # a last column of inf, for empty ranges
+        empty = hi < lo
+        level = np.where(empty, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
+        base = row * width
+        left = np.where(empty, base + width - 1, base + lo)
+        right = np.where(empty, base + width - 1, base + hi - (1 << level) + 1)
+        order = np.argsort(level, kind="stable")
+        ends = np.searchsorted(level[order], np.arange(int(level.max(initial=0)) + 2))
         self.queries = [(order[a:b], left[order[a:b]], right[order[a:b]]) for a, b in zip(ends, ends[1:])]
-        self.spans = np.full((2, hi.shape[0], width), math.inf)  # this span length's minima, and the next
+        self.count = len(row)
+        self.spans = np.full((2, shape[0], width), math.inf)  # this span length's minima, and the next
 
     def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
-        """The range minima of ``values + plus``."""
+        """Each query's minimum of ``values + plus``."""
         spans, spare = self.spans
         np.add(values, plus, out=spans[:, :-1])
-        least = np.empty(self.hi.size)
+        least = np.empty(self.count)
         for level, (out, left, right) in enumerate(self.queries):
             if level:
                 half = 1 << (level - 1)
@@ -233,4 +238,52 @@ class _RangeMin:
                 spans, spare = spare, spans
             flat = spans.reshape(-1)
             least[out] = np.minimum(flat[left], flat[right])
+        return least
+
+
+class _Windows:
+    """For every cell and start ``p``, the least over stops ``q`` in ``(p, hi[cell, p]]`` of a
+    table's ``[cell, q]`` — plus, with a ``candidate`` to charge skips for, what the stage
+    ``[p, q)`` at least pays to receive the skips it pops: ``candidate.receive[t, d]`` for each
+    skip ``t`` stashed before ``p`` and popped in ``[p, q)`` (each skip that crosses a cut is
+    received once, by the stage that pops it).  That charge only steps up with ``q``, where a
+    skip open at ``p`` is popped, so each window splits into a few ranges of one charge each."""
+
+    def __init__(self, hi: np.ndarray, candidate: Candidate | None) -> None:
+        self.hi = hi
+        cells, starts = hi.shape
+        cell, start = np.divmod(np.arange(hi.size), starts)
+        self.skips = None
+        if candidate is None or not len(candidate.skip_pop):
+            self.ranges = _RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
+            return
+        # the skips open at each start p (stashed before p, popped at or after p), by pop
+        stash, pop = candidate.skip_stash, candidate.skip_pop
+        lengths = pop - stash
+        skip = np.repeat(np.arange(len(pop)), lengths)
+        at = np.repeat(stash + 1, lengths) + ragged_arange(lengths)
+        order = np.lexsort((pop[skip], at))
+        skip, at = skip[order], at[order]
+        steps = pop[skip] + 1  # where the charge of each steps up: the first stop past its pop
+        first = np.searchsorted(at, np.arange(starts + 1))
+        # per (cell, p): the steps inside its window, and one range more than steps
+        inside = np.searchsorted(at * (starts + 2) + steps, start * (starts + 2) + hi.ravel(), side="right")
+        count = inside - first[start] + 1
+        part = ragged_arange(count)
+        which = np.repeat(first[start], count) + part  # the step that ends each range (one past for the last)
+        last = part == np.repeat(count - 1, count)
+        q_start = np.repeat(start, count)
+        lo = np.where(part == 0, q_start + 1, steps[np.maximum(which - 1, 0)])
+        top = np.where(last, np.repeat(hi.ravel(), count), steps[np.minimum(which, len(steps) - 1)] - 1)
+        self.ranges = _RangeMin(np.repeat(cell, count), lo, top, (cells, starts + 1))
+        self.skips = (skip, np.repeat(first[start], count), which, np.concatenate(([0], np.cumsum(count)[:-1])),
+                      candidate.receive)
+
+    def least(self, values: np.ndarray, plus: np.ndarray, device: int) -> np.ndarray:
+        """Per ``(cell, p)``: the least over its window of ``values + plus`` (and the charge)."""
+        least = self.ranges.of(values, plus)
+        if self.skips is not None:
+            skip, begin, which, starts, receive = self.skips
+            paid = np.concatenate(([0.0], np.cumsum(receive[skip, device])))
+            least = np.minimum.reduceat(least + paid[which] - paid[begin], starts)
         return least.reshape(self.hi.shape)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -125,13 +126,17 @@ class Group:
                  limits: np.ndarray, budget: Budget | None, schedule: Schedule = "gpipe") -> None:
         self.model, self.chunks, self.mode, self.devices = model, chunks, mode, devices
         self.interleave, self.limits, self.budget, self.schedule = interleave, limits, budget, schedule
+        self.slowest = 0.0  # the longest a split's simulation took
 
     def out(self) -> bool:
-        return self.budget is not None and self.budget.out()
+        """Whether the time is up, or would be after one more simulation."""
+        return self.budget is not None and self.budget.out(self.slowest)
 
     def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
         """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
+        start = time.perf_counter()
         ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits, self.schedule)
+        self.slowest = max(self.slowest, time.perf_counter() - start)
         if math.isfinite(ms) and (found is None or ms < found.iteration_ms):
             return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule)
         return found

@@ -39,7 +39,7 @@ _MOST = 128
 # Halvings in a row that may leave a candidate's least bound where it was (risen by less than
 # _NARROW of the best time) before it is settled, where the relaxation is loose (Cells.loose):
 # that, not its cells, is then what holds the bound down.
-_STALLS = 3
+_STALLS = 12
 
 #: prices stage bounds for a candidate: the best plan among them that fits in memory, or ``None``.
 Price = Callable[[Candidate, Sequence[tuple[int, ...]]], "Choice | None"]
@@ -149,7 +149,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
             halves = least.halves(upper)
             if halves is not None:
                 before = least.least()
-                completions = Completions(least.candidate, speeds, halves)
+                completions = Completions(least.candidate, speeds, halves, skips=True)
                 least.add(completions)
                 least.prune(upper)
                 least.stalls = 0 if least.least() > before + _NARROW * upper else least.stalls + 1

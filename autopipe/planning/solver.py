@@ -244,7 +244,7 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
     """A coarse grid of caps for ``candidate``: cheap, and its bound and plans decide the order of
     the exact searches and cut most of them off."""
     completions = Completions.grid(candidate, model.speeds[: len(limits)],
-                                   *_levels(model, candidate, limits, best, None, candidate.work))
+                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True)
     loose = bool(model.chain.skips) or candidate.effective == "except_last" or bool(np.any(np.isfinite(limits)))
     return _Lead(candidate, Cells.of(completions, loose), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
