@@ -131,9 +131,9 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                       options.batch_size, optimizer_state, engine)
     searched, complete = placements.orders(model, placement)
     choice, lower, order = None, math.inf, searched[0]
-    for candidate_order in searched:
+    for candidate_order in searched:  # each order only looks for plans faster than the best so far
         found, bound = _search_all(placements.permuted(model, candidate_order), options,
-                                   options.limits[list(candidate_order)], budget)
+                                   options.limits[list(candidate_order)], budget, choice)
         lower = min(lower, bound)
         if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
             choice, order = found, candidate_order
@@ -149,13 +149,15 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                       choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
 
 
-def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget) -> tuple[Choice | None, float]:
+def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget,
+                incumbent: Choice | None = None) -> tuple[Choice | None, float]:
     """Every search the options ask for (fill-drain, interleaved, 1F1B) on devices in
-    ``model``'s order: the best plan found and a lower bound on every plan searched."""
-    choice, lower = None, math.inf
+    ``model``'s order: the best plan found faster than ``incumbent`` (``None`` if none is) and
+    a lower bound on every plan searched."""
+    choice, lower = incumbent, math.inf
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
-            outcome = solve_within(model, options.candidates, options.modes, limits, budget)
+            outcome = solve_within(model, options.candidates, options.modes, limits, budget, choice)
         else:
             outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
@@ -163,7 +165,7 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
         outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
                                      options.interleaves)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
-    return choice, lower
+    return None if choice is incumbent else choice, lower
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
@@ -174,9 +176,10 @@ def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[Checkpoin
 
 
 def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
-                 budget: Budget) -> Outcome:
+                 budget: Budget, incumbent: Choice | None = None) -> Outcome:
     """The best plan found over the micro-batch counts ``candidates`` and ``modes`` within
-    ``budget``, and a lower bound on the optimum (equal to the plan's time when the search
+    ``budget`` (faster than ``incumbent``, a plan found elsewhere that prunes this search; else
+    ``None``), and a lower bound on the optimum (equal to the plan's time when the search
     finished: it is then exact).
 
     Best first over all candidates (:mod:`autopipe.planning.refinement`): a candidate whose
@@ -200,7 +203,7 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
         return _best_plan(model, candidate, limits, splits)[0]
 
     best, waiting, per_cell = refine(pairs, scout, price, model.speeds[: len(limits)],
-                                     _seed(model, pairs[0], limits), budget)
+                                     better(incumbent, _seed(model, pairs[0], limits)), budget)
     left = [waiting]
     unsettled = [lead for lead in leads if lead.cells.least() < (math.inf if best is None else best.iteration_ms)]
     refined = []
@@ -215,7 +218,7 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
         best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
     upper = math.inf if best is None else best.iteration_ms
-    return Outcome(best, min(upper, *left))
+    return Outcome(None if best is incumbent else best, min(upper, *left))
 
 
 @dataclass(frozen=True)
