@@ -210,35 +210,29 @@ def _levels(floor: float, cap: float, lane: float | None, weight: float, count: 
 
 class _RangeMin:
     """Minima of ``values[row, lo … hi]`` for fixed queries ``(row, lo, hi)`` (``inf`` when
-    empty), over any ``values``: minima over power-of-two spans, one span length at a time, each
-    range answered as the two (overlapping) spans of the largest length that fits in it."""
+    empty), over any ``values``: minima over power-of-two spans, every span length kept, each
+    range answered as the two (overlapping) spans of the largest length that fits in it (one
+    gather for all queries)."""
 
     def __init__(self, row: np.ndarray, lo: np.ndarray, hi: np.ndarray, shape: tuple[int, int]) -> None:
         width = shape[1] + 1  # a last column of inf, for empty ranges
         empty = hi < lo
         level = np.where(empty, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
-        base = row * width
-        left = np.where(empty, base + width - 1, base + lo)
-        right = np.where(empty, base + width - 1, base + hi - (1 << level) + 1)
-        order = np.argsort(level, kind="stable")
-        ends = np.searchsorted(level[order], np.arange(int(level.max(initial=0)) + 2))
-        self.queries = [(order[a:b], left[order[a:b]], right[order[a:b]]) for a, b in zip(ends, ends[1:])]
-        self.count = len(row)
-        self.spans = np.full((2, shape[0], width), math.inf)  # this span length's minima, and the next
+        base = level * (shape[0] * width) + row * width
+        self.left = np.where(empty, base + width - 1, base + lo)
+        self.right = np.where(empty, base + width - 1, base + hi - (1 << level) + 1)
+        # per span length 2^k, its minima from each column (inf where the span would run past the end)
+        self.spans = np.full((int(level.max(initial=0)) + 1, shape[0], width), math.inf)
 
     def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
         """Each query's minimum of ``values + plus``."""
-        spans, spare = self.spans
-        np.add(values, plus, out=spans[:, :-1])
-        least = np.empty(self.count)
-        for level, (out, left, right) in enumerate(self.queries):
-            if level:
-                half = 1 << (level - 1)
-                np.minimum(spans[:, : -half - 1], spans[:, half:-1], out=spare[:, : -half - 1])
-                spans, spare = spare, spans
-            flat = spans.reshape(-1)
-            least[out] = np.minimum(flat[left], flat[right])
-        return least
+        spans = self.spans
+        np.add(values, plus, out=spans[0, :, :-1])
+        for level in range(1, len(spans)):
+            half = 1 << (level - 1)
+            np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
+        flat = spans.reshape(-1)
+        return np.minimum(flat[self.left], flat[self.right])
 
 
 class _Windows:
