@@ -138,7 +138,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
         waiting = [candidate for candidate in waiting if candidate.lower_bound < upper]
         open_ = [group for group in cells if len(group.bound) and not group.settled]
         least = min(open_, key=Cells.least, default=None)
-        if least is None and not waiting or budget.out(2 * longest):  # steps vary; twice the slowest
+        if least is None and not waiting or budget.out(longest):  # the slowest step so far: one more may fit
             return best, waiting[0].lower_bound if waiting else math.inf, per_cell
         start = time.perf_counter()
         if waiting and (least is None or waiting[0].lower_bound <= least.least()):
