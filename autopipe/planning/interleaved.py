@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel, recomputations
+from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
 from ._minmax import min_max_split
@@ -200,8 +200,10 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
 def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> float:
     """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
     the larger of all its work over the devices' total speed and the chain: one micro-batch
-    through every stage (``Σ F_s/v_s ≥ F/v_max``) plus ``m - 1`` on the slowest lane, at least
-    the average of the ``n`` stages' and the largest layer at the top speed."""
+    through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1`` cheapest cuts
+    (:func:`_cut_least`; stages next to each other run on different devices), plus ``m - 1``
+    on the slowest lane, at least the average of the ``n`` stages' and the largest layer at
+    the top speed."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
@@ -210,8 +212,22 @@ def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interle
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
     slowest = [max(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    return (max(chunks * forward / spread, forward / top + (chunks - 1) * slowest[0])
-            + max((chunks * backward + recomputed * forward) / spread, first / top + (chunks - 1) * slowest[1]))
+    cuts = float(np.sum(np.sort(_cut_least(model, costs)[1:-1])[: devices * interleave - 1]))
+    return (max(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
+            + max((chunks * backward + recomputed * forward) / spread,
+                  first / top + cuts + (chunks - 1) * slowest[1]))
+
+
+def _cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
+    """At each position ``0 … L``, the least copy of the main input there between any two
+    devices (and of its gradient back: the same pairs): the least latency plus the bytes at
+    the least ms per byte."""
+    count = len(model.devices)
+    if count < 2:
+        return np.zeros(len(costs.input_bytes) + 1)
+    off = ~np.eye(count, dtype=bool)
+    nbytes = np.append(costs.input_bytes, 0.0)
+    return np.where(nbytes > 0, float(np.min(model.latency[off])) + nbytes * float(np.min(model.per_byte[off])), 0.0)
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:
@@ -224,16 +240,18 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
     recomputed = recomputations(mode, chunks)
     recompute = forward if recomputed else np.zeros_like(forward)
     least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
-    return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks)
+    cuts = _cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
+    return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, cuts)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
-                           splits.devices, chunks, reverse=True))
+                           splits.devices, chunks, cuts, reverse=True))
 
 
 def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices: int, chunks: int,
-                 reverse: bool = False) -> np.ndarray:
-    """Per split: the larger of the chain bound and, for every device, what one micro-batch
-    needs before its first stage can start, its stages' ``work``, and what the last
-    micro-batch needs after its last stage (``least`` per stage, ``lane`` with recomputation)."""
+                 cuts: np.ndarray, reverse: bool = False) -> np.ndarray:
+    """Per split: the larger of the chain bound (with the copies ``cuts`` that one micro-batch
+    makes on its way) and, for every device, what one micro-batch needs before its first stage
+    can start, its stages' ``work``, and what the last micro-batch needs after its last stage
+    (``least`` per stage, ``lane`` with recomputation)."""
     if reverse:
         work, least, lane = work[:, ::-1], least[:, ::-1], lane[:, ::-1]
     rows, stages = work.shape
@@ -241,5 +259,5 @@ def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices:
     after = least.sum(axis=1, keepdims=True) - np.cumsum(least, axis=1)
     per_device = work.reshape(rows, stages // devices, devices).sum(axis=1)
     busiest = (before[:, :devices] + per_device + after[:, stages - devices:]).max(axis=1)
-    chain = least.sum(axis=1) + (chunks - 1) * lane.max(axis=1)
+    chain = least.sum(axis=1) + cuts + (chunks - 1) * lane.max(axis=1)
     return np.maximum(busiest, chain)
