@@ -2,11 +2,14 @@
 the runtime running a 1F1B plan."""
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
-from synthetic import make_profile
+from synthetic import make_profile, random_profile
 from torch import nn
 
 import autopipe
@@ -117,3 +120,23 @@ def test_pipeline_runs_a_1f1b_plan() -> None:
     pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
     for (name, param), ref in zip(pipe.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, msg=name)
+
+
+def test_group_bound_never_exceeds_a_simulated_1f1b_time() -> None:
+    """Every split's simulated 1F1B time, one stage per device or two, is at least the bound
+    its group is skipped by (work over the devices, or one micro-batch's chain and copies)."""
+    from autopipe.planning import one_f_one_b
+    from autopipe.planning.interleaved import timed
+
+    rng = random.Random(5)
+    for _ in range(8):
+        layers, devices = rng.randint(4, 7), rng.randint(2, 3)
+        model = CostModel(random_profile(rng, layers, devices, skips=rng.randint(0, 2)), ["cpu"] * devices,
+                          [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)], 8, 2.0)
+        for factor, k, chunks, mode in itertools.product((1, 2), range(2, devices + 1), (1, 2, 4, 8),
+                                                         ("never", "except_last", "always")):
+            stages = k * factor
+            bound = one_f_one_b._bound(model, chunks, mode, k, stages)
+            for cuts in itertools.combinations(range(1, layers), stages - 1):
+                ms = timed(model, (0, *cuts, layers), chunks, mode, factor, np.full(devices, np.inf), "1f1b")[0]
+                assert bound <= ms * (1 + 1e-9)

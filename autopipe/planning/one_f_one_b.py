@@ -31,7 +31,7 @@ from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
 from ._minmax import min_max_split
-from .interleaved import Group
+from .interleaved import Group, cut_least
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -47,7 +47,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     the devices given and stages per device ``interleaves``, and a lower bound on the time of
     ``best`` and of every 1F1B plan: the least bound of the groups (searched or not, as the
     split the DP picks need not be the fastest of its group)."""
-    groups = sorted((_bound(model, chunks, mode, k), chunks, mode, k, factor)
+    groups = sorted((_bound(model, chunks, mode, k, k * factor), chunks, mode, k, factor)
                     for chunks in candidates for mode in modes for factor in interleaves
                     for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1))
     spent, found = 0, best
@@ -70,14 +70,17 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     return Outcome(None if found is best else found, min(upper, groups[0][0]) if groups else upper)
 
 
-def _bound(model: CostModel, chunks: int, mode: str, k: int) -> float:
-    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches over devices
-    ``0..k-1``, one stage each or more (copies only add time)."""
+def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> float:
+    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches into ``stages``
+    stages over devices ``0..k-1``: all work over their total speed, or one micro-batch's
+    forward and backward through the chain at the top speed with the ``stages - 1`` cheapest
+    cuts copied both ways (stages next to each other run on different devices)."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
     speeds = model.speeds[:k]
-    return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)))
+    cuts = 2 * float(np.sum(np.sort(cut_least(model, costs)[1:-1])[: stages - 1]))
+    return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)) + cuts)
 
 
 def _split(model: CostModel, chunks: int, mode: str, k: int, limits: np.ndarray) -> list[int] | None:
