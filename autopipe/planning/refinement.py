@@ -8,8 +8,8 @@ all candidates) are halved along the lane whose width weighs more, as in a branc
 a half's bound is never below its parent's, and a cell whose bound reaches the best time found
 is dropped.  Refining stops when every cell is dropped (the best plan is then optimal — the
 bounds hold for every plan), when the time is up, or when the cells left are too narrow to
-halve (the relaxation, not the cells, is what is loose there: memory, skips and ``except_last``
-are left out of it, so an exact search must settle those).  Each refined cell's DP also walks
+halve (the relaxation, not the cells, is what is loose there: memory limits, ``except_last``
+and most of what skips cost are left out of it, so an exact search must settle those).  Each refined cell's DP also walks
 a plan (:meth:`Completions.plans`), priced by the cost model: upper bounds come with the lower.
 """
 from __future__ import annotations
@@ -50,8 +50,8 @@ Scout = Callable[[Candidate, "Choice | None"], "tuple[Cells, Choice | None]"]
 @dataclass
 class Cells:
     """One candidate's cells still open: caps, lower caps and bounds as parallel arrays, and
-    whether any was too narrow to halve (:data:`_NARROW`), and whether it is settled: every cell
-    too narrow, too many cells (:data:`_MOST`) or its bound stalled (:data:`_STALLS`)."""
+    whether it is settled: every cell too narrow to halve (:data:`_NARROW`), too many cells
+    (:data:`_MOST`) or its bound stalled (:data:`_STALLS`)."""
 
     candidate: Candidate
     cap_x: np.ndarray
@@ -59,7 +59,6 @@ class Cells:
     low_x: np.ndarray
     low_y: np.ndarray
     bound: np.ndarray
-    narrow: bool = False
     settled: bool = False
     stalls: int = 0
     loose: bool = True  # whether the relaxation leaves out something of this candidate's plans
@@ -94,7 +93,6 @@ class Cells:
         width_x = weight_x * np.where(np.isfinite(self.cap_x), self.cap_x - self.low_x, self.low_x)
         width_y = weight_m * np.where(np.isfinite(self.cap_y), self.cap_y - self.low_y, self.low_y)
         wide = (width_x + width_y) > _NARROW * best
-        self.narrow = self.narrow or bool(np.any(~wide))
         order = np.flatnonzero(wide)[np.argsort(self.bound[wide], kind="stable")[:_BATCH]]
         if not len(order) or len(self.bound) > _MOST:
             self.settled = True
