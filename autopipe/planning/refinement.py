@@ -9,8 +9,9 @@ a half's bound is never below its parent's, and a cell whose bound reaches the b
 is dropped.  Refining stops when every cell is dropped (the best plan is then optimal — the
 bounds hold for every plan), when the time is up, or when the cells left are too narrow to
 halve (the relaxation, not the cells, is what is loose there: memory limits, ``except_last``
-and most of what skips cost are left out of it, so an exact search must settle those).  Each refined cell's DP also walks
-a plan (:meth:`Completions.plans`), priced by the cost model: upper bounds come with the lower.
+and most of what skips cost are left out of it, so an exact search must settle those).  Each
+refined cell's DP also walks a plan (:meth:`Completions.plans`), priced by the cost model:
+upper bounds come with the lower.
 """
 from __future__ import annotations
 
