@@ -82,6 +82,19 @@ def test_optimal_against_brute_force_with_each_kind_winning() -> None:
     assert set(won) == {"data parallel", "pipeline", "hybrid"}, won
 
 
+def test_bounds_never_exceed_the_brute_force_optimum_when_stopped_early() -> None:
+    """Stopped at once, the plan's lower bound (the least over replica counts, each at least
+    its pipeline's bound and what its reduction tail needs) is still at most the optimum."""
+    rng = random.Random(15)
+    for _ in range(25):
+        profile, devices = _instance(rng)
+        expected = brute_force(profile, devices, math.inf)[0]
+        for time_limit in (1e-6, 0.02, None):
+            chosen = plan(profile, devices, interleave=1, optimizer_state=2.0, time_limit=time_limit)
+            assert chosen.predicted.lower_bound_ms <= expected * (1 + 1e-9)
+            assert chosen.predicted.iteration_ms >= expected * (1 - 1e-9)
+
+
 def test_replicas_must_divide_the_devices_and_fit_the_batch() -> None:
     profile = make_profile([1.0] * 4, devices=4, param_bytes=1000)
     with pytest.raises(ValueError, match=r"replicas=3 does not divide the 4 devices .* use one of \[1, 2, 4\]"):

@@ -228,11 +228,24 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
         searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
     replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
     chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
-    # Exact where every split was priced with its reduction tail; else the pipeline's own bound,
-    # which the tail only adds to.
-    least = chosen.predicted.iteration_ms if searched or count == 1 else bound
+    # Exact where every split was priced with its reduction tail; else the larger of the
+    # pipeline's own bound (which the tail only adds to) and what the tail needs at least.
+    floor = _floor(profile, pipeline, count, engine) if count > 1 else 0.0
+    least = chosen.predicted.iteration_ms if searched else max(bound, floor)
     chosen.predicted = replace(chosen.predicted, lower_bound_ms=least)
     return chosen
+
+
+def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> float:
+    """A lower bound on any of this replica count's plans, pipeline and reduction tail: every
+    stage's last backward comes after one micro-batch's forward through every layer (each at its
+    least profiled time, on the fastest device), and some stage holds at least ``1/n`` of the
+    parameters, ``n`` the most stages searched, whose reduction starts only then."""
+    options = pipeline.options
+    forward = sum(min(stat.median_ms for stat in layer.forward.values()) for layer in profile.layers)
+    stages = len(options["devices"]) * max(options["interleaves_searched"])
+    params = sum(layer.param_bytes for layer in profile.layers)
+    return forward / max(options["speeds"]) + reduction_time(profile, engine, replicas, params / stages)[0]
 
 
 def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget) -> Plan:
