@@ -110,7 +110,13 @@ def filled(work: float, speeds: np.ndarray, floor: float, weight: float) -> np.n
     with np.errstate(divide="ignore"):
         caps = np.concatenate((lowest[:, None], work / capacity), axis=1)  # (k, candidate caps)
     caps = np.where(caps >= lowest[:, None], caps, lowest[:, None])
-    full = np.minimum(np.sum(caps[:, :, None] * capacity[:, None, :] < work, axis=2), np.arange(count)[:, None])
+    # devices full at each cap: per row, how many capacities are below work / cap (rows shifted
+    # apart so that one search over the flattened rows answers them all)
+    shift = (np.arange(count) * (capacity[-1, -1] + 1.0))[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        need = np.minimum(np.nan_to_num(work / caps, nan=0.0, posinf=np.inf), capacity[-1, -1] + 0.5)
+    full = np.searchsorted((capacity + shift).ravel(), (need + shift).ravel()).reshape(caps.shape)
+    full = np.minimum(full - np.arange(count)[:, None] * count, np.arange(count)[:, None])
     done = np.where(full > 0, caps * np.take_along_axis(capacity, np.maximum(full - 1, 0), axis=1), 0.0)
     spent = full * caps + np.maximum(work - done, 0.0) / np.take_along_axis(fastest, full, axis=1)
     return np.min(spent + weight * caps, axis=1)

@@ -166,8 +166,8 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         PlanningError: no replica count has a plan within the memory limits.
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
-    profile.validate()  # once here: the pipeline searches below take it as checked
-    options = {**options, "digest": profile.digest}
+    # checked once here: the pipeline searches below take it as checked, and its digest
+    options = {**options, "digest": profile.checked_digest()}
     names = device_names(profile, devices)
     batch = profile.batch_size if batch_size is None else int(batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")

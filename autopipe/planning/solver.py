@@ -103,11 +103,11 @@ def plan(
             profiled sizes, a memory size that cannot be read, ...).
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
-    profile.validate()  # a profile built or edited in memory is checked as a loaded one
+    digest = profile.checked_digest()  # a profile built or edited in memory is checked as a loaded one
     return search_pipeline(profile, devices, batch_size=batch_size, memory_limit=memory_limit,
                            checkpoint=checkpoint, optimizer_state=optimizer_state, schedule=schedule,
                            speeds=speeds, chunks=chunks, engine=engine, interleave=interleave,
-                           time_limit=time_limit, placement=placement, budget=budget)
+                           time_limit=time_limit, placement=placement, budget=budget, digest=digest)
 
 
 def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None, *, batch_size: int | None = None,

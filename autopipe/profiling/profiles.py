@@ -314,7 +314,13 @@ class Profile:
         """Check a profile built or changed in memory as :meth:`load` checks a file (finite,
         non-negative times and sizes, consistent tables); raises :class:`FormatError` naming
         the field.  Planning calls it, so what is planned is what a file could hold."""
-        Profile._read(Fields(self.to_json(), "in-memory profile", ""))
+        self.checked_digest()
+
+    def checked_digest(self) -> str:
+        """:meth:`validate`, then :attr:`digest`, from one serialisation (planning needs both)."""
+        document = self.to_json()
+        Profile._read(Fields(document, "in-memory profile", ""))
+        return digest(document)
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Profile:
