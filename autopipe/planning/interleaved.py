@@ -13,9 +13,9 @@ Stages sharing a device take turns, so there is no closed form: a split's time i
 simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
 of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.
 The ``(chunks, mode, device count)`` groups are taken in order of a lower bound on all their
-splits (:func:`_group_bound`: per phase the busiest device, and the chain — one micro-batch
-through every stage plus ``m - 1`` on a lane no smaller than the least largest lane of any
-split), until it reaches the best time found.  Within a group:
+splits (:func:`_group_bound`: per phase all work over the devices, or the chain — one
+micro-batch through every stage and the cheapest cuts, plus ``m - 1`` on a lane no smaller
+than the average stage's or the largest layer), until it reaches the best time found.  Within a group:
 
 * with at most :data:`EXACT` splits, every split in order of its own bound (per phase the
   larger of the busiest device, ``m · Σ`` of its stages' lanes with what must run before and
@@ -48,7 +48,7 @@ from .._vocab import Schedule
 from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["EXACT", "Group", "cut_least", "search", "time_of", "timed"]
+__all__ = ["EXACT", "Group", "cheapest_cuts", "search", "time_of", "timed"]
 
 #: most splits of one group that the search enumerates (exactly); larger groups are descended.
 EXACT = 20_000
@@ -201,7 +201,7 @@ def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interle
     """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
     the larger of all its work over the devices' total speed and the chain: one micro-batch
     through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1`` cheapest cuts
-    (:func:`cut_least`; stages next to each other run on different devices), plus ``m - 1``
+    (:func:`cheapest_cuts`; stages next to each other run on different devices), plus ``m - 1``
     on the slowest lane, at least the average of the ``n`` stages' and the largest layer at
     the top speed."""
     costs = model.at(model.micro_batch_size(chunks))
@@ -212,13 +212,19 @@ def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interle
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
     slowest = [max(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    cuts = float(np.sum(np.sort(cut_least(model, costs)[1:-1])[: devices * interleave - 1]))
+    cuts = cheapest_cuts(model, costs, devices * interleave - 1)
     return (max(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
             + max((chunks * backward + recomputed * forward) / spread,
                   first / top + cuts + (chunks - 1) * slowest[1]))
 
 
-def cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
+def cheapest_cuts(model: CostModel, costs: SizeCosts, count: int) -> float:
+    """The ``count`` least copies of :func:`_cut_least` over the cut positions ``1 … L-1``: what
+    one micro-batch's main input at least costs to cross ``count + 1`` stages."""
+    return float(np.sum(np.sort(_cut_least(model, costs)[1:-1])[:count]))
+
+
+def _cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
     """At each position ``0 … L``, the least copy of the main input there between any two
     devices (and of its gradient back: the same pairs): the least latency plus the bytes at
     the least ms per byte."""
@@ -240,7 +246,7 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
     recomputed = recomputations(mode, chunks)
     recompute = forward if recomputed else np.zeros_like(forward)
     least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
-    cuts = cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
+    cuts = _cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
     return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, cuts)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
                            splits.devices, chunks, cuts, reverse=True))

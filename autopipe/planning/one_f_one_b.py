@@ -31,7 +31,7 @@ from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
 from ._minmax import min_max_split
-from .interleaved import Group, cut_least
+from .interleaved import Group, cheapest_cuts
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -79,7 +79,7 @@ def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> flo
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
     speeds = model.speeds[:k]
-    cuts = 2 * float(np.sum(np.sort(cut_least(model, costs)[1:-1])[: stages - 1]))
+    cuts = 2 * cheapest_cuts(model, costs, stages - 1)
     return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)) + cuts)
 
 

@@ -2,14 +2,15 @@
 count and checkpoint mode, subject to per-device memory limits.
 
 Each ``(chunks, mode)`` pair is a :class:`~autopipe.planning.candidates.Candidate` with a cheap lower bound
-on its time.  After a first plan (the greedy split of least largest forward lane), candidates
-are taken in order of that bound until it reaches the best time found, and a coarse grid of lane
-caps (:class:`~autopipe.planning.completion.Completions`) gives each a lower bound and a few plans.  Then,
-those with the best plans first, each candidate whose bound is still under the best time gets a
-finer grid around its best plan (a tighter bound, more plans) and then, if that bound is still
-under, the exact DP (:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned
-by that grid.  A candidate is only ever skipped on a lower bound, so what is left at the end is
-optimal; stopped by the time limit, the least bound of what is left is a proven lower bound.
+on its time.  After a first plan (the greedy split of least largest forward lane), the
+candidates are refined best first (:mod:`autopipe.planning.refinement`): the one of least cheap
+bound gets a coarse grid of lane caps (:class:`~autopipe.planning.completion.Completions`), whose
+cells bound its plans and give plans, and the cells of least bound over all candidates are
+halved, until every cell's bound reaches the best time found or is settled.  A candidate with
+cells left gets a finer grid around its best plan and then the exact DP
+(:class:`~autopipe.planning.search.Search`) looks for a strictly better plan, pruned by that grid.
+A candidate is only ever skipped on a lower bound, so what is left at the end is optimal;
+stopped by the time limit, the least bound of what is left is a proven lower bound.
 """
 from __future__ import annotations
 
