@@ -25,36 +25,54 @@ def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 
     assert error <= rel * scale, f"{what}: relative error {error / scale:.2e}"
 
 
-def reference_step(model: nn.Module, x: Tensor, g: Tensor, chunks: int) -> Tensor:
-    """The plain model on each micro-batch, loss ``sum(out * g)``, gradients accumulated."""
+def micro_batches(x: Tensor, replicas: int, chunks: int) -> list[Tensor]:
+    """The micro-batches of every replica, in order: the batch split over replicas, each share
+    over chunks (as the pipeline splits them)."""
+    shares = torch.split(x, split_sizes(len(x), replicas))
+    return [part for share in shares for part in torch.split(share, split_sizes(len(share), chunks))]
+
+
+def reference_step(model: nn.Module, x: Tensor, g: Tensor, chunks: int, replicas: int = 1) -> Tensor:
+    """The plain model on each micro-batch (of each replica's share), loss ``sum(out * g)``,
+    gradients accumulated."""
     outputs = []
-    for xs, gs in zip(torch.split(x, split_sizes(len(x), chunks)), torch.split(g, split_sizes(len(x), chunks))):
+    for xs, gs in zip(micro_batches(x, replicas, chunks), micro_batches(g, replicas, chunks)):
         out = model(xs)
         (out * gs).sum().backward()
         outputs.append(out.detach())
     return torch.cat(outputs)
 
 
+def assert_step_matches(pipe: nn.Module, reference: nn.Module, x: Tensor, chunks: int, replicas: int = 1,
+                        what: str = "") -> None:
+    """One step of ``pipe`` and of the plain ``reference`` (:func:`reference_step`, loss
+    ``sum(out * g)`` for a random ``g``): the same output, input gradient (if ``x`` needs one)
+    and every parameter's gradient; ``what`` prefixes the messages."""
+    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    expected = reference_step(reference, x_ref, g, chunks, replicas)
+    (out * g).sum().backward()
+    assert_close(out, expected, f"{what}output")
+    if x.requires_grad:
+        assert_close(x.grad, x_ref.grad, f"{what}input gradient")
+    expected_params = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert param.grad is not None, name
+        assert_close(param.grad, expected_params[name].grad, f"{what}{name}.grad")
+
+
 def assert_transparent(model: nn.Module, x: Tensor, balance: Sequence[int], chunks: int,
                        checkpoint: str, **options: Any) -> autopipe.Pipeline:
+    """:func:`assert_step_matches` for a new pipeline of ``model``, and the same state after."""
     reference = copy.deepcopy(model)
-    x_ref = x.detach().clone().requires_grad_(x.requires_grad)
     devices = ["cpu"] * (len(balance) // options.get("interleave", 1))
     pipe = autopipe.Pipeline(model, balance=list(balance), devices=devices,
                              chunks=chunks, checkpoint=checkpoint, **options)
-    out = pipe(x)
-    g = torch.randn_like(out)
-    expected = reference_step(reference, x_ref, g, chunks)
-    (out * g).sum().backward()
-    assert_close(out, expected, "output")
-    if x.requires_grad:
-        assert_close(x.grad, x_ref.grad, "input gradient")
-    expected_state = reference.state_dict(keep_vars=True)
-    for name, value in pipe.state_dict(keep_vars=True).items():
+    assert_step_matches(pipe, reference, x, chunks)
+    expected_state = reference.state_dict()
+    for name, value in pipe.state_dict().items():
         assert_close(value.float(), expected_state[name].float(), name)
-        if isinstance(value, nn.Parameter):
-            assert value.grad is not None, name
-            assert_close(value.grad, expected_state[name].grad, f"{name}.grad")
     return pipe
 
 

@@ -73,10 +73,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], dic
 NAMES = [pytest.param(name, marks=pytest.mark.slow) if name == "t5" else name for name in MODELS]
 
 
-def _setup(name: str) -> tuple[nn.Module, dict[str, Tensor], list[autopipe.Layer]]:
+def _setup(name: str, train: bool = False) -> tuple[nn.Module, dict[str, Tensor], list[autopipe.Layer]]:
+    """The model (in eval mode unless ``train``), its sample batch and its captured layers."""
     factory, batch, _ = MODELS[name]
     torch.manual_seed(0)
-    model = factory().eval()
+    model = factory().train(train)
     sample = batch(torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -222,12 +223,7 @@ def test_another_sequence_length_is_refused() -> None:
 def test_profile_takes_a_keyword_sample() -> None:
     """autopipe.profile reads a mapping sample as the captured first layer's keyword arguments
     (the model in train mode, as profiles are measured)."""
-    torch.manual_seed(0)
-    model = _gpt2().train()
-    sample = _lm_batch(torch.Generator().manual_seed(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        layers = autopipe.chain(model, sample)
+    model, sample, layers = _setup("gpt2", train=True)
     measured = autopipe.profile(layers, sample, devices=["cpu"], batch_sizes=[2, 4], warmup=0, repeats=1,
                                 copy_sizes=[1024], quiet=True)
     assert measured.batch_size == BATCH and [layer.name for layer in measured.layers] == [

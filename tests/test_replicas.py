@@ -7,34 +7,17 @@ import copy
 import pytest
 import torch
 from models import UNet
-from helpers import assert_close
+from helpers import assert_close, assert_step_matches, reference_step
 from torch import Tensor, nn
 
 import autopipe
 import autopipe.runtime.pipeline
-from autopipe.runtime.microbatch import split_sizes
 
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16),
                          nn.GELU(), nn.Linear(16, 4))
-
-
-def micro_batches(x: Tensor, replicas: int, chunks: int) -> list[Tensor]:
-    """The micro-batches of every replica, in order: the batch split over replicas, each share
-    over chunks (as the pipeline splits them)."""
-    shares = torch.split(x, split_sizes(len(x), replicas))
-    return [part for share in shares for part in torch.split(share, split_sizes(len(share), chunks))]
-
-
-def reference_step(model: nn.Module, x: Tensor, g: Tensor, replicas: int, chunks: int) -> Tensor:
-    outputs = []
-    for xs, gs in zip(micro_batches(x, replicas, chunks), micro_batches(g, replicas, chunks)):
-        out = model(xs)
-        (out * gs).sum().backward()
-        outputs.append(out.detach())
-    return torch.cat(outputs)
 
 
 def assert_replicas_transparent(model: nn.Module, x: Tensor, balance: list[int], replicas: int, chunks: int,
@@ -47,18 +30,10 @@ def assert_replicas_transparent(model: nn.Module, x: Tensor, balance: list[int],
     assert len(list(pipe.parameters())) == len(list(reference.parameters()))
     ours = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     theirs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    expected_params = dict(reference.named_parameters())
     for step in range(steps):
-        x_pipe = x.detach().clone().requires_grad_(True)
-        x_ref = x.detach().clone().requires_grad_(True)
-        out = pipe(x_pipe)
-        g = torch.randn_like(out)
-        expected = reference_step(reference, x_ref, g, replicas, chunks)
-        (out * g).sum().backward()
-        assert_close(out, expected, f"step {step} output")
-        assert_close(x_pipe.grad, x_ref.grad, f"step {step} input gradient")
-        expected_params = dict(reference.named_parameters())
-        for name, param in pipe.named_parameters():
-            assert_close(param.grad, expected_params[name].grad, f"step {step} {name}.grad")
+        assert_step_matches(pipe, reference, x.detach().clone().requires_grad_(True), chunks, replicas,
+                            f"step {step} ")
         ours.step(), theirs.step(), ours.zero_grad(), theirs.zero_grad()
         for name, param in pipe.named_parameters():
             assert_close(param, expected_params[name], f"step {step} {name} after the update")
@@ -93,14 +68,7 @@ def assert_unet_replicas_transparent(checkpoint: str = "except_last") -> None:
     reference = copy.deepcopy(model)
     pipe = autopipe.Pipeline(layers, balance=[4, len(layers) - 4], devices=["cpu"] * 4, chunks=2,
                              checkpoint=checkpoint, replicas=2)
-    out = pipe(x)
-    g = torch.randn_like(out)
-    expected = reference_step(reference, x.clone(), g, 2, 2)
-    (out * g).sum().backward()
-    assert_close(out, expected, "output")
-    expected_params = dict(reference.named_parameters())
-    for name, param in pipe.named_parameters():
-        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+    assert_step_matches(pipe, reference, x, 2, 2)
 
 
 def test_batch_norm_statistics_are_the_whole_batch() -> None:
@@ -135,14 +103,7 @@ def test_planned_replicas_run_from_the_plan(tmp_path) -> None:
     assert pipe.plan.replicas == 2 and pipe.replicas == 2
     loaded = autopipe.Plan.load(pipe.plan.save(tmp_path / "plan.json"))
     assert loaded.replicas == 2
-    out = pipe(x)
-    g = torch.randn_like(out)
-    expected = reference_step(reference, x.clone(), g, 2, pipe.chunks)
-    (out * g).sum().backward()
-    assert_close(out, expected, "output")
-    expected_params = dict(reference.named_parameters())
-    for name, param in pipe.named_parameters():
-        assert_close(param.grad, expected_params[name].grad, f"{name}.grad")
+    assert_step_matches(pipe, reference, x, pipe.chunks, 2)
 
 
 def test_bad_replica_counts_are_refused() -> None:
