@@ -116,13 +116,11 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                     checkpoint: CheckpointChoice = "auto", optimizer_state: str | float = "momentum",
                     schedule: Schedule | str = "gpipe", speeds: Sequence[float] | None = None,
                     chunks: int | None = None, engine: EngineName = "local", interleave: int | str = "auto",
-                    time_limit: float | None = 1.0, placement: str = "given", budget: Budget | None = None,
-                    digest: str | None = None) -> Plan:
-    """:func:`plan` of a profile already validated (the replica search validates it once for
-    all its pipeline searches, and gives its ``digest``), within ``budget`` if given (else
-    ``time_limit`` from now)."""
-    budget = Budget(time_limit) if budget is None else budget
-    digest = profile.digest if digest is None else digest
+                    time_limit: float | None = 1.0, placement: str = "given", budget: Budget,
+                    digest: str) -> Plan:
+    """:func:`plan` of a profile already validated, whose ``digest`` the caller has (the replica
+    search validates it once for all its pipeline searches), within ``budget`` (``time_limit``
+    is what the plan records)."""
     if placement not in placements.PLACEMENTS:
         raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
     names = device_names(profile, devices)
