@@ -17,6 +17,7 @@ from helpers import mlp, model_of
 
 import autopipe
 from autopipe.planning import interleaved
+from autopipe.planning._chain import Chains
 from autopipe.planning.cost import StageLanes
 from autopipe.distributed.pipeline import DistributedError, RunSettings
 from autopipe.model.fingerprint import model_fingerprint
@@ -112,6 +113,70 @@ def test_lower_bounds_never_exceed_the_simulated_time() -> None:
                     for bounds, bound in zip(splits.bounds, lower):
                         ms = interleaved.time_of(model, tuple(bounds), m, mode, 2, limits)
                         assert bound <= ms + 1e-9
+
+
+def chain_time(model, bounds, chunks, mode, interleave):
+    """The chain bound of one split, by hand: the first micro-batch through every stage and
+    cut (the least copy of any device pair, both ways), then the other m - 1 on the stage of
+    largest forward + backward."""
+    costs = model.at(model.micro_batch_size(chunks))
+    device = [s % ((len(bounds) - 1) // interleave) for s in range(len(bounds) - 1)]
+    off = ~np.eye(len(model.devices), dtype=bool)
+    first, lane, cuts = 0.0, 0.0, 0.0
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        forward = (costs.forward[b] - costs.forward[a]) / model.speeds[device[s]]
+        backward = (costs.backward[b] - costs.backward[a]) / model.speeds[device[s]]
+        recompute = forward if mode == "always" or mode == "except_last" and chunks > 1 else 0.0
+        first += forward + backward + (recompute if mode == "always" else 0.0)
+        lane = max(lane, forward + backward + recompute)
+        if s and costs.input_bytes[a] > 0:
+            cuts += 2 * (model.latency[off].min() + costs.input_bytes[a] * model.per_byte[off].min())
+    return first + cuts + (chunks - 1) * lane
+
+
+def test_chain_bounds_hold_for_every_split_and_are_tight() -> None:
+    """Brute force: every count's chain bound is at most every split's chain time (by hand) and
+    simulated time; the least over the counts is within 1% of the least chain time of all (a
+    count that cannot be the least is refined no further); each count's split has that many
+    stages and a chain time within 5% of its count's least."""
+    rng = random.Random(11)
+    for _ in range(25):
+        layers, devices = rng.randint(5, 10), rng.randint(2, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 2), per_pair=rng.random() < 0.5)
+        speeds = [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)] if rng.random() < 0.5 else [1.0] * devices
+        model = model_of(profile, speeds)
+        chunks = rng.choice(candidate_chunks(profile.batch_size, profile.batch_sizes))
+        mode = rng.choice(["never", "except_last", "always"])
+        counts = [2 * k for k in range(2, min(devices, layers // 2) + 1)]
+        chains = Chains(model, chunks, mode, 2, model.speeds)
+        bounds = chains.bound(counts, math.inf)
+        limits = np.full(devices, math.inf)
+        least = {}
+        for n in counts:
+            splits = [(0, *cuts, layers) for cuts in itertools.combinations(range(1, layers), n - 1)]
+            least[n] = min(chain_time(model, split, chunks, mode, 2) for split in splits)
+            simulated = min(interleaved.time_of(model, split, chunks, mode, 2, limits) for split in splits)
+            assert bounds[n] <= least[n] * (1 + 1e-9) <= simulated * (1 + 2e-9)
+            split = chains.split(n)
+            assert len(split) == n + 1 and list(split) == sorted(set(split))
+            assert chain_time(model, split, chunks, mode, 2) <= least[n] * 1.05
+        assert min(bounds.values()) >= min(least.values()) * (1 - 0.01)
+
+
+def test_chain_bounds_under_a_time_to_beat() -> None:
+    """Given a time to beat, a count that cannot beat it is bounded by at least that time, and
+    the others as without it."""
+    rng = random.Random(5)
+    profile = random_profile(rng, 12, 4, per_pair=False)
+    model = model_of(profile, [1.0] * 4)
+    free = Chains(model, 4, "never", 2, model.speeds).bound([4, 6, 8], math.inf)
+    above = sorted(free.values())[1] * 1.001
+    capped = Chains(model, 4, "never", 2, model.speeds).bound([4, 6, 8], above)
+    for n in (4, 6, 8):
+        if free[n] >= above:
+            assert capped[n] >= above * (1 - 1e-9)
+        else:
+            assert capped[n] == pytest.approx(free[n], rel=0.01) and capped[n] <= free[n] * (1 + 0.01)
 
 
 def constant_profile():

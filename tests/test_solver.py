@@ -277,7 +277,7 @@ def test_cut_costs_are_the_copies_between_neighbouring_devices():
 
 
 def test_range_minima_against_slicing():
-    from autopipe.planning.completion import _RangeMin
+    from autopipe.planning._arrays import RangeMin
 
     rng = np.random.default_rng(1)
     for _ in range(100):
@@ -287,7 +287,7 @@ def test_range_minima_against_slicing():
         hi = np.clip(lo - 1 + rng.integers(-1, 12, queries), lo - 1, count)  # lo - 1: empty
         values = rng.normal(size=(rows, count + 1))
         expected = [values[r, a: b + 1].min(initial=math.inf) for r, a, b in zip(row, lo, hi)]
-        assert _RangeMin(row, lo, hi, (rows, count + 1)).of(values, np.zeros_like(values)).tolist() == expected
+        assert RangeMin(row, lo, hi, (rows, count + 1)).of(values, np.zeros_like(values)).tolist() == expected
 
 
 def test_skip_charges_by_hand():

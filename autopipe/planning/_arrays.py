@@ -2,12 +2,13 @@
 and ragged arrays."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Columns", "largest_after", "pairs", "prefix_argmin", "ragged_arange", "states", "uniform"]
+__all__ = ["Columns", "RangeMin", "largest_after", "pairs", "prefix_argmin", "ragged_arange", "states", "uniform"]
 
 
 class Columns:
@@ -62,3 +63,30 @@ def uniform(latency: np.ndarray, per_byte: np.ndarray) -> bool:
     """Whether one copy fit serves every pair of distinct devices."""
     off = ~np.eye(len(latency), dtype=bool)
     return len(latency) < 2 or (np.ptp(latency[off]) == 0 and np.ptp(per_byte[off]) == 0)
+
+
+class RangeMin:
+    """Minima of ``values[row, lo … hi]`` for fixed queries ``(row, lo, hi)`` (``inf`` when
+    empty), over any ``values``: minima over power-of-two spans, every span length kept, each
+    range answered as the two (overlapping) spans of the largest length that fits in it (one
+    gather for all queries)."""
+
+    def __init__(self, row: np.ndarray, lo: np.ndarray, hi: np.ndarray, shape: tuple[int, int]) -> None:
+        width = shape[1] + 1  # a last column of inf, for empty ranges
+        empty = hi < lo
+        level = np.where(empty, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
+        base = level * (shape[0] * width) + row * width
+        self.left = np.where(empty, base + width - 1, base + lo)
+        self.right = np.where(empty, base + width - 1, base + hi - (1 << level) + 1)
+        # per span length 2^k, its minima from each column (inf where the span would run past the end)
+        self.spans = np.full((int(level.max(initial=0)) + 1, shape[0], width), math.inf)
+
+    def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
+        """Each query's minimum of ``values + plus``."""
+        spans = self.spans
+        np.add(values, plus, out=spans[0, :, :-1])
+        for level in range(1, len(spans)):
+            half = 1 << (level - 1)
+            np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
+        flat = spans.reshape(-1)
+        return np.minimum(flat[self.left], flat[self.right])

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from .candidates import Choice
 
@@ -24,6 +26,7 @@ class Budget:
             raise ValueError(f"time_limit must be a positive number of seconds or None, got {seconds!r}")
         self.end = math.inf if seconds is None else time.perf_counter() + seconds
         self.spent = False
+        self.slowest: dict[str, float] = {}  # per kind of step, the longest one took
 
     def share(self, parts: int) -> Budget:
         """A budget of ``1 / parts`` of the time left (all of it when unlimited), ending no
@@ -38,6 +41,18 @@ class Budget:
         seconds (and stays up once it was)."""
         self.spent = self.spent or time.perf_counter() + expected >= self.end
         return self.spent
+
+    def before(self, kind: str) -> bool:
+        """Whether the time is up, or would be after one more step of ``kind`` as long as the
+        slowest so far (:meth:`step`)."""
+        return self.out(self.slowest.get(kind, 0.0))
+
+    @contextmanager
+    def step(self, kind: str) -> Iterator[None]:
+        """Time a step of ``kind``, for :meth:`before`."""
+        start = time.perf_counter()
+        yield
+        self.slowest[kind] = max(self.slowest.get(kind, 0.0), time.perf_counter() - start)
 
 
 @dataclass(frozen=True)

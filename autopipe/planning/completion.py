@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ._arrays import ragged_arange
+from ._arrays import RangeMin, ragged_arange
 from .candidates import Candidate, reach
 
 __all__ = ["Completions", "grid_levels"]
@@ -208,33 +208,6 @@ def _levels(floor: float, cap: float, lane: float | None, weight: float, count: 
     return np.append(np.sort(wanted[first]), cap)
 
 
-class _RangeMin:
-    """Minima of ``values[row, lo … hi]`` for fixed queries ``(row, lo, hi)`` (``inf`` when
-    empty), over any ``values``: minima over power-of-two spans, every span length kept, each
-    range answered as the two (overlapping) spans of the largest length that fits in it (one
-    gather for all queries)."""
-
-    def __init__(self, row: np.ndarray, lo: np.ndarray, hi: np.ndarray, shape: tuple[int, int]) -> None:
-        width = shape[1] + 1  # a last column of inf, for empty ranges
-        empty = hi < lo
-        level = np.where(empty, 0, np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.intp))
-        base = level * (shape[0] * width) + row * width
-        self.left = np.where(empty, base + width - 1, base + lo)
-        self.right = np.where(empty, base + width - 1, base + hi - (1 << level) + 1)
-        # per span length 2^k, its minima from each column (inf where the span would run past the end)
-        self.spans = np.full((int(level.max(initial=0)) + 1, shape[0], width), math.inf)
-
-    def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
-        """Each query's minimum of ``values + plus``."""
-        spans = self.spans
-        np.add(values, plus, out=spans[0, :, :-1])
-        for level in range(1, len(spans)):
-            half = 1 << (level - 1)
-            np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
-        flat = spans.reshape(-1)
-        return np.minimum(flat[self.left], flat[self.right])
-
-
 class _Windows:
     """For every cell and start ``p``, the least over stops ``q`` in ``(p, hi[cell, p]]`` of a
     table's ``[cell, q]`` — plus, with a ``candidate`` to charge skips for, what the stage
@@ -249,7 +222,7 @@ class _Windows:
         cell, start = np.divmod(np.arange(hi.size), starts)
         self.skips = None
         if candidate is None or not len(candidate.skip_pop):
-            self.ranges = _RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
+            self.ranges = RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
             return
         # the skips open at each start p (stashed before p, popped at or after p), by pop
         stash, pop = candidate.skip_stash, candidate.skip_pop
@@ -269,7 +242,7 @@ class _Windows:
         q_start = np.repeat(start, count)
         lo = np.where(part == 0, q_start + 1, steps[np.maximum(which - 1, 0)])
         top = np.where(last, np.repeat(hi.ravel(), count), steps[np.minimum(which, len(steps) - 1)] - 1)
-        self.ranges = _RangeMin(np.repeat(cell, count), lo, top, (cells, starts + 1))
+        self.ranges = RangeMin(np.repeat(cell, count), lo, top, (cells, starts + 1))
         self.skips = (skip, np.repeat(first[start], count), which, np.concatenate(([0], np.cumsum(count)[:-1])),
                       candidate.receive)
 

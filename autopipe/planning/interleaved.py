@@ -13,7 +13,7 @@ Stages sharing a device take turns, so there is no closed form: a split's time i
 simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
 of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.
 The ``(chunks, mode, device count)`` groups are taken in order of a lower bound on all their
-splits (:func:`_group_bound`: per phase all work over the devices, or the chain — one
+splits (:func:`_group_bounds`: per phase all work over the devices, or the chain — one
 micro-batch through every stage and the cheapest cuts, plus ``m - 1`` on a lane no smaller
 than the average stage's or the largest layer), until it reaches the best time found.  Within a group:
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,13 +41,14 @@ import numpy as np
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
+from ._chain import Chains, cut_least
 from ._minmax import min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
 from .schedules import TURN_RULES
 from .simulate import simulate
 
-__all__ = ["EXACT", "Group", "cheapest_cuts", "search", "time_of", "timed"]
+__all__ = ["EXACT", "Group", "search", "time_of", "timed"]
 
 #: most splits of one group that the search enumerates (exactly); larger groups are descended.
 EXACT = 20_000
@@ -100,22 +100,52 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``best`` and of every interleaved split (see the module docstring).  When ``budget`` runs
     out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
     devices = min(len(limits), model.layers // interleave)
-    tried = sorted((_group_bound(model, chunks, mode, k, interleave), chunks, mode, k)
-                   for chunks in candidates for mode in modes for k in range(2, devices + 1))
-    found, left = best, math.inf
-    for least, chunks, mode, k in tried:
-        # the groups left are bounded by ``least`` too: they come in its order
-        if found is not None and least >= found.iteration_ms or budget is not None and budget.out():
-            left = min(left, least)
+    cheap = {(chunks, mode, k): float(bound) for chunks in candidates for mode in modes
+             for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave), start=2)}
+    groups, found, left = _bounded(model, cheap, interleave, limits, best, budget)
+    for group in sorted(groups, key=lambda group: group.bound):
+        if found is not None and group.bound >= found.iteration_ms:
             break
-        group = Group(model, chunks, mode, k, interleave, limits, budget)
-        if math.comb(model.layers - 1, k * interleave - 1) <= EXACT:
+        if budget is not None and budget.out():
+            left = min(left, group.bound)
+            break
+        if math.comb(model.layers - 1, group.devices * interleave - 1) <= EXACT:
             found, unsearched = group.enumerate(found)
         else:
-            found, unsearched = group.descend(found), least
+            found, unsearched = group.descend(found), group.bound
         left = min(left, unsearched)
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, left))
+
+
+def _bounded(model: CostModel, cheap: dict[tuple[int, str, int], float], interleave: int, limits: np.ndarray,
+             found: Choice | None, budget: Budget | None) -> tuple[list[Group], Choice | None, float]:
+    """The groups that may beat ``found``, each bounded by the larger of its cheap bound and its
+    chain bound (:class:`~autopipe.planning._chain.Chains`, for all groups of a ``(chunks,
+    mode)`` at once, in order of their least cheap bound; the least chain split of the group of
+    least cheap bound first, then of each ``(chunks, mode)``'s best, is simulated, so that later
+    ones are cut off by a better time); the best plan then; and the
+    least cheap bound of the groups not reached when ``budget`` ran out."""
+    pairs = sorted({key[:2] for key in cheap}, key=lambda pair: min(b for key, b in cheap.items() if key[:2] == pair))
+    groups: list[Group] = []
+    budget = Budget(None) if budget is None else budget
+    for chunks, mode in pairs:
+        above = math.inf if found is None else found.iteration_ms
+        ks = [k for (c, m, k), bound in cheap.items() if (c, m) == (chunks, mode) and bound < above]
+        if ks and budget.before("chains"):
+            return groups, found, min(cheap[chunks, mode, k] for k in ks)
+        if not ks:
+            continue
+        chains = Chains(model, chunks, mode, interleave, model.speeds)
+        with budget.step("chains"):
+            least = chains.bound([k * interleave for k in ks], above, budget)
+        bounded = [Group(model, chunks, mode, k, interleave, limits, budget,
+                         max(cheap[chunks, mode, k], least[k * interleave]), chains) for k in ks]
+        first = min(bounded, key=lambda group: group.bound)
+        if found is None or first.bound < found.iteration_ms:
+            found = first.start(found)
+        groups += [group for group in bounded if found is None or group.bound < found.iteration_ms]
+    return groups, found, math.inf
 
 
 class Group:
@@ -123,20 +153,22 @@ class Group:
     searched within ``budget`` (:mod:`autopipe.planning.one_f_one_b` descends its 1F1B ones)."""
 
     def __init__(self, model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
-                 limits: np.ndarray, budget: Budget | None, schedule: Schedule = "gpipe") -> None:
+                 limits: np.ndarray, budget: Budget | None, bound: float = 0.0, chains: Chains | None = None,
+                 schedule: Schedule = "gpipe") -> None:
         self.model, self.chunks, self.mode, self.devices = model, chunks, mode, devices
-        self.interleave, self.limits, self.budget, self.schedule = interleave, limits, budget, schedule
-        self.slowest = 0.0  # the longest a split's simulation took
+        self.interleave, self.limits, self.schedule = interleave, limits, schedule
+        self.budget = Budget(None) if budget is None else budget
+        self.bound, self.chains = bound, chains  # a lower bound on its splits; their chain bounds
+        self.first: Choice | None = None  # its first plan simulated (:meth:`start`)
 
     def out(self) -> bool:
         """Whether the time is up, or would be after one more simulation."""
-        return self.budget is not None and self.budget.out(self.slowest)
+        return self.budget.before("simulation")
 
     def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
         """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
-        start = time.perf_counter()
-        ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits, self.schedule)
-        self.slowest = max(self.slowest, time.perf_counter() - start)
+        with self.budget.step("simulation"):
+            ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits, self.schedule)
         if math.isfinite(ms) and (found is None or ms < found.iteration_ms):
             return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule)
         return found
@@ -154,13 +186,23 @@ class Group:
             found = self.better(tuple(int(b) for b in splits.bounds[row]), found)
         return found, math.inf
 
+    def start(self, found: Choice | None) -> Choice | None:
+        """``found``, or the group's first plan if faster: its least chain split, or where that
+        does not fit (or no chain bounds were given) the min-max split; none is simulated when
+        the time is up, unless nothing was found yet."""
+        if self.first is None and (found is None or not self.out()):
+            count = self.devices * self.interleave
+            split = None if self.chains is None else self.chains.split(count)
+            self.first = None if split is None else self.better(split, None)
+            if self.first is None:
+                split = _min_max(self.model, self.chunks, self.mode, self.devices, self.interleave, self.limits,
+                                 self.budget, self.schedule)
+                self.first = None if split is None else self.better(split, None)
+        return better(found, self.first)
+
     def descend(self, found: Choice | None) -> Choice | None:
-        """The min-max split, then single-cut moves while they lower the simulated time."""
-        start = _min_max(self.model, self.chunks, self.mode, self.devices, self.interleave, self.limits, self.budget,
-                         self.schedule)
-        if start is None:
-            return found
-        current = self.better(start, None)
+        """The first plan (:meth:`start`), then single-cut moves while they lower the simulated time."""
+        current = self.start(None)
         improved = current is not None
         while improved and current is not None and not self.out():
             improved = False
@@ -197,43 +239,25 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
     return None if bounds is None else tuple(bounds)
 
 
-def _group_bound(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> float:
-    """A lower bound on every split of ``devices`` devices × ``interleave`` stages, per phase
-    the larger of all its work over the devices' total speed and the chain: one micro-batch
-    through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1`` cheapest cuts
-    (:func:`cheapest_cuts`; stages next to each other run on different devices), plus ``m - 1``
-    on the slowest lane, at least the average of the ``n`` stages' and the largest layer at
-    the top speed."""
+def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> np.ndarray:
+    """A lower bound on every split of ``k`` devices × ``interleave`` stages, for each ``k =
+    2 … devices``: per phase the larger of all its work over the devices' total speed and the
+    chain: one micro-batch through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1``
+    cheapest cuts (stages next to each other run on different devices), plus ``m - 1`` on the
+    slowest lane, at least the average of the ``n`` stages' and the largest layer at the top speed."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
-    speeds = model.speeds[:devices]
-    spread, top = float(np.sum(speeds)), float(np.max(speeds))
+    counts = np.arange(2, devices + 1)
+    spread = np.cumsum(model.speeds[:devices])[1:]
+    top = np.maximum.accumulate(model.speeds[:devices])[1:]
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
-    slowest = [max(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
+    slowest = [np.maximum(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    cuts = cheapest_cuts(model, costs, devices * interleave - 1)
-    return (max(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
-            + max((chunks * backward + recomputed * forward) / spread,
-                  first / top + cuts + (chunks - 1) * slowest[1]))
-
-
-def cheapest_cuts(model: CostModel, costs: SizeCosts, count: int) -> float:
-    """The ``count`` least copies of :func:`_cut_least` over the cut positions ``1 … L-1``: what
-    one micro-batch's main input at least costs to cross ``count + 1`` stages."""
-    return float(np.sum(np.sort(_cut_least(model, costs)[1:-1])[:count]))
-
-
-def _cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
-    """At each position ``0 … L``, the least copy of the main input there between any two
-    devices (and of its gradient back: the same pairs): the least latency plus the bytes at
-    the least ms per byte."""
-    count = len(model.devices)
-    if count < 2:
-        return np.zeros(len(costs.input_bytes) + 1)
-    off = ~np.eye(count, dtype=bool)
-    nbytes = np.append(costs.input_bytes, 0.0)
-    return np.where(nbytes > 0, float(np.min(model.latency[off])) + nbytes * float(np.min(model.per_byte[off])), 0.0)
+    cuts = np.concatenate(([0.0], np.cumsum(np.sort(cut_least(model, costs)[1:-1]))))[counts * interleave - 1]
+    return (np.maximum(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
+            + np.maximum((chunks * backward + recomputed * forward) / spread,
+                         first / top + cuts + (chunks - 1) * slowest[1]))
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:
@@ -246,7 +270,7 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
     recomputed = recomputations(mode, chunks)
     recompute = forward if recomputed else np.zeros_like(forward)
     least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
-    cuts = _cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
+    cuts = cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
     return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, cuts)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
                            splits.devices, chunks, cuts, reverse=True))

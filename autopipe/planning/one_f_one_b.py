@@ -31,7 +31,8 @@ from ._budget import Budget, Outcome
 from .candidates import Choice
 from .cost import CostModel, recomputations
 from ._minmax import min_max_split
-from .interleaved import Group, cheapest_cuts
+from ._chain import cheapest_cuts
+from .interleaved import Group
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -58,7 +59,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
             break
         spent += cells
         if factor > 1:  # interleaved 1F1B: its min-max split, descended on the simulated time
-            found = Group(model, chunks, mode, k, factor, limits, budget, "1f1b").descend(found)
+            found = Group(model, chunks, mode, k, factor, limits, budget, schedule="1f1b").descend(found)
             continue
         bounds = _split(model, chunks, mode, k, limits)
         if bounds is None:

@@ -1,0 +1,234 @@
+"""The least chain time of interleaved splits: a DP over stages, cut positions and lane caps.
+
+In a fill-drain phase every micro-batch passes the stages in order and every stage takes the
+micro-batches in order, whichever device each stage shares.  So one path through the
+(lane × micro-batch) grid bounds a split's time: the first micro-batch through every stage
+and every copy between them, then the other ``m - 1`` on the slowest stage.  Over both phases::
+
+    time ≥ Σ_s Q_s + Σ_cuts 2·c(a) + (m - 1)·max_s P_s
+
+with ``P_s = F_s + B_s`` a stage's forward and backward with recomputation, ``Q_s`` the same
+as the first micro-batch runs them, ``c(a)`` the least copy of the main input at cut ``a``
+(paid forward and back) and ``max F + max B ≥ max (F + B)``.  Where copies are dear a balanced
+split is not the fastest: the cuts must also fall where the activations are small, and this
+bound sees both.
+
+For a cap ``z`` on every ``P_s``, the least ``Σ Q + Σ 2c`` over splits into ``n`` stages is a DP
+``D_n(z)`` over stages and cut positions, each stage's window of starts answered by a
+sparse-table query per end: one pass over ``N`` stages gives ``D_n`` for every ``n ≤ N`` (when
+every stage runs at one speed) and every cap of a grid at once, ``O(N · caps · L log L)``.
+``D_n`` only falls as ``z`` grows, so splits whose largest ``P`` lies between two caps
+``z_i < z_{i+1}`` take at least ``(m - 1)·z_i + D_n(z_{i+1})``; the least over the grid's
+intervals bounds them all.  The grid is geometric between the least cap a split can have and
+the largest that can still beat the time to beat, so an interval costs at most a
+:data:`STEP` share of its cap.  The DP at the best interval's cap also gives a split whose
+chain time is within that step of the least: a good first plan to simulate.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ._arrays import RangeMin
+from ._budget import Budget
+from .candidates import least_largest
+from .cost import CostModel, SizeCosts, recomputations
+from .plans import placement
+
+__all__ = ["Chains", "cheapest_cuts", "cut_least"]
+
+#: caps of the first grid (a DP's time goes mostly to its steps over stages: more caps cost little)
+CAPS = 12
+#: parts each pass cuts an interval into
+SPLIT = 8
+#: passes at most
+PASSES = 3
+#: an interval is narrow enough when the caps it spans cost at most this share of its bound
+TOLERANCE = 2.5e-3
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A lower bound on the chain time of every split into ``n`` stages and its interval of caps."""
+
+    least: float
+    cap: float
+    low: float
+
+
+class Chains:
+    """The chain bounds of ``chunks`` micro-batches in ``mode`` over splits into any number of
+    stages (``interleave`` per device, round-robin, at ``speeds[device]``)."""
+
+    def __init__(self, model: CostModel, chunks: int, mode: str, interleave: int, speeds: np.ndarray) -> None:
+        costs = model.at(model.micro_batch_size(chunks))
+        recompute = costs.forward if recomputations(mode, chunks) else np.zeros_like(costs.forward)
+        self.first = costs.forward + costs.backward + (recompute if mode == "always" else 0.0)
+        self.lane = costs.forward + costs.backward + recompute  # prefix sums of P
+        self.cut = 2 * cut_least(model, costs)  # at each position 0 … L: its copy forward and back
+        self.cut[[0, -1]] = 0.0  # no cut at the ends
+        self.weight, self.interleave, self.speeds = chunks - 1, interleave, speeds
+        self.bounds: dict[int, _Bound] = {}
+
+    def stage_speeds(self, count: int) -> np.ndarray:
+        """Each stage's speed in a split into ``count`` stages."""
+        return self.speeds[np.asarray(placement(count, self.interleave))]
+
+    def split(self, count: int) -> tuple[int, ...] | None:
+        """A split into ``count`` stages (bounded first) of least ``Σ Q + Σ 2c`` within its
+        bound's cap (``None`` if none keeps every lane within it)."""
+        speeds = self.stage_speeds(count)
+        cap = np.array([self.bounds[count].cap])
+        tables = list(_sums(self.first, self.lane, self.cut, speeds, cap))
+        if not math.isfinite(tables[-1][0, -1]):
+            return None
+        bounds = [len(self.lane) - 1]
+        for s in range(count - 1, -1, -1):
+            j, speed, before = bounds[-1], speeds[s], tables[s][0]
+            starts = np.arange(j)
+            fits = self.lane[j] - self.lane[starts] <= cap[0] * speed * (1 + 1e-12)
+            values = np.where(fits, before[:j] + self.cut[:j] + (self.first[j] - self.first[:j]) / speed, math.inf)
+            bounds.append(int(np.argmin(np.abs(values - tables[s + 1][0, j]))))
+        return tuple(bounds[::-1])
+
+    def bound(self, counts: Sequence[int], above: float, budget: Budget | None = None) -> dict[int, float]:
+        """Each count's chain bound (at least ``above`` where none of its splits can beat it),
+        from grids of caps shared by all counts when every stage runs at one speed (else a grid
+        per count), refined while ``budget`` lasts."""
+        self.bounds.update(self._bounds(sorted(counts), above, budget))
+        return {n: self.bounds[n].least for n in counts}
+
+    def _bounds(self, counts: list[int], above: float, budget: Budget | None) -> dict[int, _Bound]:
+        shared = np.ptp(self.speeds[: max(counts) // self.interleave]) == 0
+        floors = {n: self._floor(n, shared) for n in counts}
+        top_speed = float(np.max(self.speeds))
+        lowest = {n: float(self.first[-1]) / top_speed + float(np.sum(np.sort(self.cut[1:-1])[: n - 1]))
+                  for n in counts}  # D_n(∞) at least
+        if self.weight == 0:  # the largest lane does not count: one cap, no limit
+            highs = {n: math.inf for n in counts}
+        else:  # over its high cap, a split is no faster than ``above``
+            highs = {n: max(floors[n], (above - lowest[n]) / self.weight if math.isfinite(above) else 2 * floors[n])
+                     for n in counts}
+        if shared:
+            return _Grid(self, counts, floors, lowest, highs, above, budget).bounds
+        return {n: _Grid(self, [n], floors, lowest, highs, above, budget).bounds[n] for n in counts}
+
+    def _floor(self, count: int, shared: bool) -> float:
+        """A cap under which no split into ``count`` stages exists: the average stage's or the
+        largest layer's at one speed, else by bisection (:func:`least_largest`)."""
+        speeds = self.stage_speeds(count)
+        if shared:
+            return max(float(self.lane[-1]) / count, float(np.max(np.diff(self.lane)))) / float(speeds[0])
+        return least_largest(self.lane, speeds, TOLERANCE)[0]
+
+
+class _Grid:
+    """The bounds of ``counts`` stages (all at the speeds of the largest count's first stages)
+    over caps refined where each count's least interval is: each pass adds :data:`SPLIT` - 1
+    caps inside the least interval of every count whose bound is under ``above`` and under
+    what another count's split is known to reach (else refining it could not raise the least
+    bound of all), and which is still wider than :data:`TOLERANCE` of its bound, or past the
+    last cap where that interval is the least; one DP prices the new caps for all counts at once."""
+
+    def __init__(self, chains: Chains, counts: list[int], floors: dict[int, float], lowest: dict[int, float],
+                 highs: dict[int, float], above: float, budget: Budget | None) -> None:
+        self.chains, self.counts, self.floors, self.lowest = chains, counts, floors, lowest
+        self.speeds = chains.stage_speeds(max(counts))
+        low, high = min(floors[n] for n in counts), max(highs[n] for n in counts)
+        if 0 < low < high < math.inf:
+            caps = low * (high / low) ** (np.arange(CAPS) / (CAPS - 1))
+        else:
+            caps = np.array([high])
+        self.caps = np.empty(0)
+        self.sums = np.empty((max(counts) + 1, 0))
+        self._add(caps)
+        for _ in range(PASSES):
+            if budget is not None and budget.out():
+                break
+            least = {n: self._least(n) for n in counts}
+            # no count's least can be over the least chain time of a split in its interval
+            reach = min(bound.least + self.chains.weight * (bound.cap - bound.low) for bound in least.values())
+            wanted = [cap for n in counts if least[n].least < reach for cap in self._open(n, above)]
+            if not wanted:
+                break
+            self._add(np.unique(wanted))
+        self.bounds = {n: self._least(n) for n in counts}
+
+    def _add(self, caps: np.ndarray) -> None:
+        """Price ``caps`` for every count and merge them in."""
+        chains = self.chains
+        sums = np.array([table[:, -1] for table in _sums(chains.first, chains.lane, chains.cut, self.speeds, caps)])
+        order = np.argsort(np.concatenate((self.caps, caps)), kind="stable")
+        self.caps = np.concatenate((self.caps, caps))[order]
+        self.sums = np.concatenate((self.sums, sums), axis=1)[:, order]
+
+    def _intervals(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per interval under each cap (and past the last, unless it is no limit): the least
+        time of a split whose largest ``P`` lies in it, and the interval's least cap."""
+        below = np.concatenate(([self.floors[n]], self.caps))
+        ends = np.append(self.sums[n], self.lowest[n])  # D_n at each cap, and at least past the last
+        if math.isinf(self.caps[-1]):
+            below, ends = below[:-1], ends[:-1]
+        return (self.chains.weight * below if self.chains.weight else 0.0) + ends, below  # no 0 · inf
+
+    def _least(self, n: int) -> _Bound:
+        values, below = self._intervals(n)
+        best = int(np.argmin(values))
+        return _Bound(float(values[best]), float(np.append(self.caps, math.inf)[best]), float(below[best]))
+
+    def _open(self, n: int, above: float) -> np.ndarray:
+        """Caps inside ``n``'s least interval if it is still too wide to bound ``n`` and under
+        ``above``; past the last cap, up to the cap over which a split is slower than one known."""
+        values, below = self._intervals(n)
+        best = int(np.argmin(values))
+        if values[best] >= above or not self.chains.weight:
+            return np.empty(0)
+        if best == len(self.caps):
+            known = np.min(self.chains.weight * self.caps + self.sums[n])  # a split within a cap reaches it
+            top = (min(above, known) - self.lowest[n]) / self.chains.weight if math.isfinite(known) else 4 * self.caps[-1]
+            return np.geomspace(self.caps[-1], top, SPLIT + 1)[1:] if top > self.caps[-1] else np.empty(0)
+        low, high = below[best], self.caps[best]
+        if self.chains.weight * (high - low) <= TOLERANCE * values[best]:
+            return np.empty(0)
+        return np.linspace(low, high, SPLIT + 1)[1:-1]
+
+
+def _sums(first: np.ndarray, lane: np.ndarray, cut: np.ndarray, speeds: np.ndarray,
+          caps: np.ndarray) -> Iterator[np.ndarray]:
+    """Per stage count ``n = 0 … len(speeds)`` in turn: per cap (a row) and layer ``j``, the
+    least ``Σ Q + Σ 2c`` of the first ``n`` stages ending at ``j`` with every ``P`` within the cap."""
+    width = len(lane)
+    ends = np.arange(width)
+    windows = {}
+    for speed in np.unique(speeds):  # stage [i, j) fits when lane[j] - lane[i] ≤ cap · speed
+        lo = np.searchsorted(lane, (lane[None, :] - caps[:, None] * speed * (1 + 1e-12)).ravel(), side="left")
+        rows = np.repeat(np.arange(len(caps)), width)
+        windows[speed] = RangeMin(rows, lo, np.tile(ends - 1, len(caps)), (len(caps), width))
+    best = np.full((len(caps), width), math.inf)
+    best[:, 0] = 0.0
+    yield best
+    for speed in speeds:
+        offset = first / speed
+        best = windows[speed].of(best + cut - offset, 0.0).reshape(len(caps), width) + offset
+        yield best
+
+
+def cheapest_cuts(model: CostModel, costs: SizeCosts, count: int) -> float:
+    """The ``count`` least copies of :func:`cut_least` over the cut positions ``1 … L-1``: what
+    one micro-batch's main input at least costs to cross ``count + 1`` stages."""
+    return float(np.sum(np.sort(cut_least(model, costs)[1:-1])[:count]))
+
+
+def cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
+    """At each position ``0 … L``, the least copy of the main input there between any two
+    devices (and of its gradient back: the same pairs): the least latency plus the bytes at
+    the least ms per byte."""
+    count = len(model.devices)
+    if count < 2:
+        return np.zeros(len(costs.input_bytes) + 1)
+    off = ~np.eye(count, dtype=bool)
+    nbytes = np.append(costs.input_bytes, 0.0)
+    return np.where(nbytes > 0, float(np.min(model.latency[off])) + nbytes * float(np.min(model.per_byte[off])), 0.0)
