@@ -42,10 +42,10 @@ class Budget:
         self.spent = self.spent or time.perf_counter() + expected >= self.end
         return self.spent
 
-    def before(self, kind: str) -> bool:
-        """Whether the time is up, or would be after one more step of ``kind`` as long as the
-        slowest so far (:meth:`step`)."""
-        return self.out(self.slowest.get(kind, 0.0))
+    def before(self, kind: str, steps: int = 1) -> bool:
+        """Whether the time is up, or would be after ``steps`` more steps of ``kind`` as long as
+        the slowest so far (:meth:`step`)."""
+        return self.out(steps * self.slowest.get(kind, 0.0))
 
     @contextmanager
     def step(self, kind: str) -> Iterator[None]:

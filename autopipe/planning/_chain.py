@@ -19,10 +19,10 @@ sparse-table query per end: one pass over ``N`` stages gives ``D_n`` for every `
 every stage runs at one speed) and every cap of a grid at once, ``O(N · caps · L log L)``.
 ``D_n`` only falls as ``z`` grows, so splits whose largest ``P`` lies between two caps
 ``z_i < z_{i+1}`` take at least ``(m - 1)·z_i + D_n(z_{i+1})``; the least over the grid's
-intervals bounds them all.  The grid is geometric between the least cap a split can have and
-the largest that can still beat the time to beat, so an interval costs at most a
-:data:`STEP` share of its cap.  The DP at the best interval's cap also gives a split whose
-chain time is within that step of the least: a good first plan to simulate.
+intervals bounds them all.  The grid (:class:`_Grid`) is geometric between the least cap a
+split can have and the largest that can still beat the time to beat, then refined where the
+least bounds are.  The DP at the best interval's cap also gives a split whose chain time is
+near the least: a good first plan to simulate.
 """
 from __future__ import annotations
 
@@ -187,8 +187,9 @@ class _Grid:
         if values[best] >= above or not self.chains.weight:
             return np.empty(0)
         if best == len(self.caps):
-            known = np.min(self.chains.weight * self.caps + self.sums[n])  # a split within a cap reaches it
-            top = (min(above, known) - self.lowest[n]) / self.chains.weight if math.isfinite(known) else 4 * self.caps[-1]
+            weight = self.chains.weight
+            known = np.min(weight * self.caps + self.sums[n])  # a split within a cap reaches it
+            top = (min(above, known) - self.lowest[n]) / weight if math.isfinite(known) else 4 * self.caps[-1]
             return np.geomspace(self.caps[-1], top, SPLIT + 1)[1:] if top > self.caps[-1] else np.empty(0)
         low, high = below[best], self.caps[best]
         if self.chains.weight * (high - low) <= TOLERANCE * values[best]:

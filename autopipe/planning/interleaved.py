@@ -12,19 +12,26 @@ the pipeline::
 Stages sharing a device take turns, so there is no closed form: a split's time is the
 simulator's (:func:`autopipe.planning.simulate.simulate`, the runtime's rules) under the faster
 of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which the plan records.
-The ``(chunks, mode, device count)`` groups are taken in order of a lower bound on all their
-splits (:func:`_group_bounds`: per phase all work over the devices, or the chain — one
-micro-batch through every stage and the cheapest cuts, plus ``m - 1`` on a lane no smaller
-than the average stage's or the largest layer), until it reaches the best time found.  Within a group:
+Each ``(chunks, mode, device count)`` group has a cheap lower bound on all its splits
+(:func:`_group_bounds`: per phase all work over the devices, or the chain — one micro-batch
+through every stage and the cheapest cuts, plus ``m - 1`` on a lane no smaller than the
+average stage's or the largest layer).  The groups that may beat the best time found get a
+tighter one, their least chain time (:class:`~autopipe.planning._chain.Chains`: which cuts
+fall where copies are cheap and how large a lane that makes), all device counts of a
+``(chunks, mode)`` at once, in order of their least cheap bound; the split that gives the
+least chain time of each ``(chunks, mode)``'s best group is simulated, so that the groups
+after it are cut off by a better time.  Then the groups in order of bound, until it reaches
+the best time:
 
 * with at most :data:`EXACT` splits, every split in order of its own bound (per phase the
   larger of the busiest device, ``m · Σ`` of its stages' lanes with what must run before and
   after, and the chain ``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might
   not happen) until that bound reaches the best time: exact;
-* beyond, a polynomial search: the split of least largest lane (within each device's memory,
-  shared equally by its stages), then a descent that moves one cut at a time to the
-  neighbouring layer while the simulated time falls — at most ``2 (n - 1)`` simulations a
-  round.  The group's bound then stays open, and the plan's gap shows what that may cost.
+* beyond, a polynomial search: its least chain split (or, where that does not fit in memory,
+  the split of least largest lane within each device's memory, shared equally by its
+  stages), then a descent that moves one cut at a time to the neighbouring layer while the
+  simulated time falls — at most ``2 (n - 1)`` simulations a round.  The group's bound then
+  stays open, and the plan's gap shows what that may cost.
 
 A split over a device's memory limit (the sum of its stages') is passed over.  Every step
 checks the time limit.
@@ -38,7 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel, SizeCosts, recomputations
+from .cost import CostModel, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
 from ._chain import Chains, cut_least
@@ -132,13 +139,12 @@ def _bounded(model: CostModel, cheap: dict[tuple[int, str, int], float], interle
     for chunks, mode in pairs:
         above = math.inf if found is None else found.iteration_ms
         ks = [k for (c, m, k), bound in cheap.items() if (c, m) == (chunks, mode) and bound < above]
-        if ks and budget.before("chains"):
+        if ks and budget.out():
             return groups, found, min(cheap[chunks, mode, k] for k in ks)
         if not ks:
             continue
-        chains = Chains(model, chunks, mode, interleave, model.speeds)
-        with budget.step("chains"):
-            least = chains.bound([k * interleave for k in ks], above, budget)
+        chains = Chains(model, chunks, mode, interleave, model.speeds)  # refined only while the time lasts
+        least = chains.bound([k * interleave for k in ks], above, budget)
         bounded = [Group(model, chunks, mode, k, interleave, limits, budget,
                          max(cheap[chunks, mode, k], least[k * interleave]), chains) for k in ks]
         first = min(bounded, key=lambda group: group.bound)
@@ -162,8 +168,9 @@ class Group:
         self.first: Choice | None = None  # its first plan simulated (:meth:`start`)
 
     def out(self) -> bool:
-        """Whether the time is up, or would be after one more simulation."""
-        return self.budget.before("simulation")
+        """Whether the time is up, or would be after one more simulation and the one that
+        prices the plan chosen (:func:`~autopipe.planning.simulate.evaluate`)."""
+        return self.budget.before("simulation", 2)
 
     def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
         """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
