@@ -299,8 +299,8 @@ def test_skip_charges_by_hand():
     profile = make_profile([1.0] * 4, devices=2, skips=[("s", 0, 2, 100)], copies=(0.5, 0.01))
     model = model_of(profile, [1.0, 1.0])
     candidate = Candidate.of(model, 1, "never", 2)
-    receive = candidate.receive[0, 1]
-    assert receive == pytest.approx(2 * (0.5 + 0.01 * 100 * 8)) and candidate.receive[0, 0] == 0
+    receive = candidate.receive[0, 0, 1]
+    assert receive == pytest.approx(2 * (0.5 + 0.01 * 100 * 8)) and np.isinf(candidate.receive[0, :, 0]).all()
     caps = (np.array([math.inf]),) * 2 + (np.zeros(1),) * 2
     plain, charged = (Completions(candidate, model.speeds, caps, skips=skips) for skips in (False, True))
     # from start p on device 1 the rest is one stage [p, 4): it pops the skip iff 0 < p <= 2
@@ -309,6 +309,32 @@ def test_skip_charges_by_hand():
     # the whole plan: the best split either keeps the skip in one stage or pays for it
     splits = {cut: model.evaluate((0, cut, 4), 1, "never").iteration_ms for cut in (1, 2, 3)}
     assert charged.least() <= min(min(splits.values()), model.evaluate((0, 4), 1, "never").iteration_ms) + 1e-9
+
+
+def test_skip_sources_narrow_with_the_caps():
+    """6 layers of equal work on 3 devices, a skip stashed by layer 1 and popped by layer 5,
+    the last stage [4, 6) on device 2: with every stage capped at 2 layers, devices 0 and 1
+    hold [0, 4) two layers each, so layer 1 is on device 0 and the cell charges that copy, not
+    the cheaper one from device 1; without caps device 1 could hold it (from layer 1 on)."""
+    from autopipe.planning.candidates import Candidate
+    from autopipe.planning.completion import Completions
+
+    copies = {(i, j): (0.1, 0.0) for i in range(3) for j in range(3) if i != j}
+    copies[(0, 2)] = copies[(2, 0)] = (5.0, 0.0)
+    profile = make_profile([1.0] * 6, devices=3, skips=[("s", 1, 5, 100)], copies=copies, linear=True)
+    model = model_of(profile, [1.0] * 3)
+    candidate = Candidate.of(model, 1, "never", 3)
+    far, near = candidate.receive[0, 0, 2], candidate.receive[0, 1, 2]
+    assert far == pytest.approx(10.0) and near == pytest.approx(0.2)
+    for cap_x, cap_y, expected in ((2.0, 4.0, far), (math.inf, math.inf, near)):
+        caps = (np.array([cap_x]), np.array([cap_y]), np.zeros(1), np.zeros(1))
+        plain, charged = (Completions(candidate, model.speeds, caps, skips=skips) for skips in (False, True))
+        assert charged.rest[2, 0, 4] - plain.rest[2, 0, 4] == pytest.approx(expected)
+    # the cell holds one plan, and the relaxation sees all it pays: its lanes' sum, skip included
+    capped = Completions(candidate, model.speeds, (np.array([2.0]), np.array([4.0]), np.zeros(1), np.zeros(1)),
+                         skips=True)
+    stages = model.evaluate((0, 2, 4, 6), 1, "never").stages
+    assert capped.rest[0, 0, 0] == pytest.approx(sum(s.forward + s.backward + s.copy_in + s.copy_grad for s in stages))
 
 
 def test_min_max_split_against_brute_force():

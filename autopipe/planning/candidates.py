@@ -44,7 +44,8 @@ class Candidate:
     to ``d + 1`` (its main input) and back (that input's gradient), 0 at both ends; the least
     possible largest forward and backward compute lanes (``floors``); their weights ``(m-1, w)``
     in the time; all work at the top speed; a lower bound on its time (``lower_bound``); the
-    skips' stash and pop layers and the least each device pays to receive each (``receive``)."""
+    skips' stash and pop layers and what each device pays to receive each from each earlier
+    device (``receive[t, s, d]``)."""
 
     lower_bound: float
     chunks: int
@@ -170,16 +171,15 @@ def _cut_costs(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.nda
 
 
 def _receive(model: CostModel, costs: SizeCosts, devices: int) -> np.ndarray:
-    """``[t, d]``: the least that device ``d`` pays to receive skip ``t`` from an earlier
-    device and send its gradient back (0 on device 0, and when relayed: hop by hop, a skip's
-    copies are the neighbours')."""
+    """``[t, s, d]``: what device ``d`` pays to receive skip ``t`` from device ``s < d`` and
+    send its gradient back (``inf`` from ``s ≥ d``; 0 when relayed: hop by hop, a skip's copies
+    are the neighbours')."""
     nbytes = costs.skip_bytes[:, None, None]
     both = model.latency[:devices, :devices] + model.latency[:devices, :devices].T + nbytes * (
         model.per_byte[:devices, :devices] + model.per_byte[:devices, :devices].T)  # [t, from, to]
-    both = np.where(nbytes > 0, both, 0.0)
+    both = np.where(nbytes > 0, both, 0.0) * (not model.relayed)
     earlier = np.tri(devices, k=-1, dtype=bool).T  # [from, to]: from < to
-    least = np.min(np.where(earlier[None], both, np.inf), axis=1, initial=np.inf)
-    return np.zeros_like(least) if model.relayed else np.where(np.isfinite(least), least, 0.0)
+    return np.where(earlier[None], both, np.inf)
 
 
 def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:

@@ -39,6 +39,8 @@ _AROUND = np.array([0.0, -1 / 32, 1 / 32, 1 / 4, -1 / 16, 1 / 16, -1 / 64, 1 / 6
 _BUDGET = 8_000_000
 # Levels a lane of the coarse grid, before a plan is known.
 _COARSE = 4
+# Most cells × skip entries × devices whose skips' sources are ranged per cell (else for all cells at once).
+_SOURCES = 2_000_000
 # Ratio of the levels beyond the last relative one, up to the cap: fine enough for unequal speeds,
 # where moving work to faster devices trades lane sum for larger lanes over a wide range.
 _FAR = 1.2
@@ -53,12 +55,14 @@ class Completions:
     def __init__(self, candidate: Candidate, speeds: np.ndarray, cells: tuple[np.ndarray, ...],
                  levels: tuple[np.ndarray, np.ndarray] | None = None, skips: bool = False) -> None:
         self.candidate = candidate
-        self.skips = skips and bool(np.any(candidate.receive))  # charge the skips a stage receives
+        paid = np.isfinite(candidate.receive) & (candidate.receive > 0)
+        self.skips = skips and bool(np.any(paid))  # charge the skips a stage receives
         self.speeds = speeds
         self.cap_x, self.cap_y, self.low_x, self.low_y = cells
         self.lows = levels  # a grid's lower caps per lane, for lower_bound
         self.work = candidate.costs.forward + candidate.back
         self.windows: dict[float, _Windows] = {}
+        self.sources = _Sources.of(candidate, speeds, self.cap_x, self.cap_y) if self.skips else None
         self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
@@ -89,7 +93,8 @@ class Completions:
         rest[:, :, layers] = 0.0
         for device in range(devices - 1, -1, -1):
             speed = float(self.speeds[device])
-            least = self._window(speed).least(self._stage(device), rest[device + 1], device)
+            charge = None if self.sources is None else self.sources.charges(device)
+            least = self._window(speed).least(self._stage(device), rest[device + 1], charge)
             np.subtract(least, self.work[:layers] / speed, out=rest[device, :, :layers])
         return rest
 
@@ -208,11 +213,81 @@ def _levels(floor: float, cap: float, lane: float | None, weight: float, count: 
     return np.append(np.sort(wanted[first]), cap)
 
 
+def _entries(candidate: Candidate) -> tuple[np.ndarray, np.ndarray]:
+    """The skips open at each start ``p`` (stashed before ``p``, popped at or after it) as
+    entries ``(skip, p)``, sorted by ``p`` and then pop."""
+    stash, pop = candidate.skip_stash, candidate.skip_pop
+    lengths = pop - stash
+    skip = np.repeat(np.arange(len(pop)), lengths)
+    at = np.repeat(stash + 1, lengths) + ragged_arange(lengths)
+    order = np.lexsort((pop[skip], at))
+    return skip[order], at[order]
+
+
+class _Sources:
+    """Per cell and entry ``(skip t, start p)`` (:func:`_entries`), the least that the stage on
+    device ``d`` starting at ``p`` pays to receive ``t`` in a plan of the cell: the least copy
+    from a device that can hold ``t``'s stash ``a`` there.  Within the cell's caps ``(x, y)``,
+    devices ``0 … s`` must cover layers ``[0, a]`` and devices ``s … d-1`` layers ``[a, p)``,
+    each device ``j`` at most ``x·v_j`` of forward and ``y·v_j`` of backward work and at least
+    one layer; so ``s`` lies in a range, narrow where the caps are tight and the work between
+    the two ends fills the devices between."""
+
+    @staticmethod
+    def of(candidate: Candidate, speeds: np.ndarray, cap_x: np.ndarray, cap_y: np.ndarray) -> _Sources:
+        """The ranges of each cell, or where there are more than :data:`_SOURCES` cells ×
+        entries × devices, of the largest caps for all cells (wider: as valid, cheaper)."""
+        entries = int(np.sum(candidate.skip_pop - candidate.skip_stash))
+        if len(cap_x) * entries * len(speeds) > _SOURCES:
+            cap_x, cap_y = np.array([np.max(cap_x)]), np.array([np.max(cap_y)])
+        return _Sources(candidate, speeds, cap_x, cap_y)
+
+    def __init__(self, candidate: Candidate, speeds: np.ndarray, cap_x: np.ndarray, cap_y: np.ndarray) -> None:
+        skip, at = _entries(candidate)
+        stash = candidate.skip_stash[skip]
+        loose = 1 + 1e-9  # never narrower than exact: rounding widens the range
+        lanes = ((candidate.costs.forward, cap_x), (candidate.back, cap_y))
+        self.prefix = np.concatenate(([0.0], np.cumsum(speeds)))  # speed of devices 0 … i-1
+        # the least source: devices 0 … s hold at least the work of [0, a]
+        need = np.max([prefix[stash + 1][None, :] / (cap[:, None] * loose) for prefix, cap in lanes], axis=0)
+        self.low = np.maximum(np.searchsorted(self.prefix, need, side="left") - 1, 0)
+        # devices s … d-1 hold at least the work of [a, p)
+        self.span = np.max([(prefix[at] - prefix[stash])[None, :] / (cap[:, None] * loose) for prefix, cap in lanes],
+                           axis=0)
+        self.stash, self.at, self.skip = stash, at, skip
+        self.table = _span_minima(candidate.receive)  # [level, t, s, d]
+
+    def charges(self, device: int) -> np.ndarray:
+        """Per cell (or one row for all) and entry: the least copy of the entry's skip to
+        ``device`` from a source in its range (``inf`` where none is)."""
+        reach = self.prefix[device] * (1 + 1e-12) - self.span  # rounding widens the range
+        high = np.searchsorted(self.prefix, reach, side="right") - 1
+        high = np.minimum(np.minimum(high, device - 1), self.stash)  # a device holds a layer at least
+        low = np.maximum(self.low, device - (self.at - self.stash))
+        empty = high < low
+        level = np.floor(np.log2(np.maximum(high - low + 1, 1))).astype(np.intp)
+        low, top = np.where(empty, 0, low), np.where(empty, 0, high - (1 << level) + 1)
+        least = np.minimum(self.table[level, self.skip, low, device], self.table[level, self.skip, top, device])
+        return np.where(empty, math.inf, least)
+
+
+def _span_minima(values: np.ndarray) -> np.ndarray:
+    """``[level, t, s, d]``: the least of ``values[t, s … s + 2^level - 1, d]`` (``inf`` past the end)."""
+    levels = [values]
+    while (1 << len(levels)) <= values.shape[1]:
+        half = 1 << (len(levels) - 1)
+        last = levels[-1]
+        shifted = np.full_like(last, math.inf)
+        shifted[:, :-half] = last[:, half:]
+        levels.append(np.minimum(last, shifted))
+    return np.array(levels)
+
+
 class _Windows:
     """For every cell and start ``p``, the least over stops ``q`` in ``(p, hi[cell, p]]`` of a
     table's ``[cell, q]`` — plus, with a ``candidate`` to charge skips for, what the stage
-    ``[p, q)`` at least pays to receive the skips it pops: ``candidate.receive[t, d]`` for each
-    skip ``t`` stashed before ``p`` and popped in ``[p, q)`` (each skip that crosses a cut is
+    ``[p, q)`` at least pays to receive the skips it pops (:class:`_Sources`) for each skip
+    ``t`` stashed before ``p`` and popped in ``[p, q)`` (each skip that crosses a cut is
     received once, by the stage that pops it).  That charge only steps up with ``q``, where a
     skip open at ``p`` is popped, so each window splits into a few ranges of one charge each."""
 
@@ -224,14 +299,8 @@ class _Windows:
         if candidate is None or not len(candidate.skip_pop):
             self.ranges = RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
             return
-        # the skips open at each start p (stashed before p, popped at or after p), by pop
-        stash, pop = candidate.skip_stash, candidate.skip_pop
-        lengths = pop - stash
-        skip = np.repeat(np.arange(len(pop)), lengths)
-        at = np.repeat(stash + 1, lengths) + ragged_arange(lengths)
-        order = np.lexsort((pop[skip], at))
-        skip, at = skip[order], at[order]
-        steps = pop[skip] + 1  # where the charge of each steps up: the first stop past its pop
+        skip, at = _entries(candidate)
+        steps = candidate.skip_pop[skip] + 1  # where the charge of each steps up: the first stop past its pop
         first = np.searchsorted(at, np.arange(starts + 1))
         # per (cell, p): the steps inside its window, and one range more than steps
         inside = np.searchsorted(at * (starts + 2) + steps, start * (starts + 2) + hi.ravel(), side="right")
@@ -243,14 +312,20 @@ class _Windows:
         lo = np.where(part == 0, q_start + 1, steps[np.maximum(which - 1, 0)])
         top = np.where(last, np.repeat(hi.ravel(), count), steps[np.minimum(which, len(steps) - 1)] - 1)
         self.ranges = RangeMin(np.repeat(cell, count), lo, top, (cells, starts + 1))
-        self.skips = (skip, np.repeat(first[start], count), which, np.concatenate(([0], np.cumsum(count)[:-1])),
-                      candidate.receive)
+        self.skips = (np.repeat(cell, count), np.repeat(first[start], count), which,
+                      np.concatenate(([0], np.cumsum(count)[:-1])))
 
-    def least(self, values: np.ndarray, plus: np.ndarray, device: int) -> np.ndarray:
-        """Per ``(cell, p)``: the least over its window of ``values + plus`` (and the charge)."""
+    def least(self, values: np.ndarray, plus: np.ndarray, charge: np.ndarray | None) -> np.ndarray:
+        """Per ``(cell, p)``: the least over its window of ``values + plus`` and, given the
+        ``charge`` of each cell and entry (:class:`_Sources`), what its skips cost."""
         least = self.ranges.of(values, plus)
-        if self.skips is not None:
-            skip, begin, which, starts, receive = self.skips
-            paid = np.concatenate(([0.0], np.cumsum(receive[skip, device])))
-            least = np.minimum.reduceat(least + paid[which] - paid[begin], starts)
+        if self.skips is not None and charge is not None:
+            cell, begin, which, starts = self.skips
+            zeros = np.zeros((len(charge), 1))
+            paid = np.concatenate((zeros, np.cumsum(np.where(np.isinf(charge), 0.0, charge), axis=1)), axis=1)
+            blocked = np.concatenate((zeros, np.cumsum(np.isinf(charge), axis=1)), axis=1)  # no source can send it
+            row = cell if len(charge) > 1 else 0
+            cost = paid[row, which] - paid[row, begin]
+            cost = np.where(blocked[row, which] > blocked[row, begin], math.inf, cost)
+            least = np.minimum.reduceat(least + cost, starts)
         return least.reshape(self.hi.shape)
