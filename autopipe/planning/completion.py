@@ -40,7 +40,7 @@ _BUDGET = 8_000_000
 # Levels a lane of the coarse grid, before a plan is known.
 _COARSE = 4
 # Most cells × skip entries × devices whose skips' sources are ranged per cell (else for all cells at once).
-_SOURCES = 2_000_000
+_SOURCES = 300_000
 # Ratio of the levels beyond the last relative one, up to the cap: fine enough for unequal speeds,
 # where moving work to faster devices trades lane sum for larger lanes over a wide range.
 _FAR = 1.2
@@ -256,18 +256,28 @@ class _Sources:
                            axis=0)
         self.stash, self.at, self.skip = stash, at, skip
         self.table = _span_minima(candidate.receive)  # [level, t, s, d]
+        self.log2 = np.floor(np.log2(np.arange(1, len(speeds) + 2))).astype(np.intp)  # of each range length
+        # at one speed, s … d-1 hold that work when there are at least this many of them
+        self.count = np.ceil(self.span / speeds[0] - 1e-9).astype(np.intp) if np.ptp(speeds) == 0 else None
 
     def charges(self, device: int) -> np.ndarray:
         """Per cell (or one row for all) and entry: the least copy of the entry's skip to
         ``device`` from a source in its range (``inf`` where none is)."""
-        reach = self.prefix[device] * (1 + 1e-12) - self.span  # rounding widens the range
-        high = np.searchsorted(self.prefix, reach, side="right") - 1
+        if self.count is not None:
+            high = device - self.count
+        else:
+            reach = self.prefix[device] * (1 + 1e-12) - self.span  # rounding widens the range
+            high = np.searchsorted(self.prefix, reach, side="right") - 1
         high = np.minimum(np.minimum(high, device - 1), self.stash)  # a device holds a layer at least
         low = np.maximum(self.low, device - (self.at - self.stash))
         empty = high < low
-        level = np.floor(np.log2(np.maximum(high - low + 1, 1))).astype(np.intp)
-        low, top = np.where(empty, 0, low), np.where(empty, 0, high - (1 << level) + 1)
-        least = np.minimum(self.table[level, self.skip, low, device], self.table[level, self.skip, top, device])
+        length = np.maximum(high - low + 1, 1)
+        level = self.log2[length - 1]
+        table = self.table[..., device]  # [level, t, s]
+        rows = (level * table.shape[1] + self.skip) * table.shape[2]
+        flat = table.ravel()
+        least = np.minimum(flat.take(rows + np.where(empty, 0, low)),
+                           flat.take(rows + np.where(empty, 0, high - (1 << level) + 1)))
         return np.where(empty, math.inf, least)
 
 
