@@ -120,6 +120,7 @@ class Search:
         self.layer_forward = largest_after(np.diff(self.costs.forward))
         self.layer_back = largest_after(np.diff(candidate.back))
         self.speed_after = np.concatenate((np.cumsum(speeds[::-1])[::-1], [0.0]))
+        self.speed_prefix = np.concatenate(([0.0], np.cumsum(speeds)))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -271,9 +272,23 @@ class Search:
             else:
                 kept.append(entry)
         sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
-        for consumers in itertools.product(range(stage + 1, self.devices), repeat=len(sent)):
+        for consumers in itertools.product(*(self._consumers(stage, stop, skips[i].pop) for i in sent)):
             copy_grad = sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, consumers))
             yield copy_in, copy_grad, tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
+
+    def _consumers(self, stage: int, stop: int, pop: int) -> range:
+        """The stages that can pop at layer ``pop`` a skip sent on by stage ``stage`` ending at
+        ``stop``, in a plan within :meth:`_caps`: stages ``stage+1 … c`` hold layers ``[stop,
+        pop]`` and stages ``c …`` (on the devices left) ``[pop, L)``, each at most a cap's work
+        at its speed and at least one layer."""
+        speeds = self.speed_prefix  # speed of devices 0 … i-1
+        loose = 1 + 1e-9  # rounding widens the range
+        need = [(prefix[pop + 1] - prefix[stop], prefix[-1] - prefix[pop], cap * loose)
+                for prefix, cap in zip((self.costs.forward, self.candidate.back), self._caps())]
+        least = max(int(np.searchsorted(speeds, speeds[stage + 1] + between / cap, side="left")) - 1
+                    for between, _, cap in need)
+        most = min(int(np.searchsorted(speeds, speeds[-1] - after / cap, side="right")) - 1 for _, after, cap in need)
+        return range(max(least, stage + 1), min(most, stage + 1 + pop - stop, self.devices - 1) + 1)
 
     def _grow(self, labels: _Labels, label: np.ndarray,
               lanes: _Moves) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
