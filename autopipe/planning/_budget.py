@@ -15,7 +15,10 @@ from typing import Iterator
 
 from .candidates import Choice
 
-__all__ = ["Budget", "Outcome"]
+__all__ = ["MARGIN", "Budget", "Outcome"]
+
+#: the share of a time limit left for the last step's overrun and the plan's assembly
+MARGIN = 0.02
 
 
 class Budget:
@@ -24,7 +27,9 @@ class Budget:
     def __init__(self, seconds: float | None) -> None:
         if seconds is not None and not seconds > 0:
             raise ValueError(f"time_limit must be a positive number of seconds or None, got {seconds!r}")
-        self.end = math.inf if seconds is None else time.perf_counter() + seconds
+        # the searches stop a little early: they check the time between steps, and the plan
+        # is assembled after them
+        self.end = math.inf if seconds is None else time.perf_counter() + seconds * (1 - MARGIN)
         self.spent = False
         self.slowest: dict[str, float] = {}  # per kind of step, the longest one took
 
