@@ -23,9 +23,15 @@ intervals bounds them all.  The grid (:class:`_Grid`) is geometric between the l
 split can have and the largest that can still beat the time to beat, then refined where the
 least bounds are.  The DP at the best interval's cap also gives a split whose chain time is
 near the least: a good first plan to simulate.
+
+Where the DP is small (:data:`APART_CELLS`), a count's bound also keeps the two largest lanes
+apart, ``(m - 1)·(max F + max B)``, over a grid of caps on each (:meth:`Chains._apart`): the
+stage of largest forward need not be the one of largest backward, and one split cannot make
+both small when forward and backward costs are spread differently over the layers.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -48,6 +54,10 @@ SPLIT = 8
 PASSES = 3
 #: an interval is narrow enough when the caps it spans cost at most this share of its bound
 TOLERANCE = 2.5e-3
+#: DP cells (stages × positions) up to which a count also gets the bound with its lanes apart
+APART_CELLS = 4_000
+#: caps a lane of that bound's first grid
+LEVELS = 8
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Chains:
         recompute = costs.forward if recomputations(mode, chunks) else np.zeros_like(costs.forward)
         self.first = costs.forward + costs.backward + (recompute if mode == "always" else 0.0)
         self.lane = costs.forward + costs.backward + recompute  # prefix sums of P
+        self.forward, self.back = costs.forward, costs.backward + recompute  # of F and B, apart
         self.cut = 2 * cut_least(model, costs)  # at each position 0 … L: its copy forward and back
         self.cut[[0, -1]] = 0.0  # no cut at the ends
         self.weight, self.interleave, self.speeds = chunks - 1, interleave, speeds
@@ -82,7 +93,7 @@ class Chains:
         bound's cap (``None`` if none keeps every lane within it)."""
         speeds = self.stage_speeds(count)
         cap = np.array([self.bounds[count].cap])
-        tables = list(_sums(self.first, self.lane, self.cut, speeds, cap))
+        tables = list(_sums(self.first, [(self.lane, cap)], self.cut, speeds))
         if not math.isfinite(tables[-1][0, -1]):
             return None
         bounds = [len(self.lane) - 1]
@@ -99,7 +110,50 @@ class Chains:
         from grids of caps shared by all counts when every stage runs at one speed (else a grid
         per count), refined while ``budget`` lasts."""
         self.bounds.update(self._bounds(sorted(counts), above, budget))
-        return {n: self.bounds[n].least for n in counts}
+        least = {n: self.bounds[n].least for n in counts}
+        for n in counts:  # where the DP is small, the largest forward and backward lanes apart
+            if least[n] < above and n * len(self.lane) <= APART_CELLS and (budget is None or not budget.out()):
+                least[n] = max(least[n], self._apart(n, above, budget))
+        return least
+
+    def _apart(self, count: int, above: float, budget: Budget | None) -> float:
+        """The chain bound with ``(m - 1)·(max F + max B)`` for ``(m - 1)·max (F + B)``: from
+        a grid of caps on each lane (:data:`LEVELS` a lane between its floor and the cap that
+        can still beat ``above``, and no limit), refined around its least cell."""
+        weight, speeds = self.weight, self.stage_speeds(count)
+        top = float(np.max(speeds))
+        lanes = (self.forward, self.back)
+        floors = [max(float(lane[-1]) / (count * top), float(np.max(np.diff(lane))) / top) for lane in lanes]
+        lowest = float(self.first[-1]) / top + float(np.sum(np.sort(self.cut[1:-1])[: count - 1]))
+        if weight == 0:
+            return lowest
+        highs = [(above - lowest - weight * floors[1 - k]) / weight if math.isfinite(above) else 2 * floors[k]
+                 for k in range(2)]
+        if any(high <= floor for high, floor in zip(highs, floors)):
+            return above  # every split has lanes past a cap that can beat it
+        levels = [np.append(np.geomspace(floor, high, LEVELS + 1)[1:], math.inf) for floor, high in zip(floors, highs)]
+        known: dict[tuple[float, float], float] = {}
+        least = -math.inf
+        for _ in range(PASSES + 1):
+            xs, ys = levels
+            missing = [(x, y) for x in xs for y in ys if (x, y) not in known]
+            if missing:
+                caps = np.array(missing)
+                *_, table = itertools.islice(_sums(self.first, [(self.forward, caps[:, 0]), (self.back, caps[:, 1])],
+                                                   self.cut, speeds), count + 1)
+                known.update(zip(missing, table[:, -1].tolist()))
+            lows = [np.concatenate(([floor], level[:-1])) for floor, level in zip(floors, levels)]
+            values = weight * (lows[0][:, None] + lows[1][None, :]) + np.array([[known[x, y] for y in ys] for x in xs])
+            i, j = np.unravel_index(int(np.argmin(values)), values.shape)
+            least = float(values[i, j])
+            spans = [(lows[0][i], xs[i]), (lows[1][j], ys[j])]
+            wide = sum(weight * (high - low) for low, high in spans) > TOLERANCE * least
+            if least >= above or not wide or budget is not None and budget.out():
+                break
+            levels = [np.union1d(level, np.geomspace(low, 4 * low, SPLIT + 1)[1:] if math.isinf(high)
+                                 else np.linspace(low, high, SPLIT + 1)[1:-1])
+                      for level, (low, high) in zip(levels, spans)]
+        return least
 
     def _bounds(self, counts: list[int], above: float, budget: Budget | None) -> dict[int, _Bound]:
         shared = np.ptp(self.speeds[: max(counts) // self.interleave]) == 0
@@ -160,7 +214,7 @@ class _Grid:
     def _add(self, caps: np.ndarray) -> None:
         """Price ``caps`` for every count and merge them in."""
         chains = self.chains
-        sums = np.array([table[:, -1] for table in _sums(chains.first, chains.lane, chains.cut, self.speeds, caps)])
+        sums = np.array([table[:, -1] for table in _sums(chains.first, [(chains.lane, caps)], chains.cut, self.speeds)])
         order = np.argsort(np.concatenate((self.caps, caps)), kind="stable")
         self.caps = np.concatenate((self.caps, caps))[order]
         self.sums = np.concatenate((self.sums, sums), axis=1)[:, order]
@@ -197,23 +251,24 @@ class _Grid:
         return np.linspace(low, high, SPLIT + 1)[1:-1]
 
 
-def _sums(first: np.ndarray, lane: np.ndarray, cut: np.ndarray, speeds: np.ndarray,
-          caps: np.ndarray) -> Iterator[np.ndarray]:
-    """Per stage count ``n = 0 … len(speeds)`` in turn: per cap (a row) and layer ``j``, the
-    least ``Σ Q + Σ 2c`` of the first ``n`` stages ending at ``j`` with every ``P`` within the cap."""
-    width = len(lane)
+def _sums(first: np.ndarray, lanes: Sequence[tuple[np.ndarray, np.ndarray]], cut: np.ndarray,
+          speeds: np.ndarray) -> Iterator[np.ndarray]:
+    """Per stage count ``n = 0 … len(speeds)`` in turn: per row and layer ``j``, the least
+    ``Σ Q + Σ 2c`` of the first ``n`` stages ending at ``j`` with every stage's work on each of
+    ``lanes`` (prefix sums, and a cap per row) within its cap."""
+    width, rows = len(first), len(lanes[0][1])
     ends = np.arange(width)
     windows = {}
-    for speed in np.unique(speeds):  # stage [i, j) fits when lane[j] - lane[i] ≤ cap · speed
-        lo = np.searchsorted(lane, (lane[None, :] - caps[:, None] * speed * (1 + 1e-12)).ravel(), side="left")
-        rows = np.repeat(np.arange(len(caps)), width)
-        windows[speed] = RangeMin(rows, lo, np.tile(ends - 1, len(caps)), (len(caps), width))
-    best = np.full((len(caps), width), math.inf)
+    for speed in np.unique(speeds):  # stage [i, j) fits when lane[j] - lane[i] ≤ cap · speed on every lane
+        lo = np.max([np.searchsorted(lane, (lane[None, :] - caps[:, None] * speed * (1 + 1e-12)).ravel(),
+                                     side="left") for lane, caps in lanes], axis=0)
+        windows[speed] = RangeMin(np.repeat(np.arange(rows), width), lo, np.tile(ends - 1, rows), (rows, width))
+    best = np.full((rows, width), math.inf)
     best[:, 0] = 0.0
     yield best
     for speed in speeds:
         offset = first / speed
-        best = windows[speed].of(best + cut - offset, 0.0).reshape(len(caps), width) + offset
+        best = windows[speed].of(best + cut - offset, 0.0).reshape(rows, width) + offset
         yield best
 
 
