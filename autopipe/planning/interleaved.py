@@ -129,10 +129,10 @@ def _bounded(model: CostModel, cheap: dict[tuple[int, str, int], float], interle
              found: Choice | None, budget: Budget | None) -> tuple[list[Group], Choice | None, float]:
     """The groups that may beat ``found``, each bounded by the larger of its cheap bound and its
     chain bound (:class:`~autopipe.planning._chain.Chains`, for all groups of a ``(chunks,
-    mode)`` at once, in order of their least cheap bound; the least chain split of the group of
-    least cheap bound first, then of each ``(chunks, mode)``'s best, is simulated, so that later
-    ones are cut off by a better time); the best plan then; and the
-    least cheap bound of the groups not reached when ``budget`` ran out."""
+    mode)`` at once, taken in order of their least cheap bound); the best plan then, as the
+    split of least chain time of each ``(chunks, mode)``'s best group is simulated so that the
+    groups after it are cut off by a better time; and the least cheap bound of the groups not
+    reached when ``budget`` ran out."""
     pairs = sorted({key[:2] for key in cheap}, key=lambda pair: min(b for key, b in cheap.items() if key[:2] == pair))
     groups: list[Group] = []
     budget = Budget(None) if budget is None else budget
