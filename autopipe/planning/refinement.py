@@ -129,7 +129,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
     """
     cells: list[Cells] = []
     waiting = list(pending)
-    longest, per_cell = 0.0, 0.0  # the slowest step so far, and per cell
+    scouting, halving, per_cell = 0.0, 0.0, 0.0  # the slowest scout and halving so far, and per cell
     while True:
         upper = math.inf if best is None else best.iteration_ms
         for group in cells:
@@ -137,13 +137,18 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
         waiting = [candidate for candidate in waiting if candidate.lower_bound < upper]
         open_ = [group for group in cells if len(group.bound) and not group.settled]
         least = min(open_, key=Cells.least, default=None)
-        if least is None and not waiting or budget.out(longest):  # the slowest step so far: one more may fit
+        scouts = bool(waiting) and (least is None or waiting[0].lower_bound <= least.least())
+        # one more step may fit if it is no slower than the slowest of its kind (a first
+        # halving: twice a scout, as it prices twice the cells)
+        expected = scouting if scouts else halving or 2 * scouting
+        if least is None and not waiting or budget.out(expected):
             return best, waiting[0].lower_bound if waiting else math.inf, per_cell
         start = time.perf_counter()
-        if waiting and (least is None or waiting[0].lower_bound <= least.least()):
+        if scouts:
             group, found = scout(waiting.pop(0), best)
             cells.append(group)
             best = better(best, found)
+            scouting = max(scouting, time.perf_counter() - start)
         else:
             halves = least.halves(upper)
             if halves is not None:
@@ -155,4 +160,4 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
                 least.settled = least.loose and least.stalls >= _STALLS
                 per_cell = max(per_cell, (time.perf_counter() - start) / len(halves[0]))
                 best = better(best, price(least.candidate, completions.plans(_WALKS)))
-        longest = max(longest, time.perf_counter() - start)
+            halving = max(halving, time.perf_counter() - start)
