@@ -151,6 +151,7 @@ class Search:
         record a finished plan that beats ``best``, return the labels that can still beat it."""
         state, first = states(labels.start, labels.key)
         moves = self._moves(stage, labels.start[first], labels.key[first])
+        self._check_time()
         label, move = pairs(state, moves.state, len(first))
         lanes = moves.take(move)
         x, peak, v, total = self._grow(labels, label, lanes)
@@ -236,7 +237,7 @@ class Search:
         rows: list[int] = []
         extra: list[tuple[float, float, int]] = []
         for row, (state, stop) in enumerate(zip(moves.state.tolist(), moves.stop.tolist())):
-            if row % 1024 == 0:
+            if row % 256 == 0:
                 self._check_time()
             for copy_in, copy_grad, key in self._commitments(stage, int(starts[state]), stop,
                                                                self.keys[keys[state]]):
