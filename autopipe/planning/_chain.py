@@ -46,7 +46,7 @@ from .plans import placement
 
 __all__ = ["Chains", "cheapest_cuts", "cut_least"]
 
-#: caps of the first grid (a DP's time goes mostly to its steps over stages: more caps cost little)
+#: caps of the first grid (each a row of every DP step: they cost in proportion)
 CAPS = 12
 #: parts each pass cuts an interval into
 SPLIT = 8
