@@ -226,6 +226,21 @@ def test_interleaved_beyond_enumeration_gets_a_min_max_split() -> None:
     assert plan(wide, chunks=8).options["interleaves_searched"] == [1, 2]
 
 
+def test_a_group_of_fifty_thousand_splits_is_searched_exactly() -> None:
+    """20 layers on 4 devices, 2 stages each: C(19, 7) = 50,388 splits, enumerated in order of
+    their bounds (no time limit), so the plan is proven optimal (gap 0) and no split of a
+    random sample of its group is faster."""
+    rng = random.Random(4)
+    profile = random_profile(rng, 20, 4, per_pair=False)
+    chosen = plan(profile, interleave=2, chunks=4, checkpoint="never", time_limit=None)
+    assert chosen.interleave == 2 and chosen.device_count == 4 and chosen.predicted.gap == 0
+    model = model_of(profile, [1.0] * 4)
+    limits = np.full(4, math.inf)
+    splits = random.Random(5).sample(list(itertools.combinations(range(1, 20), 7)), 300)
+    times = [interleaved.time_of(model, (0, *cuts, 20), 4, "never", 2, limits) for cuts in splits]
+    assert min(times) >= chosen.predicted.iteration_ms - 1e-9
+
+
 def test_interleaved_plan_file_round_trip_and_checks(tmp_path) -> None:
     chosen = plan(constant_profile(), chunks=8)
     path = chosen.save(tmp_path / "p.json")

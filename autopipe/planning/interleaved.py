@@ -23,10 +23,11 @@ least chain time of each ``(chunks, mode)``'s best group is simulated, so that t
 after it are cut off by a better time.  Then the groups in order of bound, until it reaches
 the best time:
 
-* with at most :data:`EXACT` splits, every split in order of its own bound (per phase the
-  larger of the busiest device, ``m · Σ`` of its stages' lanes with what must run before and
-  after, and the chain ``Σ q + (m-1)·max p``, where ``q`` leaves out a recomputation that might
-  not happen) until that bound reaches the best time: exact;
+* with at most :data:`EXACT` splits, when listing them fits the time left, every split in
+  order of its own bound (per phase the larger of the busiest device, ``m · Σ`` of its stages'
+  lanes with what must run before and after, and the chain ``Σ q + (m-1)·max p``, where ``q``
+  leaves out a recomputation that might not happen) until that bound reaches the best time:
+  exact;
 * beyond, a polynomial search: its least chain split (or, where that does not fit in memory,
   the split of least largest lane within each device's memory, shared equally by its
   stages), then a descent that moves one cut at a time to the neighbouring layer while the
@@ -58,7 +59,11 @@ from .simulate import simulate
 __all__ = ["EXACT", "Group", "search", "time_of", "timed"]
 
 #: most splits of one group that the search enumerates (exactly); larger groups are descended.
-EXACT = 20_000
+EXACT = 200_000
+#: seconds per split and stage that listing a group's splits and their bounds takes (measured:
+#: ~0.25 s for the 170,544 splits of ResNet-50 into 8 stages on the machine of the README), to
+#: descend a group whose enumeration would overrun the budget
+_ENUMERATE_S = 2e-7
 #: seconds per stage and squared layer that a min-max DP takes (measured: ~6 s for 128 stages
 #: of 1,000 layers on the 2-core machine of the README), to skip one that would overrun the budget
 _MIN_MAX_S = 5e-8
@@ -106,6 +111,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``None``; the outcome's choice is ``None`` if none is), and a lower bound on the time of
     ``best`` and of every interleaved split (see the module docstring).  When ``budget`` runs
     out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
+    budget = Budget(None) if budget is None else budget
     devices = min(len(limits), model.layers // interleave)
     cheap = {(chunks, mode, k): float(bound) for chunks in candidates for mode in modes
              for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave), start=2)}
@@ -113,10 +119,11 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     for group in sorted(groups, key=lambda group: group.bound):
         if found is not None and group.bound >= found.iteration_ms:
             break
-        if budget is not None and budget.out():
+        if budget.out():
             left = min(left, group.bound)
             break
-        if math.comb(model.layers - 1, group.devices * interleave - 1) <= EXACT:
+        splits = math.comb(model.layers - 1, group.devices * interleave - 1)
+        if splits <= EXACT and budget.fits(_ENUMERATE_S * splits * group.devices * interleave):
             found, unsearched = group.enumerate(found)
         else:
             found, unsearched = group.descend(found), group.bound
@@ -126,7 +133,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
 
 
 def _bounded(model: CostModel, cheap: dict[tuple[int, str, int], float], interleave: int, limits: np.ndarray,
-             found: Choice | None, budget: Budget | None) -> tuple[list[Group], Choice | None, float]:
+             found: Choice | None, budget: Budget) -> tuple[list[Group], Choice | None, float]:
     """The groups that may beat ``found``, each bounded by the larger of its cheap bound and its
     chain bound (:class:`~autopipe.planning._chain.Chains`, for all groups of a ``(chunks,
     mode)`` at once, taken in order of their least cheap bound); the best plan then, as the
@@ -135,7 +142,6 @@ def _bounded(model: CostModel, cheap: dict[tuple[int, str, int], float], interle
     reached when ``budget`` ran out."""
     pairs = sorted({key[:2] for key in cheap}, key=lambda pair: min(b for key, b in cheap.items() if key[:2] == pair))
     groups: list[Group] = []
-    budget = Budget(None) if budget is None else budget
     for chunks, mode in pairs:
         above = math.inf if found is None else found.iteration_ms
         ks = [k for (c, m, k), bound in cheap.items() if (c, m) == (chunks, mode) and bound < above]
