@@ -47,11 +47,6 @@ class Budget:
         self.spent = self.spent or time.perf_counter() + expected >= self.end
         return self.spent
 
-    def fits(self, seconds: float) -> bool:
-        """Whether a step of ``seconds`` would end in time (a cheaper step may be taken instead:
-        the budget is not spent)."""
-        return not self.spent and time.perf_counter() + seconds < self.end
-
     def before(self, kind: str, steps: int = 1) -> bool:
         """Whether the time is up, or would be after ``steps`` more steps of ``kind`` as long as
         the slowest so far (:meth:`step`)."""

@@ -123,7 +123,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
             left = min(left, group.bound)
             break
         splits = math.comb(model.layers - 1, group.devices * interleave - 1)
-        if splits <= EXACT and budget.fits(_ENUMERATE_S * splits * group.devices * interleave):
+        if splits <= EXACT and not budget.out(_ENUMERATE_S * splits * group.devices * interleave):
             found, unsearched = group.enumerate(found)
         else:
             found, unsearched = group.descend(found), group.bound
