@@ -81,6 +81,7 @@ class Chains:
         self.forward, self.back = costs.forward, costs.backward + recompute  # of F and B, apart
         self.cut = 2 * cut_least(model, costs)  # at each position 0 … L: its copy forward and back
         self.cut[[0, -1]] = 0.0  # no cut at the ends
+        self.cheapest = 2 * cheapest_cuts(model, costs)  # of k cuts, forward and back
         self.weight, self.interleave, self.speeds = chunks - 1, interleave, speeds
         self.bounds: dict[int, _Bound] = {}
 
@@ -124,7 +125,7 @@ class Chains:
         top = float(np.max(speeds))
         lanes = (self.forward, self.back)
         floors = [max(float(lane[-1]) / (count * top), float(np.max(np.diff(lane))) / top) for lane in lanes]
-        lowest = float(self.first[-1]) / top + float(np.sum(np.sort(self.cut[1:-1])[: count - 1]))
+        lowest = self._lowest(count, top)
         if weight == 0:
             return lowest
         highs = [(above - lowest - weight * floors[1 - k]) / weight if math.isfinite(above) else 2 * floors[k]
@@ -159,8 +160,7 @@ class Chains:
         shared = np.ptp(self.speeds[: max(counts) // self.interleave]) == 0
         floors = {n: self._floor(n, shared) for n in counts}
         top_speed = float(np.max(self.speeds))
-        lowest = {n: float(self.first[-1]) / top_speed + float(np.sum(np.sort(self.cut[1:-1])[: n - 1]))
-                  for n in counts}  # D_n(∞) at least
+        lowest = {n: self._lowest(n, top_speed) for n in counts}
         if self.weight == 0:  # the largest lane does not count: one cap, no limit
             highs = {n: math.inf for n in counts}
         else:  # over its high cap, a split is no faster than ``above``
@@ -169,6 +169,11 @@ class Chains:
         if shared:
             return _Grid(self, counts, floors, lowest, highs, above, budget).bounds
         return {n: _Grid(self, [n], floors, lowest, highs, above, budget).bounds[n] for n in counts}
+
+    def _lowest(self, count: int, top: float) -> float:
+        """``D_count(∞)`` at least: every layer's ``Q`` at the ``top`` speed and the
+        ``count - 1`` cheapest cuts."""
+        return float(self.first[-1]) / top + float(self.cheapest[count - 1])
 
     def _floor(self, count: int, shared: bool) -> float:
         """A cap under which no split into ``count`` stages exists: the average stage's or the
@@ -272,10 +277,11 @@ def _sums(first: np.ndarray, lanes: Sequence[tuple[np.ndarray, np.ndarray]], cut
         yield best
 
 
-def cheapest_cuts(model: CostModel, costs: SizeCosts, count: int) -> float:
-    """The ``count`` least copies of :func:`cut_least` over the cut positions ``1 … L-1``: what
-    one micro-batch's main input at least costs to cross ``count + 1`` stages."""
-    return float(np.sum(np.sort(cut_least(model, costs)[1:-1])[:count]))
+def cheapest_cuts(model: CostModel, costs: SizeCosts) -> np.ndarray:
+    """At each ``k = 0 … L-1``, the sum of the ``k`` least copies of :func:`cut_least` over the
+    cut positions ``1 … L-1``: what one micro-batch's main input at least costs to cross
+    ``k + 1`` stages."""
+    return np.concatenate(([0.0], np.cumsum(np.sort(cut_least(model, costs)[1:-1]))))
 
 
 def cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:

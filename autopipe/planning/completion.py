@@ -62,7 +62,9 @@ class Completions:
         self.lows = levels  # a grid's lower caps per lane, for lower_bound
         self.work = candidate.costs.forward + candidate.back
         self.windows: dict[float, _Windows] = {}
-        self.sources = _Sources.of(candidate, speeds, self.cap_x, self.cap_y) if self.skips else None
+        self.entries = _entries(candidate) if self.skips else None
+        self.sources = None if self.entries is None else _Sources.of(candidate, self.entries, speeds, self.cap_x,
+                                                                     self.cap_y)
         self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
@@ -115,7 +117,7 @@ class Completions:
             starts = np.arange(len(self.work) - 1)
             last = np.minimum(reach(candidate.costs.forward, starts, self.cap_x[:, None] * speed),
                               reach(candidate.back, starts, self.cap_y[:, None] * speed))
-            self.windows[speed] = _Windows(last, candidate if self.skips else None)
+            self.windows[speed] = _Windows(last, candidate, self.entries)
         return self.windows[speed]
 
     def least(self) -> float:
@@ -234,16 +236,17 @@ class _Sources:
     the two ends fills the devices between."""
 
     @staticmethod
-    def of(candidate: Candidate, speeds: np.ndarray, cap_x: np.ndarray, cap_y: np.ndarray) -> _Sources:
+    def of(candidate: Candidate, entries: tuple[np.ndarray, np.ndarray], speeds: np.ndarray, cap_x: np.ndarray,
+           cap_y: np.ndarray) -> _Sources:
         """The ranges of each cell, or where there are more than :data:`_SOURCES` cells ×
         entries × devices, of the largest caps for all cells (wider: as valid, cheaper)."""
-        entries = int(np.sum(candidate.skip_pop - candidate.skip_stash))
-        if len(cap_x) * entries * len(speeds) > _SOURCES:
+        if len(cap_x) * len(entries[0]) * len(speeds) > _SOURCES:
             cap_x, cap_y = np.array([np.max(cap_x)]), np.array([np.max(cap_y)])
-        return _Sources(candidate, speeds, cap_x, cap_y)
+        return _Sources(candidate, entries, speeds, cap_x, cap_y)
 
-    def __init__(self, candidate: Candidate, speeds: np.ndarray, cap_x: np.ndarray, cap_y: np.ndarray) -> None:
-        skip, at = _entries(candidate)
+    def __init__(self, candidate: Candidate, entries: tuple[np.ndarray, np.ndarray], speeds: np.ndarray,
+                 cap_x: np.ndarray, cap_y: np.ndarray) -> None:
+        skip, at = entries
         stash = candidate.skip_stash[skip]
         loose = 1 + 1e-9  # never narrower than exact: rounding widens the range
         lanes = ((candidate.costs.forward, cap_x), (candidate.back, cap_y))
@@ -295,21 +298,22 @@ def _span_minima(values: np.ndarray) -> np.ndarray:
 
 class _Windows:
     """For every cell and start ``p``, the least over stops ``q`` in ``(p, hi[cell, p]]`` of a
-    table's ``[cell, q]`` — plus, with a ``candidate`` to charge skips for, what the stage
-    ``[p, q)`` at least pays to receive the skips it pops (:class:`_Sources`) for each skip
-    ``t`` stashed before ``p`` and popped in ``[p, q)`` (each skip that crosses a cut is
-    received once, by the stage that pops it).  That charge only steps up with ``q``, where a
-    skip open at ``p`` is popped, so each window splits into a few ranges of one charge each."""
+    table's ``[cell, q]`` — plus, given the ``entries`` of skips to charge (:func:`_entries`),
+    what the stage ``[p, q)`` at least pays to receive the skips it pops (:class:`_Sources`)
+    for each skip ``t`` stashed before ``p`` and popped in ``[p, q)`` (each skip that crosses a
+    cut is received once, by the stage that pops it).  That charge only steps up with ``q``,
+    where a skip open at ``p`` is popped, so each window splits into a few ranges of one charge
+    each."""
 
-    def __init__(self, hi: np.ndarray, candidate: Candidate | None) -> None:
+    def __init__(self, hi: np.ndarray, candidate: Candidate, entries: tuple[np.ndarray, np.ndarray] | None) -> None:
         self.hi = hi
         cells, starts = hi.shape
         cell, start = np.divmod(np.arange(hi.size), starts)
         self.skips = None
-        if candidate is None or not len(candidate.skip_pop):
+        if entries is None or not len(entries[0]):
             self.ranges = RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
             return
-        skip, at = _entries(candidate)
+        skip, at = entries
         steps = candidate.skip_pop[skip] + 1  # where the charge of each steps up: the first stop past its pop
         first = np.searchsorted(at, np.arange(starts + 1))
         # per (cell, p): the steps inside its window, and one range more than steps

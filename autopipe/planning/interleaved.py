@@ -49,7 +49,7 @@ import numpy as np
 from .cost import CostModel, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
-from ._chain import Chains, cut_least
+from ._chain import Chains, cheapest_cuts, cut_least
 from ._minmax import min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
@@ -267,7 +267,7 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
     slowest = [np.maximum(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    cuts = np.concatenate(([0.0], np.cumsum(np.sort(cut_least(model, costs)[1:-1]))))[counts * interleave - 1]
+    cuts = cheapest_cuts(model, costs)[counts * interleave - 1]
     return (np.maximum(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
             + np.maximum((chunks * backward + recomputed * forward) / spread,
                          first / top + cuts + (chunks - 1) * slowest[1]))

@@ -80,7 +80,7 @@ def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> flo
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
     speeds = model.speeds[:k]
-    cuts = 2 * cheapest_cuts(model, costs, stages - 1)
+    cuts = 2 * cheapest_cuts(model, costs)[stages - 1]
     return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)) + cuts)
 
 
