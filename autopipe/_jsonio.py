@@ -16,7 +16,7 @@ from typing import IO, Any, Callable, TypeVar
 
 from .errors import FormatError
 
-__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest"]
+__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest", "is_finite"]
 
 T = TypeVar("T")
 
@@ -157,7 +157,7 @@ class Fields:
         return value
 
     def float(self, key: str, minimum: float | None = None) -> float:
-        value = float(self.typed(key, _is_finite, "a finite number"))
+        value = float(self.typed(key, is_finite, "a finite number"))
         if minimum is not None and value < minimum:
             raise self.get(key).error(f"must be at least {minimum}, found {value}")
         return value
@@ -185,7 +185,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_finite(value: Any) -> bool:
+def is_finite(value: Any) -> bool:
+    """Whether a JSON value is a finite number (not a boolean)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

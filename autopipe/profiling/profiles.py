@@ -7,14 +7,13 @@ backward, which need not be linear).  The cost model reads only this.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._jsonio import digest
-from .._jsonio import Fields, read_json, write_json_atomic
+from .._jsonio import Fields, is_finite, read_json, write_json_atomic
 
 __all__ = ["Stat", "LayerProfile", "CopyFit", "ReductionFit", "Profile", "PROFILE_SCHEMA_VERSION", "REDUCTION_ENGINES"]
 
@@ -163,7 +162,7 @@ _STAT_TIMES = ("median_ms", "min_ms", "max_ms")
 
 def _is_time(value: Any) -> bool:
     """A finite number of milliseconds, at least 0."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return is_finite(value) and value >= 0
 
 
 def _is_count(value: Any) -> bool:
@@ -208,9 +207,7 @@ def _points(f: Fields) -> list[tuple[int, float]]:
     points = []
     for point in f.get("points").items():
         value = point.value
-        if not (isinstance(value, list) and len(value) == 2 and _is_count(value[0])
-                and isinstance(value[1], (int, float)) and not isinstance(value[1], bool)
-                and math.isfinite(value[1])):
+        if not (isinstance(value, list) and len(value) == 2 and _is_count(value[0]) and is_finite(value[1])):
             raise point.error(f"expected [bytes, ms] (a non-negative integer and a finite "
                               f"number), found {json.dumps(value)[:60]}")
         points.append((value[0], float(value[1])))
