@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Columns", "RangeMin", "largest_after", "pairs", "prefix_argmin", "ragged_arange", "states", "uniform"]
+__all__ = ["Columns", "RangeMin", "largest_after", "pairs", "power_spans", "prefix_argmin", "ragged_arange", "states",
+           "uniform"]
 
 
 class Columns:
@@ -90,3 +91,18 @@ class RangeMin:
             np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
         flat = spans.reshape(-1)
         return np.minimum(flat[self.left], flat[self.right])
+
+
+def power_spans(values: Any, combine: Callable[[np.ndarray, np.ndarray], np.ndarray], fill: float,
+                axis: int = 0) -> np.ndarray:
+    """``[level, …]``: ``combine`` of ``values`` over the ``2^level`` entries from each index
+    along ``axis`` (``fill`` where a span runs past the end), for every span no longer than that
+    axis: a sparse table, whose range queries take two overlapping spans."""
+    levels = [np.asarray(values, dtype=float)]
+    length = levels[0].shape[axis]
+    while (1 << len(levels)) <= length:
+        half, last = 1 << (len(levels) - 1), levels[-1]
+        shifted = np.full_like(last, fill)
+        np.moveaxis(shifted, axis, 0)[:-half] = np.moveaxis(last, axis, 0)[half:]
+        levels.append(combine(last, shifted))
+    return np.stack(levels)

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ._arrays import RangeMin, ragged_arange
+from ._arrays import RangeMin, power_spans, ragged_arange
 from .candidates import Candidate, reach
 
 __all__ = ["Completions", "grid_levels"]
@@ -258,7 +258,7 @@ class _Sources:
         self.span = np.max([(prefix[at] - prefix[stash])[None, :] / (cap[:, None] * loose) for prefix, cap in lanes],
                            axis=0)
         self.stash, self.at, self.skip = stash, at, skip
-        self.table = _span_minima(candidate.receive)  # [level, t, s, d]
+        self.table = power_spans(candidate.receive, np.minimum, math.inf, axis=1)  # [level, t, s, d]
         self.log2 = np.floor(np.log2(np.arange(1, len(speeds) + 2))).astype(np.intp)  # of each range length
         # at one speed, s … d-1 hold that work when there are at least this many of them
         self.count = np.ceil(self.span / speeds[0] - 1e-9).astype(np.intp) if np.ptp(speeds) == 0 else None
@@ -282,18 +282,6 @@ class _Sources:
         least = np.minimum(flat.take(rows + np.where(empty, 0, low)),
                            flat.take(rows + np.where(empty, 0, high - (1 << level) + 1)))
         return np.where(empty, math.inf, least)
-
-
-def _span_minima(values: np.ndarray) -> np.ndarray:
-    """``[level, t, s, d]``: the least of ``values[t, s … s + 2^level - 1, d]`` (``inf`` past the end)."""
-    levels = [values]
-    while (1 << len(levels)) <= values.shape[1]:
-        half = 1 << (len(levels) - 1)
-        last = levels[-1]
-        shifted = np.full_like(last, math.inf)
-        shifted[:, :-half] = last[:, half:]
-        levels.append(np.minimum(last, shifted))
-    return np.array(levels)
 
 
 class _Windows:

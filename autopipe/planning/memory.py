@@ -56,6 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..profiling.profiles import LayerProfile
+from ._arrays import power_spans
 
 __all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "BackwardTables",
            "RangeMax", "estimated_workspace", "output_saved_flags"]
@@ -158,12 +159,8 @@ class RangeMax:
     the two overlapping spans of the largest length that fits in it."""
 
     def __init__(self, values: Sequence[float]) -> None:
-        spans = [np.append(np.asarray(values, dtype=float), -np.inf)]  # a last -inf: empty ranges
-        while 2 ** len(spans) <= len(spans[0]) - 1:
-            half, top = 2 ** (len(spans) - 1), spans[-1]
-            spans.append(np.append(np.maximum(top[:-half], top[half:]), np.full(half, -np.inf)))
-        self.spans = np.stack(spans)
-        self.empty = len(spans[0]) - 1
+        self.spans = power_spans(np.append(np.asarray(values, dtype=float), -np.inf), np.maximum, -np.inf)
+        self.empty = len(values)  # the last -inf: empty ranges
 
     def __getitem__(self, index: tuple[Any, Any]) -> Any:
         start, stop = (np.asarray(i) for i in index)
