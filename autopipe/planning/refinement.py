@@ -129,7 +129,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
     """
     cells: list[Cells] = []
     waiting = list(pending)
-    scouting, halving, per_cell = 0.0, 0.0, 0.0  # the slowest scout and halving so far, and per cell
+    per_cell = 0.0  # the slowest halving so far, per cell
     while True:
         upper = math.inf if best is None else best.iteration_ms
         for group in cells:
@@ -140,16 +140,18 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
         scouts = bool(waiting) and (least is None or waiting[0].lower_bound <= least.least())
         # one more step may fit if it is no slower than the slowest of its kind (a first
         # halving: twice a scout, as it prices twice the cells)
-        expected = scouting if scouts else halving or 2 * scouting
+        slowest = budget.slowest
+        expected = slowest.get("scout", 0.0) if scouts else slowest.get("halving", 2 * slowest.get("scout", 0.0))
         if least is None and not waiting or budget.out(expected):
             return best, waiting[0].lower_bound if waiting else math.inf, per_cell
-        start = time.perf_counter()
         if scouts:
-            group, found = scout(waiting.pop(0), best)
+            with budget.step("scout"):
+                group, found = scout(waiting.pop(0), best)
             cells.append(group)
             best = better(best, found)
-            scouting = max(scouting, time.perf_counter() - start)
-        else:
+            continue
+        with budget.step("halving"):
+            start = time.perf_counter()
             halves = least.halves(upper)
             if halves is not None:
                 before = least.least()
@@ -160,4 +162,3 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
                 least.settled = least.loose and least.stalls >= _STALLS
                 per_cell = max(per_cell, (time.perf_counter() - start) / len(halves[0]))
                 best = better(best, price(least.candidate, completions.plans(_WALKS)))
-            halving = max(halving, time.perf_counter() - start)
