@@ -102,7 +102,8 @@ def main() -> None:
     samples = _interleaved(steps, args.rounds)
     predicted = {"plain model": single.predicted.iteration_ms,
                  **{name: plan.predicted.iteration_ms for name, plan in plans.items()}}
-    memory = {"plain model": _device_peak(single), **{name: _device_peak(plan) for name, plan in plans.items()}}
+    memory = {"plain model": max(single.device_memory_bytes),
+              **{name: max(plan.device_memory_bytes) for name, plan in plans.items()}}
     described = {"plain model": "1 device", **{name: _describe(plan) for name, plan in plans.items()}}
     print(_table(samples, predicted, memory, described, [n for n in samples if n != "choice under the limit"]))
     print(f"load average {os.getloadavg()[0]:.2f} at end")
@@ -119,14 +120,6 @@ def _replica_need(profile: autopipe.Profile, share: int) -> int:
     model = CostModel(profile, ["cpu"], [1.0], share)  # the planner's default optimizer state
     chunks = candidate_chunks(share, profile.batch_sizes)
     return int(math.ceil(smallest_memory(model, chunks, ["never", "except_last", "always"], 1)[0]))
-
-
-def _device_peak(plan: autopipe.Plan) -> int:
-    """The predicted peak of the busiest device: the sum of the stages it holds."""
-    held: dict[int, int] = {}
-    for stage, device in zip(plan.stages, plan.placement):
-        held[device] = held.get(device, 0) + stage.memory_bytes
-    return max(held.values())
 
 
 def _describe(plan: autopipe.Plan) -> str:
