@@ -39,7 +39,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import numpy as np
 
@@ -232,21 +231,63 @@ class Search:
             copy_grad += cost * ((start <= skip.stash) & crosses_stop)
 
     def _commit(self, stage: int, starts: np.ndarray, keys: np.ndarray, moves: _Moves) -> _Moves:
-        """Each move once per way to keep its state's skip commitments (:meth:`_commitments`),
-        with those copies added and the key after."""
-        rows: list[int] = []
-        extra: list[tuple[float, float, int]] = []
-        for row, (state, stop) in enumerate(zip(moves.state.tolist(), moves.stop.tolist())):
-            if row % 256 == 0:
-                self._check_time()
-            for copy_in, copy_grad, key in self._commitments(stage, int(starts[state]), stop,
-                                                               self.keys[keys[state]]):
-                rows.append(row)
-                extra.append((copy_in, copy_grad, self._key_id(key)))
-        taken = moves.take(np.asarray(rows, dtype=int))
-        added = np.asarray(extra, dtype=float).reshape(-1, 3)
-        return replace(taken, copy_in=taken.copy_in + added[:, 0], copy_grad=taken.copy_grad + added[:, 1],
-                       key=added[:, 2].astype(int))
+        """Each move once per way to keep its state's skip commitments, with those copies added
+        and the key after.  What a move receives depends on its key and stop, what it sends on
+        its start and stop, the key after on what it keeps open and sends: each is worked out
+        once per distinct pair (a stage has many more moves than pairs)."""
+        span = self.model.layers + 1
+        codes, by_key = _distinct(keys[moves.state] * span + moves.stop)
+        copy_in, kept_id, kept = self._receipts(stage, codes // span, codes % span)
+        codes, by_start = _distinct(starts[moves.state] * span + moves.stop)
+        count, copy_grad, sent_id, sent = self._sendings(stage, codes // span, codes % span)
+        ways = np.where(kept_id[by_key] >= 0, count[by_start], 0)
+        row = np.repeat(np.arange(len(ways)), ways)
+        choice = np.repeat(np.cumsum(count)[by_start] - count[by_start], ways) + ragged_arange(ways)
+        taken = moves.take(row)
+        return replace(taken, copy_in=taken.copy_in + copy_in[by_key[row]],
+                       copy_grad=taken.copy_grad + copy_grad[choice],
+                       key=self._keys_after(kept, sent, kept_id[by_key[row]], sent_id[choice]))
+
+    def _receipts(self, stage: int, keys: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[_Key]]:
+        """Per ``(key, stop)``: the copies in (:meth:`_received`) and the index of the
+        commitments kept open in the list returned (``-1`` where the stage breaks one)."""
+        kept: dict[_Key, int] = {}
+        copy_in, kept_id = np.zeros(len(keys)), np.full(len(keys), -1)
+        for index, (key, stop) in enumerate(zip(keys.tolist(), stops.tolist())):
+            self._tick(index)
+            found = self._received(stage, stop, self.keys[key])
+            if found is not None:
+                copy_in[index], kept_id[index] = found[0], kept.setdefault(found[1], len(kept))
+        return copy_in, kept_id, list(kept)
+
+    def _sendings(self, stage: int, starts: np.ndarray,
+                  stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Key]]:
+        """Per ``(start, stop)``, its ways to commit the skips it sends (:meth:`_sent`), listed
+        one after another: their count; per way the copy of gradients and the index of its
+        commitments in the list returned."""
+        consumers: dict[tuple[int, int], range] = {}
+        sent: dict[_Key, int] = {}
+        count, copy_grad, sent_id = np.zeros(len(starts), dtype=int), [], []
+        for index, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
+            self._tick(index)
+            ways = self._sent(stage, start, stop, consumers)
+            count[index] = len(ways)
+            for copy, entries in ways:
+                copy_grad.append(copy)
+                sent_id.append(sent.setdefault(entries, len(sent)))
+        return count, np.array(copy_grad), np.array(sent_id, dtype=int), list(sent)
+
+    def _keys_after(self, kept: list[_Key], sent: list[_Key], kept_id: np.ndarray, sent_id: np.ndarray) -> np.ndarray:
+        """The index in :attr:`keys` of each ``kept[kept_id[i]]`` joined with ``sent[sent_id[i]]``."""
+        width = max(len(sent), 1)
+        codes, index = _distinct(kept_id * width + sent_id)
+        ids = [self._key_id(tuple(sorted(kept[code // width] + sent[code % width]))) for code in codes.tolist()]
+        return np.array(ids, dtype=int).reshape(-1)[index]
+
+    def _tick(self, index: int) -> None:
+        """Check the time every 256 steps of a loop."""
+        if index % 256 == 0:
+            self._check_time()
 
     def _key_id(self, key: _Key) -> int:
         """The index of ``key`` in :attr:`keys` (labels hold indices: arrays, not tuples)."""
@@ -255,27 +296,37 @@ class Search:
             self.keys.append(key)
         return self.key_index[key]
 
-    def _commitments(self, stage: int, start: int, stop: int, key: _Key) -> Iterator[tuple[float, float, _Key]]:
-        """Skip copies in and out of stage ``[start, stop)`` when they depend on the device pair:
-        one ``(copy in, copy of gradients, key after)`` per choice of consumer stage for each
-        skip the stage sends on; nothing if the stage breaks a commitment in ``key``."""
-        model, skips, nbytes = self.model, self.model.chain.skips, self.costs.skip_bytes
+    def _received(self, stage: int, stop: int, key: _Key) -> tuple[float, _Key] | None:
+        """The copies into stage ``stage`` ending at ``stop`` of the skips ``key`` commits to it
+        and the commitments kept open; ``None`` if the stage breaks one (it pops a skip committed
+        to another stage, or does not pop one committed to it)."""
         copy_in = 0.0
         kept = []
         for entry in key:
             index, producer, consumer = entry
-            if skips[index].pop < stop:
+            if self.model.chain.skips[index].pop < stop:
                 if consumer != stage:
-                    return
-                copy_in += model.copy_ms(producer, stage, nbytes[index])
+                    return None
+                copy_in += self.model.copy_ms(producer, stage, self.costs.skip_bytes[index])
             elif consumer == stage:
-                return
+                return None
             else:
                 kept.append(entry)
+        return copy_in, tuple(kept)
+
+    def _sent(self, stage: int, start: int, stop: int,
+              consumers: dict[tuple[int, int], range]) -> list[tuple[float, _Key]]:
+        """One ``(copy of gradients, commitments)`` per choice of consumer stage for each skip
+        stage ``[start, stop)`` sends on (``consumers`` caches :meth:`_consumers` by stop and
+        pop)."""
+        model, skips, nbytes = self.model, self.model.chain.skips, self.costs.skip_bytes
         sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
-        for consumers in itertools.product(*(self._consumers(stage, stop, skips[i].pop) for i in sent)):
-            copy_grad = sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, consumers))
-            yield copy_in, copy_grad, tuple(sorted(kept + [(i, stage, u) for i, u in zip(sent, consumers)]))
+        for i in sent:
+            if (stop, skips[i].pop) not in consumers:
+                consumers[stop, skips[i].pop] = self._consumers(stage, stop, skips[i].pop)
+        choices = itertools.product(*(consumers[stop, skips[i].pop] for i in sent))
+        return [(sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, chosen)),
+                 tuple((i, stage, u) for i, u in zip(sent, chosen))) for chosen in choices]
 
     def _consumers(self, stage: int, stop: int, pop: int) -> range:
         """The stages that can pop at layer ``pop`` a skip sent on by stage ``stage`` ending at
@@ -375,6 +426,12 @@ class Search:
             stops.append(int(self.trace[past][0][ref]))
             ref = int(self.trace[past][1][ref])
         return (0, *reversed(stops))
+
+
+def _distinct(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of ``codes`` and, for each code, the index of its value among them."""
+    values, index = np.unique(codes, return_inverse=True)
+    return values, index.reshape(-1)
 
 
 def _beats(labels: _Labels, a: np.ndarray, b: np.ndarray, chunks: int) -> np.ndarray:
