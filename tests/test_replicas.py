@@ -164,3 +164,89 @@ def test_cuda_replicas_equal_the_plain_model() -> None:
     expected_params = dict(reference.named_parameters())
     for name, param in pipe.named_parameters():
         assert_close(param.grad.cpu(), expected_params[name].grad, f"{name}.grad")
+
+
+def test_a_failed_backward_leaves_no_gradient_in_the_copies(copies: None) -> None:
+    """Replicas on copies: a backward that fails part way leaves gradients in some copies;
+    after ``zero_grad`` the next step's gradients are the plain model's, not those plus the
+    leftovers."""
+    class Boom(Exception):
+        pass
+
+    class FailBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+            raise Boom("backward failed")
+
+    class MaybeFail(nn.Module):
+        armed = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            return FailBackward.apply(x) if self.armed else x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), MaybeFail(), nn.Linear(4, 4), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu"] * 4, chunks=2, replicas=2)
+    x = torch.randn(8, 4)
+    model[1].armed = True
+    with pytest.raises(Boom):  # the second stage of each replica finishes its backward, the first fails
+        pipe(x).sum().backward()
+    model[1].armed = False
+    pipe.zero_grad(set_to_none=True)
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    expected = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected[name].grad, f"{name}.grad")
+
+
+class RecordingDropout(nn.Dropout):
+    """Dropout that records the mask each forward drew, keyed by its input; with ``replay``, it
+    applies the recorded mask instead (the plain model's reference run)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+        self.masks: dict[bytes, Tensor] = {}
+        self.recomputed: dict[bytes, Tensor] = {}
+        self.replay: dict[bytes, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        key = x.detach().numpy().tobytes()
+        if self.replay is not None:
+            return x * self.replay[key]
+        mask = nn.functional.dropout(torch.ones_like(x), self.p, True)
+        (self.recomputed if autopipe.is_recomputing() else self.masks)[key] = mask
+        return x * mask
+
+
+def test_dropout_replays_when_only_one_replica_checkpoints() -> None:
+    """3 samples on 2 replicas of 4 micro-batches with except_last: the first replica
+    checkpoints a micro-batch, the second none.  The second's dropout still draws under the
+    generator's lock, so the first's recomputation replays the mask its forward drew, and the
+    gradients are the plain model's with the forward's masks (unlocked, about a third of the
+    calls replayed another mask)."""
+    for trial in range(30):
+        torch.manual_seed(trial)
+        model = nn.Sequential(nn.Linear(4, 8), RecordingDropout(0.5), nn.Linear(8, 8), RecordingDropout(0.5),
+                              nn.Linear(8, 2)).double()
+        reference = copy.deepcopy(model)
+        pipe = autopipe.Pipeline(model, balance=[5], devices=["cpu", "cpu"], chunks=4, replicas=2,
+                                 checkpoint="except_last")
+        x = torch.randn(3, 4, dtype=torch.double)
+        pipe(x).sum().backward()
+        drops = [m for m in model if isinstance(m, RecordingDropout)]
+        for drop in drops:
+            assert drop.recomputed and all(torch.equal(drop.masks[k], mask) for k, mask in drop.recomputed.items())
+        for drop, twin in zip(drops, [m for m in reference if isinstance(m, RecordingDropout)]):
+            twin.replay = drop.masks
+        for part in (x[:1], x[1:2], x[2:]):  # the micro-batches: shares of 2 and 1 samples
+            reference(part).sum().backward()
+        expected = dict(reference.named_parameters())
+        for name, param in pipe.named_parameters():
+            assert_close(param.grad, expected[name].grad, f"trial {trial} {name}.grad")
+        pipe.close()

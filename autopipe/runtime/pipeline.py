@@ -260,6 +260,9 @@ class Pipeline(nn.Module):
     def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
         """One call's runs: the batch split into replica shares, each into micro-batches."""
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
+        guarded = any(any(run.checkpointed) for run in runs)  # the replicas draw from one generator
+        for run in runs:
+            run.guards_random = guarded
         engines = self._engines[:len(runs)]
         if self.measure_memory:
             for engine, run in zip(engines, runs):

@@ -14,7 +14,8 @@ with the updated weights everywhere.
 Elsewhere (CUDA) a module lives on one device, so replicas ``1..R-1`` run copies
 (:class:`Copies`), as ``torch.nn.parallel`` does: before each forward the first replica's
 parameters and buffers are copied to them, and after the backward their gradients are added
-into the first replica's and cleared.  ``parameters()`` stays the first replica's.  This side
+into the first replica's and cleared (dropped if the backward fails, as the first replica's own
+partial gradient is left for ``zero_grad``).  ``parameters()`` stays the first replica's.  This side
 runs on CPU in the tests (forced); on CUDA it is written and never ran here.
 
 Batch norm: replicas always use :class:`~autopipe.DeferredBatchNorm` (the pipeline converts),
@@ -87,6 +88,14 @@ class Copies:
                     source.grad.add_(grad)
                 target.grad = None
 
+    def drop_grads(self) -> None:
+        """Clear every copy's gradient without adding it anywhere: what a failed backward left
+        there is not part of any later step's gradient."""
+        self._synchronize()
+        for pairs in self.params:
+            for _, target in pairs:
+                target.grad = None
+
     def _synchronize(self) -> None:
         for device in self.devices:
             ops_for(device).synchronize()
@@ -144,6 +153,8 @@ class Replicas:
             except BaseException as error:  # every replica must stop before the caller goes on
                 failure = failure or error
         if failure is not None:
+            if phase != "forward" and self.copies is not None:
+                self.copies.drop_grads()
             raise failure
         if phase != "backward":
             for bn in self.deferred:

@@ -102,6 +102,9 @@ class Run:
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
 
     meter: StageMeter | None = None  # set when the pipeline measures memory
+    # whether stages that draw random numbers take the generator's lock (RandomGuard): when this
+    # run or another replica's run of the same call checkpoints, whose replay needs its own draws
+    guards_random: bool = False
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]

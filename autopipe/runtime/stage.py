@@ -120,7 +120,7 @@ class Stage:
             run.saved[self.index][j] = saved
 
     def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
-        if any(run.checkpointed):
+        if run.guards_random:
             return self.random.forward()
         return contextlib.nullcontext()
 
