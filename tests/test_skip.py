@@ -74,3 +74,30 @@ class ReturnsWithoutYielding(nn.Module):
 def test_a_skippable_that_never_yields_returns_its_value() -> None:
     x = torch.randn(2, 3)
     assert torch.equal(ReturnsWithoutYielding()(x), x * 3)
+
+
+def save_then_inplace() -> nn.Sequential:
+    """Save stashes the tensor it also returns; the next layer writes into it in place, which in
+    the plain model changes the stashed tensor too."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), Save(), nn.ReLU(inplace=True), nn.Linear(4, 4), Add())
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("balance", [[2, 3], [2, 2, 1]])
+def test_a_write_into_a_stashed_input_across_a_split_is_refused(balance: list[int], checkpoint: str) -> None:
+    """Split between Save and the in-place ReLU, the pipeline cannot give the plain model's
+    output and gradient (the skip travels by itself); it says so instead of computing another
+    result, and keeps working."""
+    pipe = autopipe.Pipeline(save_then_inplace(), balance=balance, devices=["cpu"] * len(balance), chunks=2,
+                             checkpoint=checkpoint)
+    for _ in range(2):  # the stages live on: the second call fails the same way, it does not hang
+        with pytest.raises(autopipe.ChainError, match=r"write in place into their input .* skip 'skip' stashed by "
+                                                      r"the stage before.*ReLU\(inplace=False\)"):
+            pipe(torch.randn(6, 4))
+
+
+@pytest.mark.parametrize("balance", [[1, 4], [3, 2]])
+def test_a_write_into_a_stashed_input_within_a_stage_is_the_plain_models(balance: list[int]) -> None:
+    assert_transparent(save_then_inplace(), torch.randn(6, 4, requires_grad=True), balance, chunks=2,
+                       checkpoint="except_last")

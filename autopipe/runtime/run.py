@@ -102,6 +102,9 @@ class Run:
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
 
     meter: StageMeter | None = None  # set when the pipeline measures memory
+    # (stage, micro-batch) -> positions of its input tensors that share storage with skips the
+    # stage before sent on, and those skips' names (Stage refuses to write into them in place)
+    shared_inputs: dict[tuple[int, int], tuple[list[int], list[str]]] = field(default_factory=dict)
     # whether stages that draw random numbers take the generator's lock (RandomGuard): when this
     # run or another replica's run of the same call checkpoints, whose replay needs its own draws
     guards_random: bool = False

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._vocab import EventKind, TaskKind
+from ..errors import ChainError
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import RandomGuard, RngStates, buffers_restored
 from ..device import DeviceOps, ops_for
@@ -110,7 +111,8 @@ class Stage:
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 with self._random(run) as rng:
                     output, leaving = self._compute(run, j, args, skips, wrap=run.grad_enabled and not checkpointed,
-                                                    keep=checkpointed or self.index == 0)
+                                                    keep=checkpointed or self.index == 0,
+                                                    shared=run.shared_inputs.pop((self.index, j), None))
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips)
         if run.grad_enabled:
@@ -136,11 +138,13 @@ class Stage:
         return args, skips
 
     def _compute(self, run: Run, j: int, args: tuple[Any, ...], skips: dict[SkipKey, Value],
-                 wrap: bool, keep: bool) -> tuple[Value, dict[SkipKey, Value]]:
+                 wrap: bool, keep: bool,
+                 shared: tuple[list[int], list[str]] | None = None) -> tuple[Value, dict[SkipKey, Value]]:
         """Run the layers on micro-batch ``j``'s ``args`` under the caller's autocast (the last
         stage then the loss, in ``train_step``); ``wrap`` puts grad-requiring leaves behind a
         Boundary; ``keep`` leaves ``args`` and ``skips`` as they are even if the first layer
-        writes into its input (:mod:`~autopipe.runtime.inplace`)."""
+        writes into its input (:mod:`~autopipe.runtime.inplace`); ``shared``: which input
+        tensors are also skips sent past this stage (:meth:`_refuse_writes`)."""
         with contextlib.ExitStack() as stack:
             if keep:
                 training = any(m.training for m in self.modules)
@@ -151,12 +155,31 @@ class Stage:
             for kind, dtype in run.autocast:
                 stack.enter_context(torch.autocast(kind, dtype))
             stack.enter_context(use_skip_tracker(tracker))
+            versions = [t._version for t in tensors_of(args)]
             value = self.modules[0](*args)
             for module in self.modules[1:]:
                 value = module(value)
+            if shared is not None:
+                self._refuse_writes(j, args, versions, *shared)
         if self.is_last and run.loss is not None:
             value = self._loss(run, j, value)
         return value, tracker.leaving
+
+    def _refuse_writes(self, j: int, args: tuple[Any, ...], versions: list[int], positions: list[int],
+                       names: list[str]) -> None:
+        """Raise if the layers wrote in place into an input tensor that is also a skip the stage
+        before sent on (``positions`` of ``args``' tensors, skips ``names``).  In the plain model
+        that write changes the stashed tensor too; a pipeline sends the skip on by itself, so the
+        output (on another device, or checkpointed) or the gradient (through the write) would
+        silently differ."""
+        tensors = tensors_of(args)
+        if any(tensors[i]._version != versions[i] for i in positions):
+            raise ChainError(
+                f"{self.name}: its layers write in place into their input (micro-batch {j}), which is also the "
+                f"skip {', '.join(repr(n) for n in names)} stashed by the stage before for a later layer; in the plain "
+                "model the write changes the stashed tensor too, which a pipeline cannot do. Make the writing layer "
+                "out of place (e.g. ReLU(inplace=False)), stash a copy (stash(name, x.clone())), or split the "
+                "model elsewhere so that both layers are in one stage")
 
     def _loss(self, run: Run, j: int, output: Value) -> Tensor:
         """Micro-batch ``j``'s weighted loss (``train_step``)."""
@@ -173,6 +196,9 @@ class Stage:
         if self.is_last:
             run.outputs[j] = output
         else:
+            shared = _shared_storage(output, leaving)
+            if shared is not None:
+                run.shared_inputs[self.index + 1, j] = shared
             message = self._message(run, j, output, self.index + 1, checkpointed, args, skips)
             run.inboxes[self.index + 1].put(("x", j), message)
         for key, tensor in leaving.items():
@@ -292,3 +318,17 @@ def _leaves(value: Value, flags: list[bool]) -> Value:
 
 def _boundary(tensor: Tensor) -> Tensor:
     return Boundary.apply(tensor) if tensor.requires_grad else tensor
+
+
+def _shared_storage(output: Value, leaving: dict[SkipKey, Value]) -> tuple[list[int], list[str]] | None:
+    """The positions of ``output``'s tensors that share storage with a skip in ``leaving``, and
+    those skips' names (``None``: none does)."""
+    storages: dict[tuple[torch.device, int], str] = {}
+    for key, value in leaving.items():
+        for tensor in tensors_of(value):
+            if tensor.numel():
+                storages[tensor.device, tensor.untyped_storage().data_ptr()] = str(key)
+    found = {i: storages.get((t.device, t.untyped_storage().data_ptr())) for i, t in enumerate(tensors_of(output))
+             if t.numel()}
+    positions = [i for i, name in found.items() if name is not None]
+    return (positions, sorted({found[i] for i in positions})) if positions else None
