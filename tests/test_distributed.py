@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from autopipe.distributed.local import launch_local
+from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
 from distributed_models import batch, inplace_model, plan_for
@@ -389,3 +390,35 @@ def test_skip_routes_pass_along_every_stage_between() -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+
+
+def test_a_write_into_an_input_that_was_stashed_is_refused() -> None:
+    """Save stashes the tensor it returns and the next stage starts with ReLU(inplace=True): in
+    the plain model the write changes the stash too; the engine sends the two apart, so the
+    receiving stage refuses instead of adding the unwritten copy."""
+    from autopipe.distributed import StageModule
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    @skippable(stash=["kept"])
+    class Save(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            yield stash("kept", x)
+            return x
+
+    @skippable(pop=["kept"])
+    class Add(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            kept = yield pop("kept")
+            return x + kept
+
+    for first in (nn.ReLU(inplace=True), nn.ReLU()):
+        layers = layer_chain(nn.Sequential(nn.Linear(4, 4), Save(), first, nn.Linear(4, 4), Add()))
+        routes = skip_spans(layers, stage_of_layer([2, 3]))
+        sender, receiver = StageModule(layers[:2], 0, 2, routes), StageModule(layers[2:], 1, 2, routes)
+        sent = [t.detach().clone().requires_grad_() for t in sender(torch.randn(3, 4))]  # as received
+        if first.inplace:
+            with pytest.raises(ChainError, match=r"write in place into their input, which equals the skip 'kept'"):
+                receiver(*sent)
+        else:
+            assert receiver(*sent).shape == (3, 4)
