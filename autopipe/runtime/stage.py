@@ -321,14 +321,21 @@ def _boundary(tensor: Tensor) -> Tensor:
 
 
 def _shared_storage(output: Value, leaving: dict[SkipKey, Value]) -> tuple[list[int], list[str]] | None:
-    """The positions of ``output``'s tensors that share storage with a skip in ``leaving``, and
-    those skips' names (``None``: none does)."""
-    storages: dict[tuple[torch.device, int], str] = {}
-    for key, value in leaving.items():
-        for tensor in tensors_of(value):
-            if tensor.numel():
-                storages[tensor.device, tensor.untyped_storage().data_ptr()] = str(key)
-    found = {i: storages.get((t.device, t.untyped_storage().data_ptr())) for i, t in enumerate(tensors_of(output))
-             if t.numel()}
-    positions = [i for i, name in found.items() if name is not None]
-    return (positions, sorted({found[i] for i in positions})) if positions else None
+    """The positions of ``output``'s tensors whose memory may overlap a skip's in ``leaving``
+    (their address ranges do: two interleaved views of one tensor count too), and those skips'
+    names (``None``: none does)."""
+    spans = [(_span(t), str(key)) for key, value in leaving.items() for t in tensors_of(value) if t.numel()]
+    found: dict[int, set[str]] = {}
+    for i, tensor in enumerate(tensors_of(output)):
+        if tensor.numel():
+            (device, lo, hi) = _span(tensor)
+            found[i] = {name for (other, start, end), name in spans if other == device and start < hi and lo < end}
+    positions = [i for i, names in found.items() if names]
+    return (positions, sorted(set().union(*(found[i] for i in positions)))) if positions else None
+
+
+def _span(tensor: Tensor) -> tuple[torch.device, int, int]:
+    """The device and the range of addresses ``tensor``'s elements lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return tensor.device, start, start + (last + 1) * tensor.element_size()
