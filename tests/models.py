@@ -140,3 +140,50 @@ def skip_model() -> nn.Sequential:
         StashA(8, 8), nn.Linear(8, 8), nn.Tanh(), PopAStashB(8, 8),
         nn.Linear(8, 8), nn.Tanh(), PopB(8, 8), nn.Linear(8, 4),
     )
+
+
+@autopipe.skippable(pop=["skip"])
+class DoubleSkip(nn.Module):
+    """Pops "skip" and doubles it in place: in the plain model, whatever else that tensor is
+    doubles too."""
+
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        skip = yield autopipe.pop("skip")
+        skip.mul_(2)
+        return x + skip
+
+
+@autopipe.skippable(stash=["skip", "twin"])
+class SaveTwice(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        yield autopipe.stash("skip", x)
+        yield autopipe.stash("twin", x)
+        return torch.tanh(x)
+
+
+@autopipe.skippable(pop=["twin"])
+class AddTwin(nn.Module):
+    def forward(self, x: Tensor):  # type: ignore[no-untyped-def]
+        twin = yield autopipe.pop("twin")
+        return x + twin
+
+
+def aliased(case: str) -> nn.Sequential:
+    """A model that writes in place into a tensor that is also stashed (each ``case`` a way to
+    reach it), and the layer before that write (the split that separates them)."""
+    torch.manual_seed(0)
+    layers = {
+        # the stage's input is the stash
+        "input": [nn.Linear(4, 4), Save(), nn.ReLU(inplace=True), nn.Linear(4, 4), Add()],
+        # ... passed on unchanged by a stage between
+        "passed on": [nn.Linear(4, 4), Save(), nn.Identity(), nn.ReLU(inplace=True), nn.Linear(4, 4), Add()],
+        # the popped skip is the stage's input
+        "popped": [nn.Linear(4, 4), Save(), DoubleSkip(), nn.Linear(4, 4)],
+        # one tensor stashed under two names, one of them written
+        "two names": [nn.Linear(4, 4), SaveTwice(), nn.Linear(4, 4), DoubleSkip(), AddTwin(), nn.Linear(4, 2)],
+    }[case]
+    return nn.Sequential(*layers)
+
+
+#: Per case of :func:`aliased`, balances that split the stash from the write.
+REFUSED = {"input": ([2, 3], [2, 2, 1]), "passed on": ([2, 1, 3],), "popped": ([2, 2],), "two names": ([2, 4],)}

@@ -21,6 +21,7 @@ from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
 from distributed_models import batch, inplace_model, plan_for
+from models import REFUSED, aliased
 
 JOB_TIMEOUT_S = 100.0
 CHUNKS = 4
@@ -392,33 +393,26 @@ if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
 
 
-def test_a_write_into_an_input_that_was_stashed_is_refused() -> None:
-    """Save stashes the tensor it returns and the next stage starts with ReLU(inplace=True): in
-    the plain model the write changes the stash too; the engine sends the two apart, so the
-    receiving stage refuses instead of adding the unwritten copy."""
+@pytest.mark.parametrize("case, balance", [(case, b) for case, balances in REFUSED.items() for b in balances])
+def test_a_write_into_a_stashed_tensor_across_a_split_is_refused(case: str, balance: list[int]) -> None:
+    """The stage modules in a row, each given what the one before sends as separate tensors (as
+    the engine does): the stage that writes into a tensor stashed under another name refuses,
+    as in the in-process runtime; the same model split elsewhere runs."""
     from autopipe.distributed import StageModule
     from autopipe.runtime.balance import stage_of_layer
     from autopipe.runtime.skips import skip_spans
 
-    @skippable(stash=["kept"])
-    class Save(nn.Module):
-        def forward(self, x: Tensor) -> Any:
-            yield stash("kept", x)
-            return x
+    layers = layer_chain(aliased(case))
+    routes = skip_spans(layers, stage_of_layer(balance))
+    ends = [sum(balance[:i]) for i in range(len(balance) + 1)]
+    stages = [StageModule(layers[a:b], i, len(balance), routes) for i, (a, b) in enumerate(zip(ends, ends[1:]))]
+    sent: Any = (torch.randn(3, 4),)
+    with pytest.raises(ChainError, match=r"write in place into .*, which in the plain model is the same tensor as"):
+        for stage in stages:
+            sent = [t.detach().clone().requires_grad_() for t in stage(*sent)]  # as received
+    whole = StageModule(layers, 0, 1, skip_spans(layers, [0] * len(layers)))
+    assert whole(torch.randn(3, 4)).shape[0] == 3
 
-    @skippable(pop=["kept"])
-    class Add(nn.Module):
-        def forward(self, x: Tensor) -> Any:
-            kept = yield pop("kept")
-            return x + kept
 
-    for first in (nn.ReLU(inplace=True), nn.ReLU()):
-        layers = layer_chain(nn.Sequential(nn.Linear(4, 4), Save(), first, nn.Linear(4, 4), Add()))
-        routes = skip_spans(layers, stage_of_layer([2, 3]))
-        sender, receiver = StageModule(layers[:2], 0, 2, routes), StageModule(layers[2:], 1, 2, routes)
-        sent = [t.detach().clone().requires_grad_() for t in sender(torch.randn(3, 4))]  # as received
-        if first.inplace:
-            with pytest.raises(ChainError, match=r"write in place into their input, which equals the skip 'kept'"):
-                receiver(*sent)
-        else:
-            assert receiver(*sent).shape == (3, 4)
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]))

@@ -250,3 +250,18 @@ def test_dropout_replays_when_only_one_replica_checkpoints() -> None:
         for name, param in pipe.named_parameters():
             assert_close(param.grad, expected[name].grad, f"trial {trial} {name}.grad")
         pipe.close()
+
+
+def test_copied_replicas_take_two_forwards_before_their_backwards(copies: None) -> None:
+    """Refreshing the copies' weights for the second forward must not count as a write into
+    the tensors the first forward saved: both backwards then run, and the gradients are the
+    plain model's over both batches."""
+    model = mlp()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[3, 4], devices=["cpu"] * 4, chunks=2, replicas=2)
+    first, second = torch.randn(8, 8), torch.randn(6, 8)
+    (pipe(first).sum() + pipe(second).sum()).backward()
+    (reference(first).sum() + reference(second).sum()).backward()
+    expected = dict(reference.named_parameters())
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, expected[name].grad, f"{name}.grad")

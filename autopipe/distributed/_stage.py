@@ -9,9 +9,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from .._vocab import CheckpointMode
-from ..errors import ChainError, StageOutputError
+from ..errors import StageOutputError
 from ..model import Layer
-from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
+from ..model.skip import SkipTracker, use_skip_tracker
+from ..runtime.aliases import Watch
 from ..runtime.checkpoint import buffers_restored, checkpointed, recomputing
 from ..runtime.skips import SkipSpan
 
@@ -55,19 +56,13 @@ class StageModule(nn.Module):
         tracker = SkipTracker()
         for key, tensor in zip(self.skips_in, received[n_main:]):
             tracker.save(key, tensor)
-        twins = _twins(received[:n_main], dict(zip(self.skips_in, received[n_main:])))
-        versions = [t._version for t in received[:n_main]]
+        named = [("their input", t) for t in received[:n_main]]
+        named += [(f"the skip '{key}'", t) for key, t in zip(self.skips_in, received[n_main:])]
+        watch = Watch([(what, tensor, {0: others}) for what, tensor, others in _equals(named)])
         with use_skip_tracker(tracker):
             for layer in self.layers:
                 main = layer(main)
-        written = [key for i, key in twins.items() if received[i]._version != versions[i]]
-        if written:
-            raise ChainError(
-                f"stage {self.index} ('{self.layer_names[0]}'..): its layers write in place into their input, "
-                f"which equals the skip {', '.join(repr(str(k)) for k in written)} stashed before it; in the "
-                "plain model such a write changes the stashed tensor too, which a pipeline cannot do. Make the "
-                "writing layer out of place (e.g. ReLU(inplace=False)), stash a copy (stash(name, x.clone())), "
-                "or split the model elsewhere so that both layers are in one stage")
+        watch.check(f"stage {self.index} ('{self.layer_names[0]}'..)", self.micro_batch)
         if self.is_last:
             return main
         sent = self._flat_main(main) + tuple(tracker.tensors.pop(key) for key in self.skips_out)
@@ -111,18 +106,19 @@ class StageModule(nn.Module):
         )
 
 
-def _twins(main: Sequence[Tensor], skips: dict[SkipKey, Tensor]) -> dict[int, SkipKey]:
-    """The main input tensors equal to a received skip, with that skip.  The engine sends each
-    tensor on its own, so a stash that was the very tensor the stage before returned arrives
-    as a separate copy; the values tell (a distinct tensor of equal values is refused too, if
-    written into, which only costs the user a clone)."""
-    twins = {}
-    for i, tensor in enumerate(main):
-        for key, skip in skips.items():
-            if skip.shape == tensor.shape and skip.dtype == tensor.dtype and torch.equal(skip, tensor):
-                twins[i] = key
-                break
-    return twins
+def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, frozenset[str]]]:
+    """Each received tensor equal to others received (same shape, dtype and values), with what
+    those are.  The engine sends every tensor on its own, so a stash that was the very tensor
+    the stage before returned (or that another name stashed) arrives as a separate copy; the
+    values tell (a distinct tensor of equal values is refused too, if written into, which
+    costs the user a clone)."""
+    found = []
+    for i, (what, tensor) in enumerate(named):
+        others = [other for j, (other, twin) in enumerate(named) if j != i and twin.shape == tensor.shape
+                  and twin.dtype == tensor.dtype and torch.equal(twin, tensor)]
+        if others:
+            found.append((what, tensor, frozenset(others)))
+    return found
 
 
 def _non_leaf(tensor: Tensor) -> Tensor:

@@ -91,9 +91,10 @@ class Pipeline(nn.Module):
     * A stage whose first layer writes into its input (``LeakyReLU(inplace=True)``, ``x.add_``)
       computes on copies where it matters (:mod:`autopipe.runtime.inplace`): a checkpointed
       micro-batch recomputes from its inputs as they arrived, and the caller's batch is never
-      written.  If that input is also a skip the stage before stashed (``stash(name, x);
-      return x``), the write would change the stash in the plain model, which a pipeline
-      cannot do: :class:`~autopipe.ChainError` names the fixes.
+      written.  A write into a tensor that is also stashed under another name, in another
+      stage (``stash(name, x); return x``), would change every name of it in the plain model,
+      which a pipeline cannot do: :class:`~autopipe.ChainError` names the fixes
+      (:mod:`autopipe.runtime.aliases`).
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
       last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline

@@ -67,10 +67,13 @@ class Copies:
 
     @torch.no_grad()
     def broadcast(self) -> None:
-        """Every copy takes the first replica's parameters and buffers."""
+        """Every copy takes the first replica's parameters and buffers, written through
+        ``.data``, which autograd does not count: a forward whose backward is still pending (two
+        forwards, then their backwards) would fail a counted write.  Its saved values change
+        only if the first replica's did, whose own backward then fails as the plain model's."""
         for pairs in self.params + self.buffers:
             for source, target in pairs:
-                target.copy_(source)
+                target.data.copy_(source)
         self._synchronize()
 
     @torch.no_grad()

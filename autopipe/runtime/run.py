@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 from torch import Tensor
 
+from .aliases import Marks
 from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
@@ -102,9 +103,9 @@ class Run:
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
 
     meter: StageMeter | None = None  # set when the pipeline measures memory
-    # (stage, micro-batch) -> positions of its input tensors that share storage with skips the
-    # stage before sent on, and those skips' names (Stage refuses to write into them in place)
-    shared_inputs: dict[tuple[int, int], tuple[list[int], list[str]]] = field(default_factory=dict)
+    # (receiving stage, message key) -> the marks of a message's tensors that are, in the plain
+    # model, the same tensor as another sent apart (autopipe.runtime.aliases)
+    marks: dict[tuple[int, Hashable], Marks] = field(default_factory=dict)
     # whether stages that draw random numbers take the generator's lock (RandomGuard): when this
     # run or another replica's run of the same call checkpoints, whose replay needs its own draws
     guards_random: bool = False

@@ -18,14 +18,13 @@ order.  For micro-batch ``j`` it
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._vocab import EventKind, TaskKind
-from ..errors import ChainError
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import RandomGuard, RngStates, buffers_restored
 from ..device import DeviceOps, ops_for
@@ -33,6 +32,7 @@ from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
+from .aliases import Marks, Watch, mark
 from .boundary import Boundary
 from .inplace import InputGuard
 from .run import Aborted, Run, Saved
@@ -110,11 +110,12 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 with self._random(run) as rng:
-                    output, leaving = self._compute(run, j, args, skips, wrap=run.grad_enabled and not checkpointed,
-                                                    keep=checkpointed or self.index == 0,
-                                                    shared=run.shared_inputs.pop((self.index, j), None))
+                    output, leaving, watch = self._compute(run, j, args, skips,
+                                                           wrap=run.grad_enabled and not checkpointed,
+                                                           keep=checkpointed or self.index == 0,
+                                                           marks=self._marks(run, j))
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
-        self._send_forward(run, j, output, leaving, checkpointed, args, skips)
+        self._send_forward(run, j, output, leaving, checkpointed, args, skips, watch)
         if run.grad_enabled:
             saved = Saved(args, skips, rng=rng)
             if not checkpointed:
@@ -137,14 +138,19 @@ class Stage:
         skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
         return args, skips
 
-    def _compute(self, run: Run, j: int, args: tuple[Any, ...], skips: dict[SkipKey, Value],
-                 wrap: bool, keep: bool,
-                 shared: tuple[list[int], list[str]] | None = None) -> tuple[Value, dict[SkipKey, Value]]:
+    def _marks(self, run: Run, j: int) -> dict[Hashable, Marks]:
+        """The marks of micro-batch ``j``'s messages to this stage (:mod:`~autopipe.runtime.aliases`)."""
+        keys = [("x", j)] + [("skip", key, j) for key in self.routes.arriving]
+        return {key: run.marks.pop((self.index, key)) for key in keys if (self.index, key) in run.marks}
+
+    def _compute(self, run: Run, j: int, args: tuple[Any, ...], skips: dict[SkipKey, Value], wrap: bool, keep: bool,
+                 marks: dict[Hashable, Marks] | None = None) -> tuple[Value, dict[SkipKey, Value], Watch]:
         """Run the layers on micro-batch ``j``'s ``args`` under the caller's autocast (the last
         stage then the loss, in ``train_step``); ``wrap`` puts grad-requiring leaves behind a
         Boundary; ``keep`` leaves ``args`` and ``skips`` as they are even if the first layer
-        writes into its input (:mod:`~autopipe.runtime.inplace`); ``shared``: which input
-        tensors are also skips sent past this stage (:meth:`_refuse_writes`)."""
+        writes into its input (:mod:`~autopipe.runtime.inplace`).  The received tensors that
+        ``marks`` marks are watched: the layers must not write into them
+        (:mod:`~autopipe.runtime.aliases`)."""
         with contextlib.ExitStack() as stack:
             if keep:
                 training = any(m.training for m in self.modules)
@@ -155,31 +161,17 @@ class Stage:
             for kind, dtype in run.autocast:
                 stack.enter_context(torch.autocast(kind, dtype))
             stack.enter_context(use_skip_tracker(tracker))
-            versions = [t._version for t in tensors_of(args)]
+            marks = marks or {}
+            watch = Watch([("their input", args, marks.get(("x", j), {}))]
+                          + [(f"the skip '{key}'", value, marks.get(("skip", key, j), {}))
+                             for key, value in skips.items()])
             value = self.modules[0](*args)
             for module in self.modules[1:]:
                 value = module(value)
-            if shared is not None:
-                self._refuse_writes(j, args, versions, *shared)
+            watch.check(self.name, j)
         if self.is_last and run.loss is not None:
             value = self._loss(run, j, value)
-        return value, tracker.leaving
-
-    def _refuse_writes(self, j: int, args: tuple[Any, ...], versions: list[int], positions: list[int],
-                       names: list[str]) -> None:
-        """Raise if the layers wrote in place into an input tensor that is also a skip the stage
-        before sent on (``positions`` of ``args``' tensors, skips ``names``).  In the plain model
-        that write changes the stashed tensor too; a pipeline sends the skip on by itself, so the
-        output (on another device, or checkpointed) or the gradient (through the write) would
-        silently differ."""
-        tensors = tensors_of(args)
-        if any(tensors[i]._version != versions[i] for i in positions):
-            raise ChainError(
-                f"{self.name}: its layers write in place into their input (micro-batch {j}), which is also the "
-                f"skip {', '.join(repr(n) for n in names)} stashed by the stage before for a later layer; in the plain "
-                "model the write changes the stashed tensor too, which a pipeline cannot do. Make the writing layer "
-                "out of place (e.g. ReLU(inplace=False)), stash a copy (stash(name, x.clone())), or split the "
-                "model elsewhere so that both layers are in one stage")
+        return value, tracker.leaving, watch
 
     def _loss(self, run: Run, j: int, output: Value) -> Tensor:
         """Micro-batch ``j``'s weighted loss (``train_step``)."""
@@ -191,20 +183,20 @@ class Stage:
                             f"got {type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}")
         return loss.reshape(()) * run.loss.weights[j]
 
-    def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Value],
-                      checkpointed: bool, args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> None:
+    def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Value], checkpointed: bool,
+                      args: tuple[Any, ...], skips: dict[SkipKey, Value], watch: Watch) -> None:
+        messages: dict[Hashable, tuple[int, str, Value]] = {}
         if self.is_last:
             run.outputs[j] = output
         else:
-            shared = _shared_storage(output, leaving)
-            if shared is not None:
-                run.shared_inputs[self.index + 1, j] = shared
-            message = self._message(run, j, output, self.index + 1, checkpointed, args, skips)
-            run.inboxes[self.index + 1].put(("x", j), message)
+            messages["x", j] = (self.index + 1, f"the output of stage {self.index}", output)
         for key, tensor in leaving.items():
-            consumer = self.routes.leaving[key]
-            message = self._message(run, j, tensor, consumer, checkpointed, args, skips)
-            run.inboxes[consumer].put(("skip", key, j), message)
+            messages["skip", key, j] = (self.routes.leaving[key], f"the skip '{key}'", tensor)
+        sent = mark({key: (what, value) for key, (_, what, value) in messages.items()}, watch)
+        for key, (to, _, value) in messages.items():
+            if key in sent:
+                run.marks[to, key] = sent[key]
+            run.inboxes[to].put(key, self._message(run, j, value, to, checkpointed, args, skips))
 
     def _message(self, run: Run, j: int, value: Value, to: int, checkpointed: bool,
                  args: tuple[Any, ...], skips: dict[SkipKey, Value]) -> Message:
@@ -259,7 +251,8 @@ class Stage:
 
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
-            return self._compute(run, j, saved.args, saved.skips, wrap=True, keep=self.index == 0)
+            output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=self.index == 0)
+            return output, leaving
 
     def _stats_kept(self) -> contextlib.AbstractContextManager[None]:
         """Undo what a recomputation does to plain batch norms' running statistics."""
@@ -318,24 +311,3 @@ def _leaves(value: Value, flags: list[bool]) -> Value:
 
 def _boundary(tensor: Tensor) -> Tensor:
     return Boundary.apply(tensor) if tensor.requires_grad else tensor
-
-
-def _shared_storage(output: Value, leaving: dict[SkipKey, Value]) -> tuple[list[int], list[str]] | None:
-    """The positions of ``output``'s tensors whose memory may overlap a skip's in ``leaving``
-    (their address ranges do: two interleaved views of one tensor count too), and those skips'
-    names (``None``: none does)."""
-    spans = [(_span(t), str(key)) for key, value in leaving.items() for t in tensors_of(value) if t.numel()]
-    found: dict[int, set[str]] = {}
-    for i, tensor in enumerate(tensors_of(output)):
-        if tensor.numel():
-            (device, lo, hi) = _span(tensor)
-            found[i] = {name for (other, start, end), name in spans if other == device and start < hi and lo < end}
-    positions = [i for i, names in found.items() if names]
-    return (positions, sorted(set().union(*(found[i] for i in positions)))) if positions else None
-
-
-def _span(tensor: Tensor) -> tuple[torch.device, int, int]:
-    """The device and the range of addresses ``tensor``'s elements lie in."""
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.data_ptr()
-    return tensor.device, start, start + (last + 1) * tensor.element_size()

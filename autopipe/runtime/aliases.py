@@ -1,0 +1,91 @@
+"""Tensors that are one tensor in the plain model but travel between stages apart.
+
+A layer may return the very tensor it stashes (``yield stash("x", x); return x``) or stash one
+tensor under two names.  In the plain model a later in-place write (``ReLU(inplace=True)``,
+``x.add_(...)``) into either changes both, and autograd sends the gradient of both through the
+write.  A pipeline sends the output and each skip as messages of their own: on another device,
+or on a checkpointed micro-batch's copies, the write reaches one of them only, and where they
+still share memory the other's gradient misses the write.  Nothing fails; the output or the
+gradients differ.
+
+So the stage that sends marks each tensor whose memory overlaps another it sends apart, or a
+marked tensor it received and passes on (through ``nn.Identity`` or a view), with what else it
+is; the stage that receives it refuses to write into a marked tensor::
+
+    stage 0: x ──┬── output ────────▶ stage 1: ReLU(inplace=True)(x)   marked: "the skip 'x'"
+                 └── stash 'x' ─────▶ stage k: pop 'x'                marked: "the output of stage 0"
+
+Writing into a marked tensor raises :class:`~autopipe.ChainError`, which names the fixes.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import ChainError
+from .microbatch import Value, tensors_of
+
+__all__ = ["Marks", "Watch", "mark"]
+
+#: Per tensor of a message (its position in ``tensors_of``): what else it is in the plain model.
+Marks = dict[int, frozenset[str]]
+
+
+class Watch:
+    """The marked tensors a stage computes on for one micro-batch, with their versions then."""
+
+    def __init__(self, received: Sequence[tuple[str, Value, Marks]]) -> None:
+        """``received``: per message, what it is ("their input", "the skip 'x'"), the value the
+        layers compute on and its marks."""
+        self.watched = [(what, tensor, marks[i], tensor._version) for what, value, marks in received if marks
+                        for i, tensor in enumerate(tensors_of(value)) if i in marks and tensor.numel()]
+
+    def check(self, stage: str, j: int | None) -> None:
+        """Raise :class:`ChainError` if the layers wrote into a watched tensor (``j``: the
+        micro-batch, if known)."""
+        for what, tensor, others, version in self.watched:
+            if tensor._version != version:
+                raise ChainError(
+                    f"{stage}: its layers write in place into {what}{'' if j is None else f' (micro-batch {j})'}, "
+                    f"which in the plain model is the same tensor as {' and '.join(sorted(others))}, sent here "
+                    "apart: the write would change both there, and a pipeline cannot do that. Make the writing "
+                    "layer out of place (e.g. ReLU(inplace=False)), stash a copy (stash(name, x.clone())), or "
+                    "split the model elsewhere so that the stash and the write are in one stage")
+
+    def carried(self, tensor: Tensor) -> frozenset[str]:
+        """What else ``tensor`` is, through the watched tensors its memory overlaps."""
+        span = _span(tensor)
+        return frozenset().union(*(others for _, watched, others, _ in self.watched if _overlap(span, _span(watched))))
+
+
+def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch) -> dict[Hashable, Marks]:
+    """The marks of the messages a stage sends (key → (what it is, value)): each tensor whose
+    memory overlaps a tensor of another message, or a watched tensor (:meth:`Watch.carried`)."""
+    spans = [(key, what, _span(tensor)) for key, (what, value) in messages.items() for tensor in tensors_of(value)
+             if tensor.numel()]
+    marks: dict[Hashable, Marks] = {}
+    for key, (_, value) in messages.items():
+        for i, tensor in enumerate(tensors_of(value)):
+            if not tensor.numel():
+                continue
+            span = _span(tensor)
+            others = {what for other, what, there in spans if other != key and _overlap(span, there)}
+            others |= watch.carried(tensor)
+            if others:
+                marks.setdefault(key, {})[i] = frozenset(others)
+    return marks
+
+
+def _span(tensor: Tensor) -> tuple[torch.device, int, int]:
+    """The device and the range of addresses ``tensor``'s elements lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return tensor.device, start, start + (last + 1) * tensor.element_size()
+
+
+def _overlap(a: tuple[torch.device, int, int], b: tuple[torch.device, int, int]) -> bool:
+    """Whether two address ranges on one device overlap (two interleaved views of one tensor
+    do, though no element is in both: a mark too many only refuses a write)."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
