@@ -11,7 +11,7 @@ from synthetic import random_profile
 from helpers import brute_force, model_of
 
 from autopipe.cli import main
-from autopipe.planning import interleaved
+from autopipe.planning import interleaved, search
 from autopipe.planning._budget import Budget
 from autopipe.planning.plans import Plan
 from autopipe.planning.solver import candidate_chunks, plan, solve_within
@@ -106,3 +106,21 @@ def test_small_hard_instances_finish_within_the_default_limit() -> None:
                                ["never", "except_last"], np.full(devices, math.inf))
         assert chosen.predicted.gap == 0 and not chosen.options["time_limit_reached"]
         assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_search_that_would_outgrow_memory_stops_with_a_proven_bound(monkeypatch, tmp_path, capsys) -> None:
+    """Per-pair copies with skips on many devices multiply the exact search's partial plans
+    (tens of GB at 400 layers × 32 devices without a time limit).  Past its cap the search
+    stops as if out of time: the plan and its bound still bracket the optimum, and the plan
+    says why the gap is not 0."""
+    profile = random_profile(random.Random(3), 16, 4, skips=3, per_pair=True, sizes=(1, 2, 4, 8))
+    exact = plan(profile, time_limit=None, interleave=1)
+    monkeypatch.setattr(search, "_MOST", 10)
+    crowded = plan(profile, time_limit=None, interleave=1)
+    assert crowded.options["memory_limit_reached"] and not crowded.options["time_limit_reached"]
+    assert crowded.predicted.lower_bound_ms <= exact.predicted.iteration_ms * (1 + 1e-9)
+    assert crowded.predicted.iteration_ms >= exact.predicted.iteration_ms * (1 - 1e-9)
+    assert crowded.predicted.gap > 0
+    assert main(["plan", str(profile.save(tmp_path / "profile.json")), "--time-limit", "0", "--interleave", "1",
+                 "--replicas", "1"]) == 0
+    assert "the exact search stopped where its partial plans would outgrow memory" in capsys.readouterr().out

@@ -131,6 +131,8 @@ def _bound_line(chosen: Plan) -> str:
         verdict = "optimal (search finished)"
     elif chosen.options.get("time_limit_reached"):
         verdict = "time limit reached; --time-limit for more"
+    elif chosen.options.get("memory_limit_reached"):
+        verdict = "the exact search stopped where its partial plans would outgrow memory"
     else:
         verdict = "search finished; the 1F1B and large interleaved searches prove only weak bounds"
     return f"lower bound:   {chosen.predicted.lower_bound_ms:.2f} ms, gap {100 * gap:.2f}% — {verdict}"

@@ -31,6 +31,7 @@ class Budget:
         # is assembled after them
         self.end = math.inf if seconds is None else time.perf_counter() + seconds * (1 - MARGIN)
         self.spent = False
+        self.crowded = False  # whether a search stopped because it would have outgrown memory
         self.slowest: dict[str, float] = {}  # per kind of step, the longest one took
 
     def share(self, parts: int) -> Budget:

@@ -56,8 +56,14 @@ _Key = tuple
 _PAIRS = 2_000_000
 
 
+# Most label-move pairs (or moves) one stage of the DP may list: about 80 bytes each, 1-2 GB at
+# peak.  Beyond, the keyed search (per-pair copies with skips on many devices) stops as out of time.
+_MOST = 10_000_000
+
+
 class _OutOfTime(Exception):
-    """The budget ran out in the middle of a stage of the DP."""
+    """The budget ran out in the middle of a stage of the DP, or the stage would not fit in
+    memory (:data:`_MOST`)."""
 
 
 @dataclass(frozen=True)
@@ -145,12 +151,21 @@ class Search:
         if self.budget is not None and self.budget.out():
             raise _OutOfTime
 
+    def _check_size(self, count: int) -> None:
+        """Stop (as out of time) before listing ``count`` rows, if more than :data:`_MOST`."""
+        if count > _MOST:
+            if self.budget is not None:
+                self.budget.crowded = True
+            raise _OutOfTime
+
     def _step(self, stage: int, labels: _Labels) -> _Labels:
         """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
         record a finished plan that beats ``best``, return the labels that can still beat it."""
         state, first = states(labels.start, labels.key)
         moves = self._moves(stage, labels.start[first], labels.key[first])
         self._check_time()
+        self._check_size(int(np.dot(np.bincount(state, minlength=len(first)),
+                                    np.bincount(moves.state, minlength=len(first)))))
         label, move = pairs(state, moves.state, len(first))
         lanes = moves.take(move)
         x, peak, v, total = self._grow(labels, label, lanes)
@@ -241,6 +256,7 @@ class Search:
         codes, by_start = _distinct(starts[moves.state] * span + moves.stop)
         count, copy_grad, sent_id, sent = self._sendings(stage, codes // span, codes % span)
         ways = np.where(kept_id[by_key] >= 0, count[by_start], 0)
+        self._check_size(int(ways.sum()))
         row = np.repeat(np.arange(len(ways)), ways)
         choice = np.repeat(np.cumsum(count)[by_start] - count[by_start], ways) + ragged_arange(ways)
         taken = moves.take(row)

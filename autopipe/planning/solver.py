@@ -89,7 +89,9 @@ def plan(
         time_limit: seconds to search (``None``: no limit); the search then returns the best plan
             found, ``plan.predicted.lower_bound_ms`` a proven lower bound on every plan searched
             and ``plan.predicted.gap`` how far above it the plan may be (0 when the search
-            finished: the plan is then optimal for the cost model).
+            finished: the plan is then optimal for the cost model).  The exact search also
+            stops, with the same proven bound, where its partial plans would outgrow memory
+            (a few GB; ``plan.options["memory_limit_reached"]``).
         placement: ``"given"`` places stage ``s`` on the ``s``-th device; ``"search"`` also
             searches which device each stage runs on where the order matters
             (:mod:`autopipe.planning.placement`).
@@ -142,6 +144,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                                 "allow more time (time_limit=None: no limit)")
         raise PlanningError(infeasible(model, options))
     record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
+              "memory_limit_reached": budget.crowded,
               "placement": placement, "placements_searched": "all" if complete else len(searched),
               "device_order": list(order)}
     return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
