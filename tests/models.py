@@ -168,6 +168,20 @@ class AddTwin(nn.Module):
         return x + twin
 
 
+class Twice(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x
+
+
+class DoubleFirst(nn.Module):
+    """Doubles the first of a pair in place: in the plain model, the second too if it is the same."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        first, second = pair
+        first.mul_(2)
+        return first + second
+
+
 def aliased(case: str) -> nn.Sequential:
     """A model that writes in place into a tensor that is also stashed (each ``case`` a way to
     reach it), and the layer before that write (the split that separates them)."""
@@ -181,9 +195,12 @@ def aliased(case: str) -> nn.Sequential:
         "popped": [nn.Linear(4, 4), Save(), DoubleSkip(), nn.Linear(4, 4)],
         # one tensor stashed under two names, one of them written
         "two names": [nn.Linear(4, 4), SaveTwice(), nn.Linear(4, 4), DoubleSkip(), AddTwin(), nn.Linear(4, 2)],
+        # one tensor returned twice, one of them written
+        "returned twice": [nn.Linear(4, 4), Twice(), DoubleFirst(), nn.Linear(4, 2)],
     }[case]
     return nn.Sequential(*layers)
 
 
 #: Per case of :func:`aliased`, balances that split the stash from the write.
-REFUSED = {"input": ([2, 3], [2, 2, 1]), "passed on": ([2, 1, 3],), "popped": ([2, 2],), "two names": ([2, 4],)}
+REFUSED = {"input": ([2, 3], [2, 2, 1]), "passed on": ([2, 1, 3],), "popped": ([2, 2],), "two names": ([2, 4],),
+           "returned twice": ([2, 2],)}

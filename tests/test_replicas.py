@@ -265,3 +265,24 @@ def test_copied_replicas_take_two_forwards_before_their_backwards(copies: None) 
     expected = dict(reference.named_parameters())
     for name, param in pipe.named_parameters():
         assert_close(param.grad, expected[name].grad, f"{name}.grad")
+
+
+def test_copies_gather_gradients_when_the_last_backward_under_way_ends() -> None:
+    """Two calls' backward phases can run at once (two forwards, one loss): gathering the copies'
+    gradients when the first ends would read and clear them while the second still adds to
+    them.  They are gathered when the last ends, or dropped if one of them failed."""
+    from autopipe.model import layer_chain
+    from autopipe.runtime.replicas import Copies, copied_layers
+
+    primary = layer_chain(nn.Sequential(nn.Linear(2, 2)))
+    twin = copied_layers(primary)
+    copies = Copies(primary, [twin])
+    source, target = primary[0].module.weight, twin[0].module.weight
+    for failed in (False, True):
+        source.grad, target.grad = None, torch.ones(2, 2)
+        copies.begin_backward(), copies.begin_backward()
+        copies.end_backward(failed)
+        assert source.grad is None and target.grad is not None  # the other phase still adds to it
+        copies.end_backward(False)
+        assert target.grad is None
+        assert (source.grad is None) if failed else torch.equal(source.grad, torch.ones(2, 2))

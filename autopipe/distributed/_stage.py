@@ -56,7 +56,8 @@ class StageModule(nn.Module):
         tracker = SkipTracker()
         for key, tensor in zip(self.skips_in, received[n_main:]):
             tracker.save(key, tensor)
-        named = [("their input", t) for t in received[:n_main]]
+        named = [("their input" if n_main == 1 else f"their input (tensor {i})", t)
+                 for i, t in enumerate(received[:n_main])]
         named += [(f"the skip '{key}'", t) for key, t in zip(self.skips_in, received[n_main:])]
         watch = Watch([(what, tensor, {0: others}) for what, tensor, others in _equals(named)])
         with use_skip_tracker(tracker):

@@ -39,8 +39,8 @@ class Watch:
     def __init__(self, received: Sequence[tuple[str, Value, Marks]]) -> None:
         """``received``: per message, what it is ("their input", "the skip 'x'"), the value the
         layers compute on and its marks."""
-        self.watched = [(what, tensor, marks[i], tensor._version) for what, value, marks in received if marks
-                        for i, tensor in enumerate(tensors_of(value)) if i in marks and tensor.numel()]
+        self.watched = [(name, tensor, marks[i], tensor._version) for what, value, marks in received if marks
+                        for i, (name, tensor) in enumerate(_named(what, value)) if i in marks and tensor.numel()]
 
     def check(self, stage: str, j: int | None) -> None:
         """Raise :class:`ChainError` if the layers wrote into a watched tensor (``j``: the
@@ -49,10 +49,11 @@ class Watch:
             if tensor._version != version:
                 raise ChainError(
                     f"{stage}: its layers write in place into {what}{'' if j is None else f' (micro-batch {j})'}, "
-                    f"which in the plain model is the same tensor as {' and '.join(sorted(others))}, sent here "
-                    "apart: the write would change both there, and a pipeline cannot do that. Make the writing "
-                    "layer out of place (e.g. ReLU(inplace=False)), stash a copy (stash(name, x.clone())), or "
-                    "split the model elsewhere so that the stash and the write are in one stage")
+                    f"which in the plain model is the same tensor as {' and '.join(sorted(others))}, sent here as "
+                    "a tensor of its own: the write would change both there, and a pipeline cannot do that. Make "
+                    "the writing layer out of place (e.g. ReLU(inplace=False)), stash a copy "
+                    "(stash(name, x.clone())), or split the model elsewhere so that the stash and the write are in "
+                    "one stage")
 
     def carried(self, tensor: Tensor) -> frozenset[str]:
         """What else ``tensor`` is, through the watched tensors its memory overlaps."""
@@ -62,20 +63,23 @@ class Watch:
 
 def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch) -> dict[Hashable, Marks]:
     """The marks of the messages a stage sends (key → (what it is, value)): each tensor whose
-    memory overlaps a tensor of another message, or a watched tensor (:meth:`Watch.carried`)."""
-    spans = [(key, what, _span(tensor)) for key, (what, value) in messages.items() for tensor in tensors_of(value)
-             if tensor.numel()]
+    memory overlaps another tensor sent (of another message, or of the same one: ``(y, y)``),
+    or a watched tensor (:meth:`Watch.carried`)."""
+    spans = [((key, i), name, _span(tensor)) for key, (what, value) in messages.items()
+             for i, (name, tensor) in enumerate(_named(what, value)) if tensor.numel()]
     marks: dict[Hashable, Marks] = {}
-    for key, (_, value) in messages.items():
-        for i, tensor in enumerate(tensors_of(value)):
-            if not tensor.numel():
-                continue
-            span = _span(tensor)
-            others = {what for other, what, there in spans if other != key and _overlap(span, there)}
-            others |= watch.carried(tensor)
-            if others:
-                marks.setdefault(key, {})[i] = frozenset(others)
+    for (key, i), _, span in spans:
+        others = {name for place, name, there in spans if place != (key, i) and _overlap(span, there)}
+        others |= watch.carried(tensors_of(messages[key][1])[i])
+        if others:
+            marks.setdefault(key, {})[i] = frozenset(others)
     return marks
+
+
+def _named(what: str, value: Value) -> list[tuple[str, Tensor]]:
+    """``value``'s tensors, each named by ``what`` (and its place, if ``value`` holds several)."""
+    tensors = tensors_of(value)
+    return [(what if len(tensors) == 1 else f"{what} (tensor {i})", t) for i, t in enumerate(tensors)]
 
 
 def _span(tensor: Tensor) -> tuple[torch.device, int, int]:

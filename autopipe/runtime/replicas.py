@@ -15,7 +15,8 @@ Elsewhere (CUDA) a module lives on one device, so replicas ``1..R-1`` run copies
 (:class:`Copies`), as ``torch.nn.parallel`` does: before each forward the first replica's
 parameters and buffers are copied to them, and after the backward their gradients are added
 into the first replica's and cleared (dropped if the backward fails, as the first replica's own
-partial gradient is left for ``zero_grad``).  ``parameters()`` stays the first replica's.  This side
+partial gradient is left for ``zero_grad``; with two calls' backwards under way at once, when the
+last ends).  ``parameters()`` stays the first replica's.  This side
 runs on CPU in the tests (forced); on CUDA it is written and never ran here.
 
 Batch norm: replicas always use :class:`~autopipe.DeferredBatchNorm` (the pipeline converts),
@@ -27,6 +28,7 @@ first replica's share, as DDP with ``broadcast_buffers``.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -64,6 +66,11 @@ class Copies:
         self.params = [list(zip(_params(primary), _params(layers))) for layers in copies]
         self.buffers = [list(zip(_buffers(primary), _buffers(layers))) for layers in copies]
         self.devices = {t.device for pairs in self.params + self.buffers for _, t in pairs}
+        # backward phases under way: two calls' (two forwards, one loss) run at once, and the
+        # copies' gradients are gathered only when the last ends, not while the other adds to them
+        self._lock = threading.Lock()
+        self._active = 0
+        self._failed = False
 
     @torch.no_grad()
     def broadcast(self) -> None:
@@ -75,6 +82,25 @@ class Copies:
             for source, target in pairs:
                 target.data.copy_(source)
         self._synchronize()
+
+    def begin_backward(self) -> None:
+        """A backward phase starts adding into the copies' gradients."""
+        with self._lock:
+            self._active += 1
+
+    def end_backward(self, failed: bool) -> None:
+        """A backward phase ended; the last one under way gathers the copies' gradients into the
+        first replica's (:meth:`reduce`), or drops them if any of those phases failed."""
+        with self._lock:
+            self._active -= 1
+            self._failed = self._failed or failed
+            last, failed = self._active == 0, self._failed
+            if last:
+                self._failed = False
+        if last and failed:
+            self.drop_grads()
+        elif last:
+            self.reduce()
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -144,6 +170,8 @@ class Replicas:
                 self.copies.broadcast()
             for bn in self.deferred:
                 bn.begin_step()
+        if phase != "forward" and self.copies is not None:
+            self.copies.begin_backward()
         for engine, run in self.pairs:
             engine.start_phase(run, phase)
 
@@ -155,12 +183,10 @@ class Replicas:
                 engine.finish_phase(run, phase)
             except BaseException as error:  # every replica must stop before the caller goes on
                 failure = failure or error
+        if phase != "forward" and self.copies is not None:
+            self.copies.end_backward(failure is not None)
         if failure is not None:
-            if phase != "forward" and self.copies is not None:
-                self.copies.drop_grads()
             raise failure
         if phase != "backward":
             for bn in self.deferred:
                 bn.end_step()
-        if phase != "forward" and self.copies is not None:
-            self.copies.reduce()
