@@ -42,6 +42,13 @@ class Join(nn.Module):
         return a * b
 
 
+class CatJoin(nn.Module):
+    """Joins the pair by ``torch.cat``, whose backward gives slices: non-contiguous gradients."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return torch.cat(pair, dim=1)
+
+
 class Labelled(nn.Module):
     """Returns a tensor with a string: not something one rank can send to another."""
 
@@ -81,6 +88,12 @@ def tuple_model() -> nn.Sequential:
     """Balance [2, 2]: the first stage ends with a tuple that the second stage's Join unpacks."""
     torch.manual_seed(2)
     return nn.Sequential(nn.Linear(8, 16), Split(), Join(), nn.Linear(8, 4))
+
+
+def cat_model() -> nn.Sequential:
+    """Balance [2, 2]: the second stage starts with ``torch.cat`` of the pair it receives."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 16), Split(), CatJoin(), nn.Linear(16, 4))
 
 
 def batchnorm_model() -> nn.Sequential:
@@ -177,6 +190,13 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["inplace_1f1b"] = _run(inplace_model(), None, None, None, plan=plan)["grads"]
     result["other_model"] = _error(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
     result["tuple"] = _run(tuple_model(), [2, 2], 2, "gpipe")["grads"]
+    result["cat"] = _run(cat_model(), [2, 2], 2, "gpipe")["grads"]
+    twice = _run(inplace_model(), [3, 3], CHUNKS, "gpipe")["runner"]
+    twice.step(*batch()[:1], target=batch()[1])  # no zero_grad: the second step adds to the first's
+    result["accumulated"] = {n: p.grad.clone() for n, p in twice.named_parameters()}
+    wide = DistributedPipeline(inplace_model().double(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    result["loss64"] = wide.broadcast_loss(wide.step(x.double(), target=y.double()))
     bn = _run(batchnorm_model(), [2, 2], CHUNKS, "1f1b", checkpoint="except_last")
     torch.optim.SGD(bn["runner"].parameters(), lr=0.1).step()
     result["checkpoint_grads"] = bn["grads"]
@@ -284,6 +304,28 @@ def test_last_rank_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
     model, (x, y) = inplace_model(), batch()
     expected = torch.stack([nn.functional.mse_loss(model(a), b) for a, b in zip(x.chunk(CHUNKS), y.chunk(CHUNKS))])
     assert two[0]["inplace_loss"] == two[1]["inplace_loss"] == pytest.approx(expected.mean().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gradients_accumulate_over_steps_as_in_the_plain_model(two: list[dict[str, Any]]) -> None:
+    """Two steps of one batch without ``zero_grad``: twice one step's gradients (the engine's own
+    averaging divided the first step's again)."""
+    once = reference(inplace_model(), CHUNKS)
+    _assert_grads_equal(_merged(two, "accumulated"), {name: 2 * grad for name, grad in once.items()})
+
+
+@pytest.mark.slow
+def test_a_float64_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
+    model, (x, y) = inplace_model().double(), batch()
+    expected = torch.stack([nn.functional.mse_loss(model(a), b)
+                            for a, b in zip(x.double().chunk(CHUNKS), y.double().chunk(CHUNKS))])
+    assert two[0]["loss64"] == two[1]["loss64"] == pytest.approx(expected.mean().item(), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_join_by_cat_sends_its_input_gradients_back(two: list[dict[str, Any]]) -> None:
+    """``torch.cat``'s backward gives non-contiguous slices, which gloo refuses to send."""
+    _assert_grads_equal(_merged(two, "cat"), reference(cat_model(), 2))
 
 
 @pytest.mark.slow

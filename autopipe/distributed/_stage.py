@@ -123,7 +123,21 @@ def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, froz
 
 
 def _non_leaf(tensor: Tensor) -> Tensor:
-    return tensor.clone() if tensor.is_leaf and tensor.requires_grad else tensor
+    return _Received.apply(tensor) if tensor.is_leaf and tensor.requires_grad else tensor
+
+
+class _Received(torch.autograd.Function):
+    """A copy of a received tensor for the layers, whose gradient goes back contiguous: gloo
+    sends only contiguous tensors, and a layer's backward may give a view (``torch.cat``'s
+    gives slices of the output's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:  # type: ignore[override]
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
 
 
 def _describe(value: Any) -> str:

@@ -109,7 +109,11 @@ class DistributedPipeline:
                                   settings.checkpoint, self.chunks).to(self.device)
         self.stage = Stage(data_parallel(self.module, self.layout, self.device), self.rank, self.num_stages,
                            self.device, group=self.group)
-        self.schedule = SCHEDULE_CLASSES[self.schedule_name](self.stage, self.chunks, loss_fn=loss_fn)
+        # each micro-batch's loss divided by their count, and gradients left as they come: the
+        # engine's own averaging (scale_grads) divides all of .grad, also what an earlier step
+        # left there, so gradients accumulated over steps would not add up as the plain model's
+        self.schedule = SCHEDULE_CLASSES[self.schedule_name](
+            self.stage, self.chunks, loss_fn=_Share(loss_fn, self.chunks), scale_grads=False)
 
     @property
     def replicas(self) -> int:
@@ -142,7 +146,9 @@ class DistributedPipeline:
 
         Every rank calls it; the first uses ``inputs``, the last ``target``, others ignore both.
         Gradients are averaged over micro-batches (as one ``loss_fn`` over the whole batch with
-        a mean reduction).  Returns the mean micro-batch loss on the last rank, ``None`` elsewhere.
+        a mean reduction) and added to what ``.grad`` holds, as ``loss.backward()`` does: steps
+        without ``zero_grad`` between accumulate.  Returns the mean micro-batch loss on the last
+        rank, ``None`` elsewhere.
         """
         args: tuple[Tensor, ...] = ()
         kwargs: dict[str, Any] = {}
@@ -154,14 +160,14 @@ class DistributedPipeline:
             self._check_batch(target, "target")
             kwargs = {"target": target.to(self.device), "losses": losses}  # type: ignore[union-attr]
         self.schedule.step(*args, **kwargs)
-        return torch.stack(losses).detach().mean() if self.is_last else None
+        return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 
     def broadcast_loss(self, loss: Tensor | None) -> float:
         """Collective: the last rank's loss as a float on every rank (so rank 0 can print it),
         averaged over the replicas."""
-        value = torch.zeros(1, device=self.device)
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)  # one dtype on every rank
         if self.is_last and loss is not None:
-            value = loss.detach().reshape(1).to(self.device)
+            value = loss.detach().reshape(1).to(self.device, torch.float64)
         dist.broadcast(value, src=self._global_rank(self.num_stages - 1), group=self.group)
         if self.replicas > 1:
             dist.all_reduce(value, group=self.layout.data_group)
@@ -214,3 +220,13 @@ class DistributedPipeline:
                 "(DataLoader(drop_last=True)) or build a new DistributedPipeline with "
                 f"batch_size={size} on every rank"
             )
+
+
+class _Share:
+    """``loss_fn`` divided by the micro-batch count: each micro-batch's share of the batch's mean."""
+
+    def __init__(self, loss_fn: Callable[..., Tensor], chunks: int) -> None:
+        self.loss_fn, self.chunks = loss_fn, chunks
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        return self.loss_fn(output, target) / self.chunks
