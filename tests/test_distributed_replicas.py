@@ -29,10 +29,10 @@ def replicated(balance: list[int], replicas: int, schedule: str = "gpipe") -> Pl
     return plan
 
 
-def reference(replicas: int) -> dict[str, Tensor]:
+def reference(replicas: int, model: nn.Module | None = None) -> dict[str, Tensor]:
     """The plain model's gradient of the whole batch's mean loss, accumulated over the replicas'
     micro-batches (equal sizes, so it is the whole-batch gradient)."""
-    model = inplace_model()
+    model = inplace_model() if model is None else model
     x, y = batch()
     parts = replicas * CHUNKS
     for xi, yi in zip(x.chunk(parts), y.chunk(parts)):
@@ -51,9 +51,13 @@ def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
     result = {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
               "replica": runner.replica, "stage": runner.rank, "loss": runner.broadcast_loss(loss)}
     if out is not None:
-        torch.optim.SGD(runner.parameters(), lr=0.1).step()
+        optimizer = torch.optim.SGD(runner.parameters(), lr=0.1)
+        optimizer.step()
         path = runner.save_checkpoint(out / "model.pt")
         result["checkpoint"] = None if path is None else str(path)
+        optimizer.zero_grad()
+        runner.step(runner.shard(x), target=runner.shard(y))  # DDP rebuilds its buckets after a first step
+        result["second"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
     return result
 
 
@@ -115,6 +119,11 @@ def test_hybrid_two_replicas_of_two_stages_on_four_processes(tmp_path: Path) -> 
     plain = inplace_model()
     for name, param in plain.named_parameters():  # one SGD step with the whole-batch gradient
         torch.testing.assert_close(saved[name], param.detach() - 0.1 * reference(2)[name], rtol=1e-5, atol=1e-7)
+    model.zero_grad()
+    second = reference(2, model)  # the next step's gradient, from the stepped weights
+    for result in results:
+        for name, grad in result["gpipe"]["second"].items():
+            torch.testing.assert_close(grad, second[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
