@@ -159,3 +159,14 @@ def test_all_reduce_profiled_into_the_profile(tmp_path: Path) -> None:
     chosen = plan(profile, 2, replicas=2, engine="distributed")
     assert chosen.options["reduction"] == "measured"
     assert chosen.predicted.reduction_ms == pytest.approx(fit.time_ms(4 * 10**6), rel=1e-9)
+
+
+def test_a_stage_with_nothing_to_train_is_not_wrapped_in_ddp() -> None:
+    """DDP refuses a module without a parameter that needs a gradient (an activation-only
+    stage, or a frozen one); such a stage has nothing to reduce and runs as it is."""
+    from autopipe.distributed._replicas import Layout, data_parallel
+
+    where = Layout(replicas=2, stages=2, replica=0, stage=1, pipeline_group=None, data_group=None)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    for module in (nn.Tanh(), frozen):
+        assert data_parallel(module, where, torch.device("cpu")) is module

@@ -62,13 +62,14 @@ def layout(replicas: int, stages: int, device_type: str, group: dist.ProcessGrou
 
 
 def data_parallel(module: nn.Module, where: Layout, device: torch.device) -> nn.Module:
-    """``module`` in DDP across the data-parallel group, or itself with one replica.
+    """``module`` in DDP across the data-parallel group, or itself with one replica or with no
+    parameter to train (nothing to reduce; DDP refuses such a module).
 
     ``find_unused_parameters`` keeps DDP from rebuilding its buckets after the first step: it
     would rebuild them from the order in which gradients became ready, which here records each
     parameter once per micro-batch, and the second step's forward then fails DDP's internal
     check (``rebuilt parameter indices size is not same as original model parameters size``)."""
-    if where.replicas == 1:
+    if where.replicas == 1 or not any(p.requires_grad for p in module.parameters()):
         return module
     ids = [device] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, process_group=where.data_group,
