@@ -2,6 +2,7 @@
 is relayed by every stage between its producer and its consumer."""
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -113,13 +114,13 @@ def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, froz
     the stage before returned (or that another name stashed) arrives as a separate copy; the
     values tell (a distinct tensor of equal values is refused too, if written into, which
     costs the user a clone)."""
-    found = []
-    for i, (what, tensor) in enumerate(named):
-        others = [other for j, (other, twin) in enumerate(named) if j != i and twin.shape == tensor.shape
-                  and twin.dtype == tensor.dtype and torch.equal(twin, tensor)]
-        if others:
-            found.append((what, tensor, frozenset(others)))
-    return found
+    others: list[set[str]] = [set() for _ in named]
+    for i, j in itertools.combinations(range(len(named)), 2):  # each pair compared once
+        (what, tensor), (other, twin) = named[i], named[j]
+        if twin.shape == tensor.shape and twin.dtype == tensor.dtype and torch.equal(twin, tensor):
+            others[i].add(other)
+            others[j].add(what)
+    return [(what, tensor, frozenset(names)) for (what, tensor), names in zip(named, others) if names]
 
 
 def _non_leaf(tensor: Tensor) -> Tensor:

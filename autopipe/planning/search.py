@@ -56,8 +56,8 @@ _Key = tuple
 _PAIRS = 2_000_000
 
 
-# Most label-move pairs (or moves) one stage of the DP may list: about 80 bytes each, 1-2 GB at
-# peak.  Beyond, the keyed search (per-pair copies with skips on many devices) stops as out of time.
+# Most label-move pairs (or moves) one stage of the DP may list, at about 80 bytes each.  Beyond,
+# the keyed search (per-pair copies with skips on many devices) stops as out of time.
 _MOST = 10_000_000
 
 

@@ -31,6 +31,8 @@ __all__ = ["Marks", "Watch", "mark"]
 
 #: Per tensor of a message (its position in ``tensors_of``): what else it is in the plain model.
 Marks = dict[int, frozenset[str]]
+#: A tensor's device and the range of addresses its elements lie in.
+_Span = tuple[torch.device, int, int]
 
 
 class Watch:
@@ -39,13 +41,14 @@ class Watch:
     def __init__(self, received: Sequence[tuple[str, Value, Marks]]) -> None:
         """``received``: per message, what it is ("their input", "the skip 'x'"), the value the
         layers compute on and its marks."""
-        self.watched = [(name, tensor, marks[i], tensor._version) for what, value, marks in received if marks
-                        for i, (name, tensor) in enumerate(_named(what, value)) if i in marks and tensor.numel()]
+        self.watched = [(name, tensor, marks[i], tensor._version, _span(tensor)) for what, value, marks in received
+                        if marks for i, (name, tensor) in enumerate(_named(what, value))
+                        if i in marks and tensor.numel()]
 
     def check(self, stage: str, j: int | None) -> None:
         """Raise :class:`ChainError` if the layers wrote into a watched tensor (``j``: the
         micro-batch, if known)."""
-        for what, tensor, others, version in self.watched:
+        for what, tensor, others, version, _ in self.watched:
             if tensor._version != version:
                 raise ChainError(
                     f"{stage}: its layers write in place into {what}{'' if j is None else f' (micro-batch {j})'}, "
@@ -55,10 +58,10 @@ class Watch:
                     "(stash(name, x.clone())), or split the model elsewhere so that the stash and the write are in "
                     "one stage")
 
-    def carried(self, tensor: Tensor) -> frozenset[str]:
-        """What else ``tensor`` is, through the watched tensors its memory overlaps."""
-        span = _span(tensor)
-        return frozenset().union(*(others for _, watched, others, _ in self.watched if _overlap(span, _span(watched))))
+    def carried(self, span: _Span) -> frozenset[str]:
+        """What else the tensor at ``span`` (:func:`_span`) is, through the watched tensors its
+        memory overlaps."""
+        return frozenset().union(*(others for _, _, others, _, there in self.watched if _overlap(span, there)))
 
 
 def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch) -> dict[Hashable, Marks]:
@@ -70,7 +73,7 @@ def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch) -> dict[Hash
     marks: dict[Hashable, Marks] = {}
     for (key, i), _, span in spans:
         others = {name for place, name, there in spans if place != (key, i) and _overlap(span, there)}
-        others |= watch.carried(tensors_of(messages[key][1])[i])
+        others |= watch.carried(span)
         if others:
             marks.setdefault(key, {})[i] = frozenset(others)
     return marks
@@ -82,14 +85,14 @@ def _named(what: str, value: Value) -> list[tuple[str, Tensor]]:
     return [(what if len(tensors) == 1 else f"{what} (tensor {i})", t) for i, t in enumerate(tensors)]
 
 
-def _span(tensor: Tensor) -> tuple[torch.device, int, int]:
+def _span(tensor: Tensor) -> _Span:
     """The device and the range of addresses ``tensor``'s elements lie in."""
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     start = tensor.data_ptr()
     return tensor.device, start, start + (last + 1) * tensor.element_size()
 
 
-def _overlap(a: tuple[torch.device, int, int], b: tuple[torch.device, int, int]) -> bool:
+def _overlap(a: _Span, b: _Span) -> bool:
     """Whether two address ranges on one device overlap (two interleaved views of one tensor
     do, though no element is in both: a mark too many only refuses a write)."""
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
