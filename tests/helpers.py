@@ -17,11 +17,12 @@ from autopipe.profiling.profiles import Profile, Stat
 from autopipe.runtime.microbatch import split_sizes
 
 
-def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 1e-5) -> None:
-    """Equal within ``rel`` relative to the expected tensor's norm."""
+def assert_close(actual: Tensor, expected: Tensor, what: str = "", rel: float = 1e-5, least: float = 0.0) -> None:
+    """Equal within ``rel`` relative to the expected tensor's norm, or to ``least`` if larger (the
+    largest gradient's norm: a gradient that is zero but for rounding has no digits to compare)."""
     assert actual.shape == expected.shape, what
     error = (actual.detach() - expected.detach()).norm().item()
-    scale = max(expected.detach().norm().item(), 1e-12)
+    scale = max(expected.detach().norm().item(), least, 1e-12)
     assert error <= rel * scale, f"{what}: relative error {error / scale:.2e}"
 
 
@@ -60,6 +61,32 @@ def assert_step_matches(pipe: nn.Module, reference: nn.Module, x: Tensor, chunks
     for name, param in pipe.named_parameters():
         assert param.grad is not None, name
         assert_close(param.grad, expected_params[name].grad, f"{what}{name}.grad")
+
+
+def assert_training_matches(pipe: nn.Module, model: nn.Module, reference: nn.Module, inputs: Sequence[Tensor],
+                            chunks: int, what: str = "") -> None:
+    """A training step (SGD) per input of ``pipe``, which holds ``model``'s tensors, and of
+    ``reference``, a copy of ``model`` made before, run micro-batch by micro-batch
+    (:func:`reference_step`): after each, the same output, every parameter's gradient and every
+    buffer (running statistics, counters), which the next step's forward reads."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step, x in enumerate(inputs):
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        out = pipe(x)
+        g = torch.randn_like(out)
+        expected = reference_step(reference, x, g, chunks)
+        (out * g).sum().backward()
+        prefix = f"{what}step {step + 1}: "
+        assert_close(out, expected, f"{prefix}output")
+        largest = max(q.grad.norm().item() for q in reference.parameters() if q.grad is not None)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert p.grad is not None, f"{prefix}{name}"
+            assert_close(p.grad, q.grad, f"{prefix}{name}.grad", least=largest)
+        for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+            assert_close(b.double(), c.double(), f"{prefix}{name}")
+        for optimizer in optimizers:
+            optimizer.step()
 
 
 def assert_transparent(model: nn.Module, x: Tensor, balance: Sequence[int], chunks: int,

@@ -1,6 +1,7 @@
 """Captured chains of non-Sequential models equal the models: run layer by layer and as pipelines."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import pytest
@@ -13,7 +14,7 @@ from autopipe.model.capture import CaptureError, CapturedLayer, chain
 from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
-from helpers import untimed
+from helpers import all_splits, assert_training_matches, untimed
 from models import TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
@@ -349,6 +350,22 @@ def test_partition_profiles_plans_and_runs_a_captured_model() -> None:
         pipe.close()
 
 
+def test_pipeline_leaves_each_layer_its_own_tensors() -> None:
+    """ViT's first layer holds ``encoder.pos_embedding`` (the encoder's forward is traced) in a
+    bare container at ``encoder``, under which the encoder's blocks, other layers, go too: the
+    pipeline registers the tensor at its path rather than the container, so no layer takes in
+    another's modules (whose parameters and buffers it would then train and put back as its
+    own) and a second pipeline of the same layers is built alike, under the model's keys."""
+    model = _vit()
+    layers = chain(model)
+    own = [list(layer.module.state_dict()) for layer in layers]
+    for _ in range(2):
+        pipe = autopipe.Pipeline(layers, balance=[1, len(layers) - 1], devices=["cpu"] * 2)
+        pipe.close()
+        assert [list(layer.module.state_dict()) for layer in layers] == own
+        assert sorted(pipe.state_dict()) == sorted(model.state_dict())
+
+
 class TwoInputs(nn.Module):
     """The second input is read only by the last layer: it skips there from the first."""
 
@@ -371,3 +388,25 @@ def test_model_with_two_inputs_runs_as_pipeline() -> None:
                      _output_and_grads(lambda v: pipe(v, weight), model, x))
     finally:
         pipe.close()
+
+
+def test_exported_batch_norm_statistics_follow_the_model_under_checkpointing() -> None:
+    """An exported graph's batch norm updates its running statistics with no module the runtime
+    could see: a recomputation must not update them again.  Two training steps over every split
+    into up to three stages, with each checkpointing, equal the plain model run micro-batch by
+    micro-batch (outputs, every gradient, running_mean, running_var, num_batches_tracked)."""
+    model = StockEncoder().double()
+    original = copy.deepcopy(model)
+    layers = chain(model, torch.randn(4, 5, 8, dtype=torch.double))
+    inputs = [torch.randn(6, 5, 8, dtype=torch.double) for _ in range(2)]
+    for bounds in all_splits(len(layers), 3):
+        balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+        for checkpoint in ("always", "except_last"):
+            model.load_state_dict(original.state_dict())
+            pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * len(balance), chunks=3,
+                                     checkpoint=checkpoint)
+            try:
+                assert_training_matches(pipe, model, copy.deepcopy(original), inputs, chunks=3,
+                                        what=f"{balance} {checkpoint}: ")
+            finally:
+                pipe.close()

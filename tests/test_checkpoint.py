@@ -1,12 +1,16 @@
-"""Checkpointing: the recomputation flag, and random draws replayed exactly."""
+"""Checkpointing: the recomputation flag, random draws and buffers replayed exactly."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations, spectral_norm
 
 import autopipe
 from autopipe.runtime.checkpoint import RandomGuard
+from helpers import assert_training_matches
 
 
 class Record(nn.Module):
@@ -62,3 +66,43 @@ def test_replay_repeats_the_draws_then_continues_the_stream() -> None:
     assert torch.equal(again, first) and torch.equal(first, expected[0])
     assert torch.equal(second, expected[1]) and torch.equal(after, expected[2])
     assert guard.draws is True
+
+
+class Gain(nn.Module):
+    """Grows its gain at each call, then multiplies by it: autograd saves the buffer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.gain.mul_(1.5)
+        return x * self.gain
+
+
+class Count(nn.Module):
+    """Counts the samples it has seen, as a plain module would: without asking is_recomputing()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen += len(x)
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_recomputation_sees_and_leaves_buffers_as_its_forward(checkpoint: str) -> None:
+    """Spectral norm updates its power-iteration vectors (buffers) at every forward and divides
+    the weight by the norm they give: a recomputation must use the vectors its forward used,
+    which later forwards have updated since, and must not update them, or the count, again; the
+    backward must see the gain its recomputation saved.  Two training steps equal the plain
+    model's, run micro-batch by micro-batch (outputs, every gradient, every buffer)."""
+    model = nn.Sequential(spectral_norm(nn.Linear(4, 8)), Count(), nn.Tanh(), Gain(),
+                          parametrizations.spectral_norm(nn.Linear(8, 3))).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    inputs = [torch.randn(6, 4, dtype=torch.double) for _ in range(2)]
+    assert_training_matches(pipe, model, reference, inputs, chunks=3)

@@ -15,7 +15,7 @@ from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Layer", "ChainError", "Span", "attach", "merge_shared_state", "sequential_layers", "sequential_units",
+    "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers", "sequential_units",
     "positions", "resnet_layers", "is_torchvision_resnet",
 ]
 
@@ -69,19 +69,26 @@ def sequential_units(sequential: nn.Sequential) -> list[Layer]:
 def attach(root: nn.Module, path: str, module: nn.Module) -> None:
     """Register ``module`` under ``root`` at the dotted ``path``, making empty parents as needed;
     refuses a path that another module (not containing ``module``) already holds."""
-    *parents, leaf = path.split(".")
-    node = root
-    for part in parents:
-        child = node._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            node.add_module(part, child)
-        node = child
+    parent, _, leaf = path.rpartition(".")
+    node = module_at(root, parent)
     existing = node._modules.get(leaf)
     if existing is None:
         node.add_module(leaf, module)
     elif existing is not module and not any(sub is module for sub in existing.modules()):
         raise ValueError(f"two different modules claim the state path '{path}'")
+
+
+def module_at(root: nn.Module, path: str) -> nn.Module:
+    """The module at the dotted ``path`` under ``root`` (``root`` itself for ``""``), empty ones
+    made where none is."""
+    node = root
+    for part in filter(None, path.split(".")):
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    return node
 
 
 class Span(nn.Module):

@@ -1,11 +1,15 @@
-"""Checkpointing support: the recomputation flag and replayable random number generators.
+"""Checkpointing support: the recomputation flag, replayable random number generators and buffers.
 
 A checkpointed micro-batch runs its forward without keeping activations and runs it again
-(with grad) just before its backward.  Two things must then hold:
+(with grad) just before its backward.  Three things must then hold:
 
 * layers with side effects can tell the two runs apart: :func:`is_recomputing` is ``True``
   on the thread that recomputes (``DeferredBatchNorm`` does not count the batch twice);
-* the recomputation draws the same random numbers (dropout masks) as the forward did.
+* the recomputation draws the same random numbers (dropout masks) as the forward did;
+* it reads the buffers the forward read, which the forwards of later micro-batches may have
+  updated since (a spectral norm's power-iteration vectors), and what it writes into them
+  (batch norm statistics, counters: the forward wrote them already) is undone
+  (:func:`buffers_replayed`).
 
 Random numbers come from process-global generators (one for the CPU, one per CUDA device),
 and stages run on concurrent threads.  Saving a generator's state before a forward and
@@ -21,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from ..planning.schedules import checkpointed
 
-__all__ = ["buffers_restored", "checkpointed", "is_recomputing", "recomputing", "RandomGuard"]
+__all__ = ["buffers_replayed", "buffers_restored", "checkpointed", "is_recomputing", "recomputing", "RandomGuard"]
 
 _local = threading.local()
 
@@ -45,6 +49,18 @@ def buffers_restored(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
     finally:
         for buffer, value in saved:
             buffer.data.copy_(value)
+
+
+@contextlib.contextmanager
+def buffers_replayed(buffers: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``buffers`` hold ``values`` (copies taken before a checkpointed forward) inside the block,
+    their own values again after it (:func:`buffers_restored`).  The block is the recomputation
+    and its backward: the recomputed graph may have saved a buffer itself (``x * scale``), so
+    the backward must see the forward's values too."""
+    with buffers_restored(buffers):
+        for buffer, value in zip(buffers, values):
+            buffer.data.copy_(value)
+        yield
 
 
 def is_recomputing() -> bool:

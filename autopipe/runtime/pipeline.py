@@ -24,7 +24,7 @@ from .batchnorm import DeferredBatchNorm
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
-from ..model.layers import attach
+from ..model.layers import attach, module_at
 from ..model.reading import balance_units
 from ._model_calls import model_output
 from .microbatch import scatter, tensors_of
@@ -95,6 +95,9 @@ class Pipeline(nn.Module):
       stage (``stash(name, x); return x``), would change every name of it in the plain model,
       which a pipeline cannot do: :class:`~autopipe.ChainError` names the fixes
       (:mod:`autopipe.runtime.aliases`).
+    * A checkpointed micro-batch recomputes on the stage's buffers as its forward found them
+      (a copy is kept until its backward) and what the recomputation writes into them (batch
+      norm statistics, counters) is put back: each micro-batch updates them once.
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
       last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
@@ -305,20 +308,30 @@ class Pipeline(nn.Module):
 
     def _register_state(self, layers: list[Layer]) -> None:
         """Register every module that directly holds parameters or buffers at its path in the
-        original model, so ``state_dict`` keys (and ``parameters()``) are the model's own."""
+        original model, so ``state_dict`` keys (and ``parameters()``) are the model's own.
+
+        A captured layer holds the model's top-level tensors itself, and the others in bare
+        ``nn.Module`` containers made for their paths: their tensors are registered at the path
+        on a module of the pipeline's own, for a container attached there would take in the
+        modules that other layers attach under the path (``encoder.pos_embedding``'s container
+        would hold ``encoder.layers``: another stage's parameters and buffers)."""
         for layer in layers:
             for name, module in layer.module.named_modules(remove_duplicate=False):
+                if not (module._parameters or module._buffers):
+                    continue
                 path = ".".join(p for p in (layer.state_prefix, name) if p)
-                if not path:  # a captured layer holding the model's top-level tensors itself
-                    self._adopt_tensors(module)
-                elif module._parameters or module._buffers:
+                if path and type(module) is not nn.Module:
                     attach(self, path, module)
+                else:
+                    _adopt_tensors(module_at(self, path), module)
 
-    def _adopt_tensors(self, module: nn.Module) -> None:
-        for name, param in module.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in module.named_buffers(recurse=False):
-            self.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+
+def _adopt_tensors(holder: nn.Module, module: nn.Module) -> None:
+    """Register ``module``'s own parameters and buffers on ``holder`` too."""
+    for name, param in module.named_parameters(recurse=False):
+        holder.register_parameter(name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        holder.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
 
 
 def _from_plan(plan: Plan, layers: list[Layer], balance: object,

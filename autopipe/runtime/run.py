@@ -62,7 +62,8 @@ class Saved:
 
     ``args`` and ``skips`` hold the received leaves (the stage's inputs); ``output`` and
     ``leaving`` the results with their autograd graph, or ``None`` for a checkpointed
-    micro-batch, whose backward recomputes them replaying ``rng``.
+    micro-batch, whose backward recomputes them replaying ``rng`` on ``buffers`` (copies of
+    the stage's buffers as the forward found them).
     """
 
     args: tuple[Any, ...]
@@ -70,6 +71,7 @@ class Saved:
     output: Value | None = None
     leaving: dict[SkipKey, Value] | None = None
     rng: RngStates | None = None
+    buffers: list[Tensor] | None = None
 
 
 @dataclass(frozen=True)

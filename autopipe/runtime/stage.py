@@ -9,11 +9,12 @@ order.  For micro-batch ``j`` it
 * forward: takes its input (and arriving skips) from its inbox, makes them leaves
   (``requires_grad`` as the producer's outputs), runs its layers, sends the detached output
   to the next stage and each leaving skip straight to its consumer, and keeps what its
-  backward needs (everything, or only the inputs for a checkpointed micro-batch);
+  backward needs (everything, or for a checkpointed micro-batch only the inputs and a copy
+  of the stage's buffers);
 * backward: takes the gradient of its output and of each leaving skip, recomputes if
-  checkpointed, runs ``torch.autograd.backward`` on this thread, and sends each leaf's
-  gradient back to where the leaf came from (the previous stage, a skip's producer, or the
-  caller for stage 0).
+  checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
+  on this thread, and sends each leaf's gradient back to where the leaf came from (the
+  previous stage, a skip's producer, or the caller for stage 0).
 """
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from typing import Any, Hashable, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import RandomGuard, RngStates, buffers_restored
+from .checkpoint import RandomGuard, RngStates, buffers_replayed
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -61,9 +61,10 @@ class Stage:
         self.routes = routes
         self.neighbours = neighbours  # every stage, by index, for sending
         self.random = RandomGuard(device)
-        everything = [sub for module in self.modules for sub in module.modules()]
-        self.deferred = [m for m in everything if isinstance(m, DeferredBatchNorm)]
-        self.batch_norms = [m for m in everything if isinstance(m, _BatchNorm) and m not in self.deferred]
+        self.deferred = [m for module in self.modules for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        once = {id(b): (".".join(filter(None, (layer.state_prefix, name))), b)
+                for layer in self.layers for name, b in layer.module.named_buffers()}
+        self.buffers: dict[str, Tensor] = dict(once.values())  # by path in the model
         # False when the caller brackets the deferred batch norms' steps (replicas share them)
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
@@ -109,6 +110,7 @@ class Stage:
         with self._turn("F"):
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
+                kept = [b.detach().clone() for b in self.buffers.values()] if checkpointed else None
                 with self._random(run) as rng:
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
@@ -117,7 +119,7 @@ class Stage:
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips, watch)
         if run.grad_enabled:
-            saved = Saved(args, skips, rng=rng)
+            saved = Saved(args, skips, rng=rng, buffers=kept)
             if not checkpointed:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
@@ -231,7 +233,7 @@ class Stage:
         else:
             output_grads = inbox.take(("dy", j))
         skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
-        with self._turn("B"):
+        with self._turn("B"), self._on_stream(), self._as_at_forward(saved):
             if saved.output is None:
                 begin = run.ms()
                 saved.output, saved.leaving = self._recompute(run, j, saved)
@@ -250,13 +252,17 @@ class Stage:
         self._send_backward(run, j, saved)
 
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
-        with self._on_stream(), torch.enable_grad(), self.random.replay(saved.rng), self._stats_kept():
+        with torch.enable_grad(), self.random.replay(saved.rng):
             output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=self.index == 0)
             return output, leaving
 
-    def _stats_kept(self) -> contextlib.AbstractContextManager[None]:
-        """Undo what a recomputation does to plain batch norms' running statistics."""
-        return buffers_restored(b for bn in self.batch_norms if bn.training for b in bn.buffers(recurse=False))
+    def _as_at_forward(self, saved: Saved) -> contextlib.AbstractContextManager[None]:
+        """A checkpointed micro-batch's recomputation and backward see the buffers as its forward
+        did, though later forwards updated them (a spectral norm's vectors); what the
+        recomputation writes (running statistics, counters) is undone after."""
+        if saved.buffers is None:
+            return contextlib.nullcontext()
+        return buffers_replayed(list(self.buffers.values()), saved.buffers)
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]
