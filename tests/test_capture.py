@@ -390,6 +390,105 @@ def test_model_with_two_inputs_runs_as_pipeline() -> None:
         pipe.close()
 
 
+class _WritesInPlace(nn.Module):
+    """A module writing in place where glue would otherwise move across the write: an in-place
+    leaf call whose result is unused, then glue reading the written value; glue writing into a
+    value that a leaf call read before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.twice, self.again = _Double(), _Double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        self.act(h)  # h is relu(h) from here on
+        y = self.twice(h * 2.0)
+        z = self.c(x)
+        w = self.again(z)
+        z.add_(1.0)  # after again has read z
+        return self.b(y) + w + z
+
+
+class _Double(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2.0
+
+
+def test_glue_keeps_its_place_around_writes_in_place() -> None:
+    """Glue may move up to its latest input's layer, but not across a write in place: the chain
+    run in sequence and over every split equals the model."""
+    model = _WritesInPlace().double()
+    layers = chain(model)
+    x = torch.randn(6, 4, dtype=torch.double)
+    expected = _output_and_grads(model, model, x)
+    _assert_same(expected, _output_and_grads(_sequential(layers), model, x))
+    for bounds in all_splits(len(layers), 3):
+        balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+        for checkpoint in ("never", "always"):
+            pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * len(balance), checkpoint=checkpoint)
+            try:
+                _assert_same(expected, _output_and_grads(pipe, model, x))
+            finally:
+                pipe.close()
+
+
+class _Centring(nn.Module):
+    """Centres its features on a running mean of them, as DINO's head does, and counts its
+    calls: its forward (traced, for ``blocks`` is a container) reads both buffers, then updates
+    them in place; the mean as it was before the update is used in a later layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.proj = nn.Linear(6, 6)
+        self.register_buffer("center", torch.zeros(6))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        before = self.center.clone()
+        h = self.blocks(x) / (1.0 + self.calls)
+        self.center.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        self.calls.add_(1)
+        return self.proj(h) - before + self.center
+
+
+class _Centred(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.body, self.head = nn.Linear(3, 4), _Centring(), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def _steps(chunks: int) -> list[Tensor]:
+    """Inputs of two training steps, ``chunks`` micro-batches of two samples each."""
+    return [torch.randn(2 * chunks, 3, dtype=torch.double) for _ in range(2)]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_buffers_a_traced_forward_updates_follow_the_model(checkpoint: str) -> None:
+    """The buffers a traced (non-leaf) forward reads and updates in place are updated at every
+    call, in its order, and a recomputation reads what its forward read: two training steps
+    over every split into up to three stages equal the plain model run micro-batch by
+    micro-batch (outputs, every gradient, the mean and the count)."""
+    original = _Centred().double()
+    for bounds in all_splits(5, 3):
+        model, reference = copy.deepcopy(original), copy.deepcopy(original)
+        layers = chain(model)
+        # proj reads the mean too: a buffer lives in one layer
+        assert [layer.name for layer in layers] == ["stem", "body.blocks.0", "body.blocks.1", "body.blocks.2", "head"]
+        balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+        pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * len(balance), chunks=3,
+                                 checkpoint=checkpoint)
+        try:
+            assert_training_matches(pipe, model, reference, _steps(3), chunks=3, what=f"{balance}: ")
+        finally:
+            pipe.close()
+
+
 def test_exported_batch_norm_statistics_follow_the_model_under_checkpointing() -> None:
     """An exported graph's batch norm updates its running statistics with no module the runtime
     could see: a recomputation must not update them again.  Two training steps over every split
@@ -410,3 +509,44 @@ def test_exported_batch_norm_statistics_follow_the_model_under_checkpointing() -
                                         what=f"{balance} {checkpoint}: ")
             finally:
                 pipe.close()
+
+
+class _Counting(nn.Module):
+    """Counts its calls by assigning its buffer (``self.calls += 1``), whose new value it reads;
+    ``blocks`` makes its forward traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return self.blocks(x) * self.calls
+
+
+class _Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.body, self.head = nn.Linear(3, 4), _Counting(), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def test_buffer_assigned_in_a_traced_forward_is_refused_by_fx_and_exported() -> None:
+    """Under fx ``self.calls += 1`` assigns the module a new tensor, which no chain could ever
+    update: fx refuses it, naming the buffer and the ways out, with the model left as it was,
+    and torch.export captures it, updating the buffer at every call as the model does."""
+    model = _Counted().double()
+    with pytest.raises(CaptureError, match=r"assigns the buffers \['body.calls'\].*add_.*leaf_modules=\['body'\]"):
+        chain(model)
+    assert type(model.body.calls) is Tensor and model.body.calls.item() == 0
+    reference = copy.deepcopy(model)
+    layers = chain(model, torch.randn(4, 3, dtype=torch.double))
+    pipe = autopipe.Pipeline(layers, balance=[1, len(layers) - 1], devices=["cpu"] * 2, chunks=3,
+                             checkpoint="always")
+    try:
+        assert_training_matches(pipe, model, reference, _steps(3), chunks=3)
+    finally:
+        pipe.close()

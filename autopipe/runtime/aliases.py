@@ -16,6 +16,11 @@ is; the stage that receives it refuses to write into a marked tensor::
                  └── stash 'x' ─────▶ stage k: pop 'x'                marked: "the output of stage 0"
 
 Writing into a marked tensor raises :class:`~autopipe.ChainError`, which names the fixes.
+
+A tensor whose memory is a buffer's of the sending stage (``self.count.add_(1)`` returns the
+buffer, ``self.table[:n]`` is a view of it) travels as a copy (:func:`unshared`), marked as that
+buffer: the sender updates the buffer for its next micro-batches while the receiver reads this
+one's, and a write the receiver made into the copy would miss the buffer.
 """
 from __future__ import annotations
 
@@ -25,9 +30,9 @@ import torch
 from torch import Tensor
 
 from ..errors import ChainError
-from .microbatch import Value, tensors_of
+from .microbatch import Value, map_tensors, tensors_of
 
-__all__ = ["Marks", "Watch", "mark"]
+__all__ = ["Marks", "Watch", "mark", "unshared"]
 
 #: Per tensor of a message (its position in ``tensors_of``): what else it is in the plain model.
 Marks = dict[int, frozenset[str]]
@@ -64,19 +69,27 @@ class Watch:
         return frozenset().union(*(others for _, _, others, _, there in self.watched if _overlap(span, there)))
 
 
-def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch) -> dict[Hashable, Marks]:
+def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch,
+         buffers: dict[str, Tensor]) -> dict[Hashable, Marks]:
     """The marks of the messages a stage sends (key → (what it is, value)): each tensor whose
     memory overlaps another tensor sent (of another message, or of the same one: ``(y, y)``),
-    or a watched tensor (:meth:`Watch.carried`)."""
+    a watched tensor (:meth:`Watch.carried`) or one of the stage's ``buffers`` (by path)."""
     spans = [((key, i), name, _span(tensor)) for key, (what, value) in messages.items()
              for i, (name, tensor) in enumerate(_named(what, value)) if tensor.numel()]
+    owned = [(f"the buffer '{path}'", _span(b)) for path, b in buffers.items() if b.numel()]
     marks: dict[Hashable, Marks] = {}
     for (key, i), _, span in spans:
         others = {name for place, name, there in spans if place != (key, i) and _overlap(span, there)}
-        others |= watch.carried(span)
+        others |= watch.carried(span) | {name for name, there in owned if _overlap(span, there)}
         if others:
             marks.setdefault(key, {})[i] = frozenset(others)
     return marks
+
+
+def unshared(value: Value, buffers: Sequence[Tensor]) -> Value:
+    """``value`` with a copy of each tensor whose memory overlaps one of ``buffers``."""
+    spans = [_span(b) for b in buffers if b.numel()]
+    return map_tensors(value, lambda t: t.clone() if t.numel() and any(_overlap(_span(t), s) for s in spans) else t)
 
 
 def _named(what: str, value: Value) -> list[tuple[str, Tensor]]:

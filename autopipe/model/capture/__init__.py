@@ -36,12 +36,16 @@ def chain(
     cannot and a ``sample_input`` is given, exported with torch.export (only the batch dimension
     stays dynamic; Python branches, other sizes and the train/eval mode are the sample's).  The
     nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
-    input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made); a value that
-    the next layer reads is part of the main value (a tensor or a tuple) and one that a later
-    layer reads is a stash/pop skip.  Each layer is a :class:`CapturedLayer` holding the original
-    modules (fx) or the original parameters and buffers (export) at their original paths, so
-    state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.  A
-    parameter used by two layers far apart (tied embedding and output weights) lives in the
+    input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made), but never
+    above an operation that may write in place, which stays where it is; a value that the next
+    layer reads is part of the main value (a tensor or a tuple) and one that a later layer reads
+    is a stash/pop skip.  A buffer the forward reads or updates (``self.center.mul_(0.9)``) is
+    part of the graph, updated at every call, and the layers reading it become one; fx cannot
+    record a buffer assigned (``self.count += 1``): update it in place (``self.count.add_(1)``)
+    or give a ``sample_input`` for torch.export.  Each layer is a :class:`CapturedLayer` holding
+    the original modules (fx) or the original parameters and buffers (export) at their original
+    paths, so state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.
+    A parameter used by two layers far apart (tied embedding and output weights) lives in the
     first and travels to the other as a skip, so its gradients from both add up.
 
     A transformers ``PreTrainedModel`` is exported straight away on its sample batch given as
@@ -69,7 +73,8 @@ def chain(
 
     Raises:
         CaptureError: neither fx nor export can capture the forward (the message names where and
-            the way out), or a transformers model comes without a sample batch.
+            the way out; a buffer assigned names the buffer), or a transformers model comes
+            without a sample batch.
         ValueError: ``granularity`` is not one of the two.
     """
     hf = is_hf_model(model)

@@ -11,9 +11,6 @@ from ._tracing import Traced
 __all__: list[str] = []
 
 
-
-
-
 def group(traced: Traced) -> list[list[fx.Node]]:
     """Nodes per layer, in graph order.  Leaf calls open layers; glue joins its latest input's
     layer; constants and attributes join their first user's; layers sharing state are merged."""
@@ -28,8 +25,16 @@ def group(traced: Traced) -> list[list[fx.Node]]:
 
 
 def _place(traced: Traced) -> dict[fx.Node, int]:
+    """Each node's layer.  Glue moves up to its latest input's layer, but never above a node
+    that may write in place (:func:`_may_write`); such a node stays where it is, with the glue
+    that makes what it writes into: a write must stay after the reads before it and before the
+    reads after it, and which values alias is not tracked.  A node reading no placed node (an
+    attribute, a constant) joins its first user's layer; a buffer's readers end up in one layer
+    (:func:`_merge_shared_state`)."""
     where: dict[fx.Node, int] = {}
-    layer, current = -1, None
+    writes = {node for node in traced.graph.nodes if _may_write(traced, node)}
+    staying = _feeding(traced, writes) | writes
+    layer, current, floor = -1, None, 0
     for node in traced.graph.nodes:
         if node in traced.calls:
             if traced.calls[node] != current:
@@ -37,10 +42,14 @@ def _place(traced: Traced) -> dict[fx.Node, int]:
             where[node] = layer
         elif node.op == "placeholder":
             where[node] = 0
+        elif node in staying:
+            where[node] = max(layer, 0)
         elif node.op in ("call_function", "call_method"):
             placed = [where[n] for n in node.all_input_nodes if n in where]
             if placed:
-                where[node] = max(placed)
+                where[node] = max(*placed, floor)
+        if node in writes:
+            floor = where[node]
     last = max(layer, 0)
     for node in reversed(traced.graph.nodes):
         if node.op != "output" and node not in where:
@@ -49,19 +58,54 @@ def _place(traced: Traced) -> dict[fx.Node, int]:
     return where
 
 
+def _feeding(traced: Traced, writes: set[fx.Node]) -> set[fx.Node]:
+    """The glue that a glue write reads from, back to the leaf calls and inputs: staying with the
+    write, a value it writes into (``shifted = labels.new_zeros(...)``) and a view of it
+    (``shifted[:, 1:]``) do not travel to it apart, as two tensors."""
+    found: set[fx.Node] = set()
+    todo = [n for node in writes if node not in traced.calls for n in node.all_input_nodes]
+    while todo:
+        node = todo.pop()
+        if node not in found and node not in traced.calls and node.op in ("call_function", "call_method"):
+            found.add(node)
+            todo.extend(node.all_input_nodes)
+    return found
+
+
+def _may_write(traced: Traced, node: fx.Node) -> bool:
+    """Whether ``node`` may write into a tensor in place: an in-place method or function
+    (``x.add_``, ``torch.relu_``), one given ``inplace=True`` (fx records it by keyword) or
+    ``out=``, a mutating ATen operation of an exported graph, or a module with ``inplace`` set
+    (``nn.ReLU(inplace=True)``) or from outside ``torch.nn``, whose code is not known."""
+    if node.op == "call_module":
+        module = traced.root.get_submodule(str(node.target))
+        return bool(getattr(module, "inplace", False)) or not type(module).__module__.startswith("torch.nn")
+    if node.op not in ("call_function", "call_method"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place or bool(node.kwargs.get("inplace")) or "out" in node.kwargs
+
+
 def _merge_shared_state(traced: Traced, where: dict[fx.Node, int], count: int) -> dict[fx.Node, int]:
     """Layers that use one parameter or buffer (a module called twice, tied weights) become one,
-    with every layer between them: a tensor must live on exactly one stage."""
-    first: dict[int, int] = {}
-    spans: list[tuple[int, int]] = []
+    with every layer between them: a tensor must live on exactly one stage.  A parameter's
+    attribute node may hand it on to later layers (tied weights travel as a skip, their
+    gradients adding up), but every layer reading a buffer uses it: the buffer may be updated
+    in place (running statistics, a counter), and a stage that received it could read it while
+    its owner updates it for the next micro-batch."""
+    uses: dict[int, list[int]] = {}
     for node in traced.graph.nodes:
         for tensor in _state_of(traced.root, node):
-            key = id(tensor)
-            if key in first and first[key] != where[node]:
-                spans.append((first[key], where[node]))
-            first.setdefault(key, where[node])
+            layers = uses.setdefault(id(tensor), [])
+            layers.append(where[node])
+            if node.op == "get_attr" and not isinstance(tensor, nn.Parameter):
+                layers.extend(count - 1 if user.op == "output" else where[user] for user in node.users)
     renumber = list(range(count))
-    for start, end in sorted(spans):
+    for start, end in sorted((min(layers), max(layers)) for layers in uses.values()):
         for index in range(start, end + 1):
             renumber[index] = renumber[start]
     dense = {old: new for new, old in enumerate(sorted(set(renumber)))}

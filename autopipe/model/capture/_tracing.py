@@ -1,12 +1,13 @@
 """Which modules become layers, and the traced forward: torch.fx, else torch.export."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import traceback
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import fx, nn
@@ -26,7 +27,17 @@ class CaptureError(ChainError):
     """The model's forward cannot be traced into a chain."""
 
 
+class _AssignsBuffers(Exception):
+    """The traced forward assigns buffers, which an fx graph cannot do."""
 
+    def __init__(self, paths: list[str]) -> None:
+        owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
+        whole = f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
+        super().__init__(
+            f"its forward assigns the buffers {paths} (under torch.fx `self.count += 1` makes a new tensor, "
+            f"so the chain would never update the buffer). Way out: update them in place "
+            f"(`self.count.add_(1)`, `self.mean.copy_(new)`){whole}"
+        )
 
 
 @dataclass
@@ -95,14 +106,14 @@ class LeafRule:
         return [path] if whole or not any(module.children()) else self._open(module, path)
 
 
-
-
-
 class _Tracer(fx.Tracer):
     """An fx tracer that remembers the innermost module whose forward failed to trace."""
 
     def __init__(self, leaves: LeafRule) -> None:
         super().__init__()
+        # a buffer the forward reads or updates is a graph node, so an update runs at every
+        # call rather than once while tracing
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.failed_in: str | None = None
 
@@ -168,12 +179,31 @@ def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
         for name, p in inspect.signature(model.forward).parameters.items()
         if p.default is not inspect.Parameter.empty
     }
-    graph = tracer.trace(model, concrete_args=defaults or None)
+    with _buffers_kept(model) as assigned:
+        graph = tracer.trace(model, concrete_args=defaults or None)
+    if assigned:
+        raise _AssignsBuffers(assigned)
     fixed = [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in defaults]
     for node in fixed:
         _erase_with_users(graph, node)
     calls = [node for node in graph.nodes if node.op == "call_module"]
     return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)})
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[list[str]]:
+    """Put back every buffer the block assigned, and list their paths: fx proxies have no
+    in-place operators, so under tracing ``self.count += 1`` assigns a proxy to the module."""
+    held = [(path, module, dict(module._buffers)) for path, module in model.named_modules()]
+    assigned: list[str] = []
+    try:
+        yield assigned
+    finally:
+        for path, module, buffers in held:
+            for name, tensor in buffers.items():
+                if module._buffers.get(name) is not tensor:
+                    module._buffers[name] = tensor
+                    assigned.append(f"{path}.{name}" if path else name)
 
 
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
@@ -233,6 +263,8 @@ def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
+    if isinstance(error, _AssignsBuffers):
+        return f"cannot capture {type(model).__name__}: {error}"
     module = model.get_submodule(path)
     where = f"module '{path}' ({type(module).__name__})" if path else f"{type(model).__name__}.forward"
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_FX_DIR)]
