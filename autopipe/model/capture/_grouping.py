@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ._tracing import Traced
+from ._tracing import AUGMENTED, Traced
 
 __all__: list[str] = []
 
@@ -74,9 +74,10 @@ def _feeding(traced: Traced, writes: set[fx.Node]) -> set[fx.Node]:
 
 def _may_write(traced: Traced, node: fx.Node) -> bool:
     """Whether ``node`` may write into a tensor in place: an in-place method or function
-    (``x.add_``, ``torch.relu_``), one given ``inplace=True`` (fx records it by keyword) or
-    ``out=``, a mutating ATen operation of an exported graph, or a module with ``inplace`` set
-    (``nn.ReLU(inplace=True)``) or from outside ``torch.nn``, whose code is not known."""
+    (``x.add_``, ``torch.relu_``), an augmented assignment (``h += y``), one given
+    ``inplace=True`` (fx records it by keyword) or ``out=``, a mutating ATen operation of an
+    exported graph, or a module with ``inplace`` set (``nn.ReLU(inplace=True)``) or from outside
+    ``torch.nn``, whose code is not known."""
     if node.op == "call_module":
         module = traced.root.get_submodule(str(node.target))
         return bool(getattr(module, "inplace", False)) or not type(module).__module__.startswith("torch.nn")
@@ -85,6 +86,8 @@ def _may_write(traced: Traced, node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
         return bool(schema.is_mutable)
+    if node.op == "call_function" and node.target in AUGMENTED:
+        return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     in_place = name.endswith("_") and not name.endswith("__")
     return in_place or bool(node.kwargs.get("inplace")) or "out" in node.kwargs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +24,12 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _FX_DIR = os.path.dirname(fx.__file__)
 
 
+#: Python's augmented assignments (``h += y``) as :mod:`operator` functions: on a tensor each writes in place.
+AUGMENTED = frozenset((operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imatmul,
+                       operator.imod, operator.imul, operator.ior, operator.ipow, operator.irshift, operator.isub,
+                       operator.itruediv, operator.ixor))
+
+
 class CaptureError(ChainError):
     """The model's forward cannot be traced into a chain."""
 
@@ -34,9 +41,9 @@ class _AssignsBuffers(Exception):
         owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
         whole = f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
         super().__init__(
-            f"its forward assigns the buffers {paths} (under torch.fx `self.count += 1` makes a new tensor, "
-            f"so the chain would never update the buffer). Way out: update them in place "
-            f"(`self.count.add_(1)`, `self.mean.copy_(new)`){whole}"
+            f"its forward assigns the buffers {paths} (`self.count = self.count + 1` makes a new tensor, "
+            f"which neither torch.fx nor torch.export records: the chain would never update the buffer). "
+            f"Way out: update them in place (`self.count += 1`, `self.mean.copy_(new)`){whole}"
         )
 
 
@@ -106,6 +113,23 @@ class LeafRule:
         return [path] if whole or not any(module.children()) else self._open(module, path)
 
 
+class _Proxy(fx.Proxy):
+    """An fx proxy whose augmented assignments (``h += y``) are recorded as the in-place operators
+    they are on tensors (``operator.iadd``): fx's own falls back to ``h = h + y``, and then a
+    view or another name of ``h`` would miss the write."""
+
+
+def _in_place(target: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def record(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", target, (self, other), {})
+
+    return record
+
+
+for _target in AUGMENTED:
+    setattr(_Proxy, f"__{_target.__name__}__", _in_place(_target))
+
+
 class _Tracer(fx.Tracer):
     """An fx tracer that remembers the innermost module whose forward failed to trace."""
 
@@ -116,6 +140,9 @@ class _Tracer(fx.Tracer):
         self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.failed_in: str | None = None
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.leaves.is_leaf(m, module_qualified_name)
@@ -156,7 +183,7 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         return _symbolic(model, tracer)
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
         failure = _trace_failure(model, tracer.failed_in or "", error)
-        if sample_input is None:
+        if sample_input is None or isinstance(error, _AssignsBuffers):  # export drops the assignment
             raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
         return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
 
@@ -192,8 +219,9 @@ def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
 
 @contextlib.contextmanager
 def _buffers_kept(model: nn.Module) -> Iterator[list[str]]:
-    """Put back every buffer the block assigned, and list their paths: fx proxies have no
-    in-place operators, so under tracing ``self.count += 1`` assigns a proxy to the module."""
+    """Put back every buffer the block assigned, and list the paths of those assigned anything
+    but an update in place of themselves (``self.count += 1`` is one, recorded in the graph;
+    ``self.count = self.count + 1`` under tracing assigns a proxy that no call would update)."""
     held = [(path, module, dict(module._buffers)) for path, module in model.named_modules()]
     assigned: list[str] = []
     try:
@@ -201,9 +229,22 @@ def _buffers_kept(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for path, module, buffers in held:
             for name, tensor in buffers.items():
-                if module._buffers.get(name) is not tensor:
+                value = module._buffers.get(name)
+                if value is not tensor:
                     module._buffers[name] = tensor
-                    assigned.append(f"{path}.{name}" if path else name)
+                    where = f"{path}.{name}" if path else name
+                    if not _updates_itself(value, where):
+                        assigned.append(where)
+
+
+def _updates_itself(value: Any, path: str) -> bool:
+    """Whether ``value`` is the proxy of an augmented assignment into the buffer at ``path``."""
+    if not isinstance(value, fx.Proxy):
+        return False
+    node = value.node
+    target = node.args[0] if node.op == "call_function" and node.args else None
+    return (node.target in AUGMENTED and isinstance(target, fx.Node) and target.op == "get_attr"
+            and target.target == path)
 
 
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
