@@ -13,6 +13,7 @@ from .model import Layer, layer_chain
 from .profiling.profiler import profile as measure
 from .profiling.profiles import Profile
 from .runtime import Pipeline
+from .runtime.pipeline import undeferrable
 from .planning.replicas import plan as choose_plan
 
 __all__ = ["partition"]
@@ -43,7 +44,8 @@ def partition(
         quiet: no progress bar while profiling.
         **plan_options: passed to :func:`autopipe.plan` (``memory_limit``, ``checkpoint``,
             ``chunks``, ``replicas``, ...); replicas default to ``"auto"``: data parallel,
-            pipeline or both, whichever is predicted fastest.
+            pipeline or both, whichever is predicted fastest (one replica where torch.export
+            captured training batch norms, which replicas could not defer).
 
     Returns:
         The pipeline; the plan it runs is ``pipe.plan``.
@@ -59,6 +61,8 @@ def partition(
     resolved = resolve_devices(devices)
     layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
     measured = _profile_for(layers, sample_input, resolved, profile, quiet)
+    if plan_options.get("replicas", "auto") == "auto" and undeferrable(layers):
+        plan_options["replicas"] = 1  # replicas defer batch norm, which an exported graph's cannot
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)
 

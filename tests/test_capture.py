@@ -513,6 +513,25 @@ def test_exported_batch_norm_statistics_follow_the_model_under_checkpointing() -
                 pipe.close()
 
 
+def test_exported_batch_norm_is_not_deferred_but_refused_and_partition_keeps_one_replica() -> None:
+    """DeferredBatchNorm replaces batch-norm modules; an exported graph runs batch norm as an
+    operation on the running statistics, which it cannot replace: deferring it (asked for, or by
+    replicas, which share the statistics) would leave them updated per micro-batch, and by
+    replicas at once.  So that is refused, naming the ways out, and ``partition`` plans one
+    replica for such a model."""
+    model = StockEncoder().double()
+    sample = torch.randn(4, 5, 8, dtype=torch.double)
+    layers = chain(model, sample)
+    for options in ({"deferred_batch_norm": True}, {"replicas": 2}):
+        with pytest.raises(ChainError, match=r"captured with torch.export.*traceable by torch.fx.*replicas=1"):
+            autopipe.Pipeline(layers, balance=[len(layers)], devices=["cpu"] * options.get("replicas", 1), **options)
+    pipe = autopipe.partition(model, sample, devices=["cpu", "cpu"])
+    try:
+        assert pipe.plan.replicas == 1
+    finally:
+        pipe.close()
+
+
 class _Counting(nn.Module):
     """Counts its calls in its buffer, whose new value it reads, updating it in place
     (``self.calls += 1``) or assigning it (``self.calls = self.calls + 1``); ``blocks`` makes

@@ -21,9 +21,11 @@ from torch import nn
 
 from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .batchnorm import DeferredBatchNorm
+from ..errors import ChainError
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
+from ..model.capture import CapturedLayer
 from ..model.layers import attach, module_at
 from ..model.reading import balance_units
 from ._model_calls import model_output
@@ -42,7 +44,7 @@ from .skips import skip_spans, stage_routes
 from .stage import Stage
 from .turns import Turns
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "undeferrable"]
 
 
 class Pipeline(nn.Module):
@@ -135,7 +137,8 @@ class Pipeline(nn.Module):
         TypeError: neither a plan nor a balance, or both a plan and balance/devices.
         ValueError: the plan was made for another model; a balance, chunks, checkpoint mode,
             interleave, replica count, schedule, turn rule or device count that does not fit.
-        ChainError: the model cannot be read as a chain of layers.
+        ChainError: the model cannot be read as a chain of layers, or batch norm is to be
+            deferred (``deferred_batch_norm``, replicas) in layers captured by torch.export.
         DeviceError: a device does not exist.
     """
 
@@ -171,6 +174,7 @@ class Pipeline(nn.Module):
         groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
         _check_shared(layers, list(balance), groups[0])
         if deferred_batch_norm or replicas > 1:
+            _check_deferrable(layers, "deferred_batch_norm=True" if deferred_batch_norm else f"replicas={replicas}")
             layers = [_deferred(layer) for layer in layers]
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
@@ -393,6 +397,26 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
                     f"but would run {where}; choose a balance that puts both positions in one "
                     f"{'stage' if not is_parameter else 'device'}, or give each its own module"
                 )
+
+
+def undeferrable(layers: Sequence[Layer]) -> list[str]:
+    """The layers whose batch norms :class:`DeferredBatchNorm` cannot take over: exported in
+    training mode, where batch norm is an operation on the running statistics, not a module."""
+    return [layer.name for layer in layers
+            if isinstance(layer.module, CapturedLayer) and layer.module.updates_batch_norm_statistics()]
+
+
+def _check_deferrable(layers: Sequence[Layer], why: str) -> None:
+    """Refuse ``why`` (which defers batch norm) where a batch norm cannot be deferred: its
+    statistics would update once per micro-batch (and replica), not once per mini-batch."""
+    names = undeferrable(layers)
+    if names:
+        raise ChainError(
+            f"{why} needs every training batch norm as an nn.BatchNorm module, to update its running "
+            f"statistics once per mini-batch, but layers {names[:3]} were captured with torch.export, where "
+            "batch norm is an operation (they would update once per micro-batch, and replicas at once). "
+            "Make the model's forward traceable by torch.fx (batch norms then stay modules), capture it in "
+            "eval mode, or train with deferred_batch_norm=False and replicas=1")
 
 
 def _deferred(layer: Layer) -> Layer:

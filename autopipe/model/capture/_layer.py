@@ -129,5 +129,13 @@ class CapturedLayer(Skippable):
         sent = outputs[: self.main_outputs]
         return sent[0] if self.main_outputs == 1 else tuple(sent)
 
+    def updates_batch_norm_statistics(self) -> bool:
+        """Whether its graph, exported in training mode, runs batch norm on running statistics:
+        an ATen operation, which :class:`~autopipe.DeferredBatchNorm` (a module) cannot replace."""
+        return bool(self.exported_mode) and any(
+            node.op == "call_function" and "batch_norm" in str(node.target) and "no_training" not in str(node.target)
+            and len(node.args) > 3 and isinstance(node.args[3], fx.Node)
+            for node in self.graph.nodes)
+
     def extra_repr(self) -> str:
         return f"pop={list(self.pop_names)}, stash={list(self.stash_names)}"
