@@ -32,7 +32,7 @@ from torch import Tensor
 from ..errors import ChainError
 from .microbatch import Value, map_tensors, tensors_of
 
-__all__ = ["Marks", "Watch", "mark", "unshared"]
+__all__ = ["Marks", "Watch", "buffer_spans", "mark", "unshared"]
 
 #: Per tensor of a message (its position in ``tensors_of``): what else it is in the plain model.
 Marks = dict[int, frozenset[str]]
@@ -70,26 +70,33 @@ class Watch:
 
 
 def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch,
-         buffers: dict[str, Tensor]) -> dict[Hashable, Marks]:
+         buffers: Sequence[tuple[str, _Span]]) -> dict[Hashable, Marks]:
     """The marks of the messages a stage sends (key → (what it is, value)): each tensor whose
     memory overlaps another tensor sent (of another message, or of the same one: ``(y, y)``),
-    a watched tensor (:meth:`Watch.carried`) or one of the stage's ``buffers`` (by path)."""
+    a watched tensor (:meth:`Watch.carried`) or one of the stage's ``buffers``
+    (:func:`buffer_spans`)."""
     spans = [((key, i), name, _span(tensor)) for key, (what, value) in messages.items()
              for i, (name, tensor) in enumerate(_named(what, value)) if tensor.numel()]
-    owned = [(f"the buffer '{path}'", _span(b)) for path, b in buffers.items() if b.numel()]
     marks: dict[Hashable, Marks] = {}
     for (key, i), _, span in spans:
         others = {name for place, name, there in spans if place != (key, i) and _overlap(span, there)}
-        others |= watch.carried(span) | {name for name, there in owned if _overlap(span, there)}
+        others |= watch.carried(span) | {name for name, there in buffers if _overlap(span, there)}
         if others:
             marks.setdefault(key, {})[i] = frozenset(others)
     return marks
 
 
-def unshared(value: Value, buffers: Sequence[Tensor]) -> Value:
-    """``value`` with a copy of each tensor whose memory overlaps one of ``buffers``."""
-    spans = [_span(b) for b in buffers if b.numel()]
-    return map_tensors(value, lambda t: t.clone() if t.numel() and any(_overlap(_span(t), s) for s in spans) else t)
+def buffer_spans(buffers: dict[str, Tensor]) -> list[tuple[str, _Span]]:
+    """Each buffer (by its path in the model) as what it is and the addresses it lies in, taken
+    once for all the messages of a micro-batch."""
+    return [(f"the buffer '{path}'", _span(b)) for path, b in buffers.items() if b.numel()]
+
+
+def unshared(value: Value, buffers: Sequence[tuple[str, _Span]]) -> Value:
+    """``value`` with a copy of each tensor whose memory overlaps one of ``buffers``
+    (:func:`buffer_spans`)."""
+    return map_tensors(value, lambda t: t.clone() if t.numel() and any(_overlap(_span(t), there)
+                                                                        for _, there in buffers) else t)
 
 
 def _named(what: str, value: Value) -> list[tuple[str, Tensor]]:

@@ -32,7 +32,7 @@ from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
-from .aliases import Marks, Watch, mark, unshared
+from .aliases import Marks, Watch, buffer_spans, mark, unshared
 from .boundary import Boundary
 from .inplace import InputGuard
 from .run import Aborted, Run, Saved
@@ -194,12 +194,13 @@ class Stage:
             messages["x", j] = (self.index + 1, f"the output of stage {self.index}", output)
         for key, tensor in leaving.items():
             messages["skip", key, j] = (self.routes.leaving[key], f"the skip '{key}'", tensor)
-        sent = mark({key: (what, value) for key, (_, what, value) in messages.items()}, watch, self.buffers)
+        owned = buffer_spans(self.buffers)
+        sent = mark({key: (what, value) for key, (_, what, value) in messages.items()}, watch, owned)
         for key, (to, _, value) in messages.items():
             if key in sent:
                 run.marks[to, key] = sent[key]
             with self._on_stream():  # a copy of what is a buffer here: later micro-batches update it
-                value = unshared(value, list(self.buffers.values()))
+                value = unshared(value, owned)
             run.inboxes[to].put(key, self._message(run, j, value, to, checkpointed, args, skips))
 
     def _message(self, run: Run, j: int, value: Value, to: int, checkpointed: bool,
