@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations, spectral_norm
 
 from autopipe.distributed.local import launch_local
 from autopipe.errors import ChainError
@@ -121,6 +122,14 @@ def counted_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 8), Counted(), Counted(), nn.Linear(8, 4))
 
 
+def spectral_model() -> nn.Sequential:
+    """Balance [2, 2], trained with checkpointing: each forward updates the spectral norms'
+    vectors, so a recomputation must start from those its forward found."""
+    torch.manual_seed(7)
+    return nn.Sequential(spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 8),
+                         parametrizations.spectral_norm(nn.Linear(8, 4)))
+
+
 def labelled_model() -> nn.Sequential:
     torch.manual_seed(4)
     return nn.Sequential(nn.Linear(8, 8), Labelled(), nn.Linear(8, 4))
@@ -204,6 +213,7 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["checkpoint_path"] = str(path) if path else None
     for mode in ("always", "except_last"):
         result[f"forwards_{mode}"] = _forwards_in_second_step(mode)
+    result["spectral"] = _run(spectral_model(), [2, 2], CHUNKS, "gpipe", checkpoint="always")["grads"]
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = _error(lambda: runner.step(x, target=y))
@@ -360,6 +370,13 @@ def test_checkpoint_modes_recompute_like_the_in_process_runtime(two: list[dict[s
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_recomputation_starts_from_the_buffers_its_forward_found(two: list[dict[str, Any]]) -> None:
+    """Every forward updates the spectral norms' vectors; the checkpointed micro-batches recompute
+    after all the forwards, from what each forward found: the plain model's gradients."""
+    _assert_grads_equal(_merged(two, "spectral"), reference(spectral_model(), CHUNKS))
+
+
 def test_changed_batch_size_raises_on_first_and_last_rank(two: list[dict[str, Any]]) -> None:
     assert two[0]["changed_batch"].startswith("DistributedError: the input batch has 6 samples")
     assert two[1]["changed_batch"].startswith("DistributedError: the target batch has 6 samples")

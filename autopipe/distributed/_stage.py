@@ -14,7 +14,7 @@ from ..errors import StageOutputError
 from ..model import Layer
 from ..model.skip import SkipTracker, use_skip_tracker
 from ..runtime.aliases import Watch
-from ..runtime.checkpoint import buffers_restored, checkpointed, recomputing
+from ..runtime.checkpoint import buffers_replayed, checkpointed, recomputing
 from ..runtime.skips import SkipSpan
 
 __all__ = ["StageModule"]
@@ -79,10 +79,11 @@ class StageModule(nn.Module):
         return checkpointed(self.checkpoint, self.micro_batch, self.chunks)
 
     def _checkpointed(self, *received: Tensor) -> Any:
-        """Recompute the stage in backward; the recomputation must not update buffers twice.
-
-        ``nn.BatchNorm`` does not ask :func:`is_recomputing`, so its buffers are put back too.
-        """
+        """Recompute the stage in backward on its buffers as the forward found them (the later
+        micro-batches' forwards update them: a spectral norm's vectors), and put back what the
+        recomputation writes (``nn.BatchNorm`` does not ask :func:`is_recomputing`)."""
+        buffers = list(self.buffers())
+        kept = [buffer.detach().clone() for buffer in buffers]
         calls = 0
 
         def run(*args: Tensor) -> Any:
@@ -90,7 +91,7 @@ class StageModule(nn.Module):
             calls += 1
             if calls == 1:
                 return self._run(*args)
-            with recomputing(), buffers_restored(self.buffers()):
+            with recomputing(), buffers_replayed(buffers, kept):
                 return self._run(*args)
 
         return checkpoint_fn(run, *received, use_reentrant=False)
