@@ -174,12 +174,15 @@ def _receive(model: CostModel, costs: SizeCosts, devices: int) -> np.ndarray:
     """``[t, s, d]``: what device ``d`` pays to receive skip ``t`` from device ``s < d`` and
     send its gradient back (``inf`` from ``s ≥ d``; 0 when relayed: hop by hop, a skip's copies
     are the neighbours')."""
+    latency, per_byte = model.latency[:devices, :devices], model.per_byte[:devices, :devices]
     nbytes = costs.skip_bytes[:, None, None]
-    both = model.latency[:devices, :devices] + model.latency[:devices, :devices].T + nbytes * (
-        model.per_byte[:devices, :devices] + model.per_byte[:devices, :devices].T)  # [t, from, to]
-    both = np.where(nbytes > 0, both, 0.0) * (not model.relayed)
-    earlier = np.tri(devices, k=-1, dtype=bool).T  # [from, to]: from < to
-    return np.where(earlier[None], both, np.inf)
+    both = nbytes * (per_byte + per_byte.T)  # [t, from, to], in place from here: it is large
+    both += latency + latency.T
+    both[costs.skip_bytes <= 0] = 0.0
+    if model.relayed:
+        both[:] = 0.0
+    np.copyto(both, np.inf, where=~np.tri(devices, k=-1, dtype=bool).T[None])  # only from s < d
+    return both
 
 
 def reach(prefix: np.ndarray, starts: np.ndarray, budget: np.ndarray | float) -> np.ndarray:

@@ -197,8 +197,8 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
                    key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
     leads: list[_Lead] = []
 
-    def scout(candidate: Candidate, best: Choice | None) -> tuple[Cells, Choice | None]:
-        leads.append(_scout(model, candidate, limits, best))
+    def scout(candidate: Candidate, best: Choice | None, potentials: np.ndarray) -> tuple[Cells, Choice | None]:
+        leads.append(_scout(model, candidate, limits, best, potentials))
         return leads[-1].cells, leads[-1].plan
 
     def price(candidate: Candidate, splits: Sequence[tuple[int, ...]]) -> Choice | None:
@@ -245,11 +245,13 @@ def _seed(model: CostModel, candidate: Candidate, limits: np.ndarray) -> Choice 
     return _best_plan(model, candidate, limits, [bounds])[0]
 
 
-def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None) -> _Lead:
-    """A coarse grid of caps for ``candidate``: cheap, and its bound and plans decide the order of
-    the exact searches and cut most of them off."""
+def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
+           potentials: np.ndarray) -> _Lead:
+    """A coarse grid of caps for ``candidate`` (skips charged with ``potentials``): cheap, and
+    its bound and plans decide the order of the exact searches and cut most of them off."""
     completions = Completions.grid(candidate, model.speeds[: len(limits)],
-                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True)
+                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True,
+                                   potentials=potentials)
     loose = bool(model.chain.skips) or candidate.effective == "except_last" or bool(np.any(np.isfinite(limits)))
     return _Lead(candidate, Cells.of(completions, loose), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
