@@ -354,3 +354,22 @@ def test_min_max_split_against_brute_force():
                    for cuts in itertools.combinations(range(1, count), parts - 1) for split in [(0, *cuts, count)])
         assert largest == pytest.approx(best, rel=1e-9, abs=1e-12)
 
+
+
+def test_candidates_built_together_equal_those_built_alone():
+    """Candidate.all works out what a micro-batch count's candidates share once (costs, cuts,
+    forward floor, skip receipts on demand); each candidate equals the one built alone."""
+    from autopipe.planning.candidates import Candidate
+
+    rng = random.Random(3)
+    profile = random_profile(rng, 9, 4, skips=2, per_pair=True)
+    model = model_of(profile, [1.0, 1.5, 2.0, 1.0])
+    counts, modes = [1, 2, 4], ["never", "except_last", "always"]
+    together = Candidate.all(model, counts, modes, 4)
+    alone = [Candidate.of(model, chunks, mode, 4) for chunks in counts for mode in modes]
+    assert len(together) == len(alone)
+    for a, b in zip(together, alone):
+        assert (a.chunks, a.mode, a.effective, a.lower_bound, a.floors, a.weights, a.work) == \
+            (b.chunks, b.mode, b.effective, b.lower_bound, b.floors, b.weights, b.work)
+        for name in ("back", "copy_forward", "copy_back", "receive", "skip_stash", "skip_pop"):
+            assert np.array_equal(getattr(a, name), getattr(b, name))

@@ -81,6 +81,7 @@ class Completions:
                                                                      self.cap_y, self.potentials)
         self.held = self._held() if self.skips else None
         self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
+        self.walks: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # by cell, :meth:`_walk`'s
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
 
@@ -203,7 +204,14 @@ class Completions:
     def _walk(self, cell: int) -> tuple[tuple[int, ...], np.ndarray]:
         """Follow the DP's minima of ``cell`` from the first layer on device 0, skips charged
         as the DP charged them: the stage bounds, and per skip the source its pop was charged
-        from (-1: none was)."""
+        from (-1: none was).  Kept per cell: the cell of least bound gives both a direction
+        and a plan (:meth:`directions`, :meth:`plans`)."""
+        if cell not in self.walks:
+            self.walks[cell] = self._follow(cell)
+        return self.walks[cell]
+
+    def _follow(self, cell: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """:meth:`_walk`, worked out."""
         layers = len(self.work) - 1
         bounds = [0]
         sources = np.full(len(self.candidate.skip_pop), -1)
@@ -327,8 +335,9 @@ class _Sources:
                            axis=0)
         self.stash, self.at, self.skip = stash, at, skip
         self.potentials = potentials
-        self.less = candidate.receive - potentials[:, :, None]  # [t, s, d]: a copy less its source's potential
-        self.table = power_spans(self.less, np.minimum, math.inf, axis=1)  # [level, t, s, d]
+        # [d, t, s]: a copy less its source's potential, each device's rows together (read a device at a time)
+        self.less = np.subtract(candidate.receive.transpose(2, 0, 1), potentials, order="C")
+        self.table = power_spans(self.less, np.minimum, math.inf, axis=2)  # [level, d, t, s]
         self.log2 = np.floor(np.log2(np.arange(1, len(speeds) + 2))).astype(np.intp)  # of each range length
         # at one speed, s … d-1 hold that work when there are at least this many of them
         self.count = np.ceil(self.span / speeds[0] - 1e-9).astype(np.intp) if np.ptp(speeds) == 0 else None
@@ -342,9 +351,9 @@ class _Sources:
         low, high = self._range(device, slice(None), slice(None))
         empty = high < low
         level = self.log2[np.maximum(high - low + 1, 1) - 1]
-        table = self.table[..., device]  # [level, t, s]
-        rows = (level * table.shape[1] + self.skip) * table.shape[2]
-        flat = table.ravel()
+        _, devices, skips, sources = self.table.shape
+        rows = ((level * devices + device) * skips + self.skip) * sources
+        flat = self.table.ravel()
         least = np.minimum(flat.take(rows + np.where(empty, 0, low)),
                            flat.take(rows + np.where(empty, 0, high - (1 << level) + 1)))
         return np.where(empty, math.inf, least + self.potentials[self.skip, device])
@@ -352,8 +361,8 @@ class _Sources:
     def pick(self, device: int, cell: int, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`charges` of some ``entries`` in one ``cell``, and the source each is charged from."""
         low, high = self._range(device, cell if len(self.low) > 1 else 0, entries)
-        skip, sources = self.skip[entries], np.arange(self.less.shape[1])
-        values = np.where((sources >= low[:, None]) & (sources <= high[:, None]), self.less[skip, :, device], math.inf)
+        skip, sources = self.skip[entries], np.arange(self.less.shape[2])
+        values = np.where((sources >= low[:, None]) & (sources <= high[:, None]), self.less[device, skip], math.inf)
         source = np.argmin(values, axis=1)
         return values[np.arange(len(entries)), source] + self.potentials[skip, device], source
 
