@@ -274,17 +274,16 @@ def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | No
 
 def _refine_all(model: CostModel, leads: list[_Lead], limits: np.ndarray, best: Choice | None, per_cell: float,
                 budget: Budget) -> tuple[list[_Refined], list[float], Choice | None]:
-    """The finer grid of each of ``leads`` (:func:`_refine`), those with the best plans first,
-    while the next is foreseen to fit in ``budget`` (twice the slowest grid so far per cell, as
-    steps vary; before the first, ``per_cell``: a refined cell's, which charges skips and so
-    costs up to 40 times a grid's); the bounds of the leads left out, and the best plan.  A grid
-    that does not fit leaves the time to the others and to the exact searches of those built
-    (at 100 layers × 8 devices a foresight from refined cells kept the exact search, 5 ms, from
-    running)."""
+    """The finer grid of each of ``leads`` (:func:`_refine`), the smallest first, while the next
+    is foreseen to fit in ``budget`` (twice the slowest grid so far per cell, as steps vary;
+    before the first, ``per_cell``: a refined cell's, which charges skips and so costs up to 40
+    times a grid's); the bounds of the leads left out, and the best plan.  A grid that does not
+    fit leaves the time to the others and to the exact searches of those built (at 100 layers ×
+    8 devices a foresight from refined cells often kept all three, 5 ms each, from being built)."""
     refined, left = [], []
     grid_cell = per_cell
-    for lead in sorted(leads, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        xs, ys = _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)
+    levels = [(lead, _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)) for lead in leads]
+    for lead, (xs, ys) in sorted(levels, key=lambda pair: len(pair[1][0]) * len(pair[1][1])):
         cells = len(xs) * len(ys)
         if not budget.fits(2 * grid_cell * cells):
             left.append(lead.cells.least())
