@@ -241,3 +241,22 @@ def test_the_band_of_starts_changes_no_bound_and_no_walk(seed: int, monkeypatch)
             assert banded._walk(int(cell))[0] == full._walk(int(cell))[0]
         left_out += int(np.sum(np.isinf(banded.rest) & np.isfinite(full.rest)))
     assert left_out > 0  # the band did leave starts out
+
+
+def test_charged_candidates_far_from_the_best_time_are_halved_longer() -> None:
+    """Where skips are charged the potentials keep raising the bound as halving goes on, so a
+    candidate far under the best time keeps more cells and stalls before it is settled; near
+    the best time, or without charged skips, the limits stay (the exact search closes the gap)."""
+    from autopipe.planning import refinement
+
+    rng = random.Random(2)
+    while True:
+        model, candidate = _skipped(rng, 8, 3)
+        levels = grid_levels(candidate, 3, (math.inf, math.inf), None)
+        charged = Cells.of(Completions.grid(candidate, model.speeds[:3], *levels, skips=True))
+        if charged.directions is not None:
+            break
+    plain = Cells.of(Completions.grid(candidate, model.speeds[:3], *levels))
+    least = charged.least()
+    assert charged.patience(least * 1.5) == refinement._PATIENT > 1
+    assert charged.patience(least * 1.001) == 1 and plain.patience(least * 1.5) == 1

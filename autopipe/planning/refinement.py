@@ -50,6 +50,15 @@ _MOST = 128
 # _NARROW of the best time) before it is settled, where the relaxation is loose (Cells.loose):
 # that, not its cells, is then what holds the bound down.
 _STALLS = 12
+# Where skips are charged and a candidate's bound lies more than _WIDE of the best time under it,
+# both limits above times _PATIENT: each halving also steps the potentials, which raise the bound
+# where halving alone stalls, and an exact search (keyed by the skips) is not what will close so
+# wide a gap.  At 400 x 32, 128 cells and 12 stalls settled every candidate at a 3021 bound after
+# about 40 steps, and the rest of a 3 s limit went unused; with 4x, 3046 after 90 steps, whose walks
+# found a 3080 ms plan (gap 1.1% in 2 s).  Near the best time the limits stay: at 100 x 8 the
+# exact search, started once every candidate is settled, closes the last 0.6%.
+_PATIENT = 4
+_WIDE = 0.01
 
 # The step of the skips' potentials at each scout or halving, relative to Polyak's (the gap to the
 # best time): the target, the best time, lies above what the potentials can reach, so a full step
@@ -104,6 +113,12 @@ class Cells:
             cells.directions, cells.aims = completions.directions(least), own[least]
         return cells
 
+    def patience(self, best: float) -> int:
+        """What :data:`_MOST` and :data:`_STALLS` are multiplied by while ``best`` is the best
+        time (:data:`_PATIENT` where skips are charged and the gap is wide)."""
+        wide = self.directions is not None and self.least() < best * (1 - _WIDE)
+        return _PATIENT if wide else 1
+
     def least(self) -> float:
         """A lower bound on every plan of the candidate (``inf``: none is left open)."""
         return float(np.min(self.bound, initial=math.inf))
@@ -133,7 +148,7 @@ class Cells:
         width_y = weight_m * np.where(np.isfinite(self.cap_y), self.cap_y - self.low_y, self.low_y)
         wide = (width_x + width_y) > _NARROW * best
         order = np.flatnonzero(wide)[np.argsort(self.bound[wide], kind="stable")[:_BATCH]]
-        if not len(order) or len(self.bound) > _MOST:
+        if not len(order) or len(self.bound) > _MOST * self.patience(best):
             self.settled = True
             return None
         along_x = width_x[order] >= width_y[order]
@@ -214,6 +229,6 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
                 least.add(completions, halves.bounds)
                 least.prune(upper)
                 least.stalls = 0 if least.least() > before + _NARROW * upper else least.stalls + 1
-                least.settled = least.loose and least.stalls >= _STALLS
+                least.settled = least.loose and least.stalls >= _STALLS * least.patience(upper)
                 best = better(best, price(least.candidate, completions.plans(_WALKS)))
                 potentials = least.step(potentials, math.inf if best is None else best.iteration_ms)
