@@ -188,13 +188,15 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
 
     Returns:
         The best plan found (``best`` or a faster one), the least cheap bound of the
-        candidates not scouted (``inf``: none) and the most seconds a cell's DP took (to foresee
-        larger grids; 0 if none was halved); each scouted candidate's :class:`Cells` (from ``scout``) keep
+        candidates not scouted (``inf``: none) and the halvings' DP seconds per cell, all told
+        (to foresee larger grids; 0 if none was halved); each scouted candidate's :class:`Cells` (from ``scout``) keep
         what is still open.
     """
     cells: list[Cells] = []
     waiting = list(pending)
-    per_cell = 0.0  # the slowest halving's DP so far, per cell
+    # the halvings' DP seconds and cells so far: a halving of few cells costs per cell up to 40
+    # times one of 32 (each device's steps cost the same for any number of cells)
+    spent, halved = 0.0, 0
     # what a stage pays per skip it stashes, by device: one for all candidates, whose devices
     # and skips are the same (so are the cheap pairs, though the bytes differ)
     potentials = np.zeros(pending[0].receive.shape[:2] if pending else (0, 0))
@@ -211,7 +213,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
         slowest = budget.slowest
         expected = slowest.get("scout", 0.0) if scouts else slowest.get("halving", 2 * slowest.get("scout", 0.0))
         if least is None and not waiting or budget.out(expected):
-            return best, waiting[0].lower_bound if waiting else math.inf, per_cell
+            return best, waiting[0].lower_bound if waiting else math.inf, spent / max(halved, 1)
         if scouts:
             with budget.step("scout"):
                 group, found = scout(waiting.pop(0), best, potentials)
@@ -225,7 +227,7 @@ def refine(pending: Sequence[Candidate], scout: Scout, price: Price, speeds: np.
             if halves is not None:
                 before = least.least()
                 completions = Completions(least.candidate, speeds, halves.cells, skips=True, potentials=potentials)
-                per_cell = max(per_cell, (time.perf_counter() - start) / len(halves.bounds))
+                spent, halved = spent + time.perf_counter() - start, halved + len(halves.bounds)
                 least.add(completions, halves.bounds)
                 least.prune(upper)
                 least.stalls = 0 if least.least() > before + _NARROW * upper else least.stalls + 1

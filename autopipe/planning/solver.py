@@ -276,10 +276,9 @@ def _refine_all(model: CostModel, leads: list[_Lead], limits: np.ndarray, best: 
                 budget: Budget) -> tuple[list[_Refined], list[float], Choice | None]:
     """The finer grid of each of ``leads`` (:func:`_refine`), the smallest first, while the next
     is foreseen to fit in ``budget`` (twice the slowest grid so far per cell, as steps vary;
-    before the first, ``per_cell``: a refined cell's, which charges skips and so costs up to 40
-    times a grid's); the bounds of the leads left out, and the best plan.  A grid that does not
-    fit leaves the time to the others and to the exact searches of those built (at 100 layers ×
-    8 devices a foresight from refined cells often kept all three, 5 ms each, from being built)."""
+    before the first, ``per_cell``: a refined cell's, which charges skips and so costs 2-4 times
+    a grid's); the bounds of the leads left out, and the best plan.  A grid that does not fit
+    leaves the time to the others and to the exact searches of those built."""
     refined, left = [], []
     grid_cell = per_cell
     levels = [(lead, _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)) for lead in leads]
