@@ -48,7 +48,8 @@ def test_a_cell_bounds_every_plan_whose_lanes_lie_in_it(seed: int, skips: bool) 
             halves = cells.halves(1e3)
             if halves is None:
                 break
-            cells.add(Completions(candidate, model.speeds[:devices], halves, skips=skips))
+            cells.add(Completions(candidate, model.speeds[:devices], halves.cells, skips=skips,
+                                  ), halves.bounds)
         for bounds in all_splits(layers, devices):
             time, x, y = lanes_of(model, bounds, chunks, candidate.effective)
             floor_x, floor_y = candidate.floors  # the lowest cells hold their floor too
@@ -66,7 +67,7 @@ def test_halves_cover_their_cell_exactly() -> None:
     for cell, cut in (((9.0, 7.0, 5.0, 6.0), ("x", 7.0)), ((6.0, 20.0, 5.0, 10.0), ("y", 15.0)),
                       ((math.inf, 7.0, 5.0, 6.0), ("x", 10.0))):
         cells = Cells(candidate, *(np.array([v]) for v in cell), bound=np.zeros(1))
-        cap_x, cap_y, low_x, low_y = cells.halves(100.0)
+        cap_x, cap_y, low_x, low_y = cells.halves(100.0).cells
         assert len(cells.bound) == 0 and len(cap_x) == 2  # taken out, two halves back
         if cut[0] == "x":
             assert list(low_x) == [cell[2], cut[1]] and list(cap_x) == [cut[1], cell[0]]
@@ -89,7 +90,7 @@ def test_refined_bound_brackets_the_optimum_and_is_tight_without_memory_or_skips
                   for c in candidates for bounds in all_splits(layers, devices))
     found: list[Cells] = []
 
-    def scout(candidate, best):
+    def scout(candidate, best, potentials):
         grid = Completions.grid(candidate, model.speeds, *grid_levels(candidate, devices, (math.inf, math.inf), None))
         found.append(Cells.of(grid, loose=False))
         return found[-1], price(candidate, grid.plans(3))
@@ -126,3 +127,136 @@ def test_filled_against_a_fine_search_over_caps() -> None:
             best = min(best, spent + weight * cap)
         assert best * (1 - 1e-2) <= filled(work, speeds, floor, weight)[-1] <= best + 1e-9
         assert filled(work, speeds, floor, weight)[0] == pytest.approx(filled(work, speeds[:1], floor, weight)[0])
+
+
+def _skipped(rng: random.Random, layers: int, devices: int):
+    """A random chain with per-pair copies and 1-3 skips on ``devices`` of mixed speeds, and a
+    candidate of it."""
+    profile = random_profile(rng, layers, devices, skips=rng.randint(1, 3), per_pair=True)
+    model = model_of(profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)])
+    chunks, mode = rng.choice([1, 2, 4, 8]), rng.choice(["never", "except_last", "always"])
+    return model, Candidate.of(model, chunks, mode, devices)
+
+
+def _random_potentials(rng: np.random.Generator, candidate: Candidate) -> np.ndarray:
+    """Potentials of either sign, as large as the skips' copies."""
+    scale = float(np.max(candidate.receive[np.isfinite(candidate.receive)], initial=1.0))
+    return rng.normal(0.0, scale, candidate.receive.shape[:2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cells_bound_every_plan_in_them_whatever_the_potentials(seed: int) -> None:
+    """Brute force over every split of ≤ 8 layers × 4 devices with per-pair copies and skips:
+    each cell's bound holds with random potentials, and after halvings whose potentials step
+    towards the optimum (the refinement's ascent), with each half's bound at least its parent's."""
+    rng, draw = random.Random(seed), np.random.default_rng(seed)
+    for _ in range(8):
+        layers, devices = rng.randint(3, 8), rng.randint(2, 4)
+        model, candidate = _skipped(rng, layers, devices)
+        speeds = model.speeds[:devices]
+        times = {bounds: lanes_of(model, bounds, candidate.chunks, candidate.effective)
+                 for bounds in all_splits(layers, devices)}
+        optimum = min(time for time, _, _ in times.values())
+        potentials = _random_potentials(draw, candidate)
+        levels = grid_levels(candidate, devices, (math.inf, math.inf), None)
+        cells = Cells.of(Completions.grid(candidate, speeds, *levels, skips=True, potentials=potentials))
+        for _ in range(4):
+            potentials = cells.step(potentials, optimum)
+            halves = cells.halves(1e3)
+            if halves is None:
+                break
+            cells.add(Completions(candidate, speeds, halves.cells, skips=True, potentials=potentials), halves.bounds)
+        floor_x, floor_y = candidate.floors  # the lowest cells hold their floor too
+        for time, x, y in times.values():
+            inside = ((cells.low_x < x) | np.isclose(cells.low_x, floor_x)) & (x <= cells.cap_x * (1 + 1e-9))
+            inside &= ((cells.low_y < y) | np.isclose(cells.low_y, floor_y)) & (y <= cells.cap_y * (1 + 1e-9))
+            assert np.all(cells.bound[inside] <= time * (1 + 1e-9))
+
+
+def _priced(model, candidate: Candidate, bounds: tuple[int, ...], sources: np.ndarray,
+            potentials: np.ndarray) -> float:
+    """What the DP charges split ``bounds`` with ``potentials``: its lanes without the caps'
+    terms, and each skip popped by a later stage its stash's potential plus the copy from
+    ``sources`` (the walk's) less that source's potential."""
+    stages = model.evaluate(bounds, candidate.chunks, candidate.effective).stages
+    owner = np.searchsorted(np.asarray(bounds), np.arange(model.layers), side="right") - 1
+    paid = sum(s.forward + s.backward + s.recompute for s in stages)
+    paid += sum(candidate.copy_forward[d, q] + candidate.copy_back[d, q] for d, q in enumerate(bounds[1:-1]))
+    for t, (stash, pop) in enumerate(zip(candidate.skip_stash, candidate.skip_pop)):
+        if owner[stash] != owner[pop]:
+            source = sources[t]
+            paid += potentials[t, owner[stash]] + candidate.receive[t, source, owner[pop]] - potentials[t, source]
+    return float(paid)
+
+
+def test_the_walk_pays_what_the_dp_charges_and_its_direction_is_a_subgradient() -> None:
+    """The plan walked from a cell's DP, priced as the DP prices it (:func:`_priced`), costs
+    the cell's ``rest``; it prices any other potentials too, so the DP's value there is at most
+    that price, which moves by ``g · Δ``: ``directions`` is a subgradient (scaled by ``1/|g|²``)."""
+    rng, draw = random.Random(5), np.random.default_rng(5)
+    checked = 0
+    for _ in range(20):
+        layers, devices = rng.randint(4, 10), rng.randint(2, 4)
+        model, candidate = _skipped(rng, layers, devices)
+        speeds = model.speeds[:devices]
+        potentials = _random_potentials(draw, candidate)
+        grid = Completions.grid(candidate, speeds, *grid_levels(candidate, devices, (math.inf, math.inf), None),
+                                skips=True, potentials=potentials)
+        cells = np.flatnonzero(np.isfinite(grid.rest[0, :, 0]))
+        for cell, direction in zip(cells, grid.directions(cells)):
+            bounds, sources = grid._walk(int(cell))
+            here = _priced(model, candidate, bounds, sources, potentials)
+            assert grid.rest[0, cell, 0] == pytest.approx(here)
+            other = potentials + _random_potentials(draw, candidate)
+            caps = tuple(a[cell:cell + 1] for a in (grid.cap_x, grid.cap_y, grid.low_x, grid.low_y))
+            there = _priced(model, candidate, bounds, sources, other)
+            assert Completions(candidate, speeds, caps, skips=True, potentials=other).rest[0, 0, 0] <= there + 1e-9
+            norm = float(np.sum(direction ** 2))
+            slope = direction / norm if norm > 0 else direction
+            assert there == pytest.approx(here + float(np.sum(slope * (other - potentials))))
+            checked += 1
+    assert checked > 20
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_band_of_starts_changes_no_bound_and_no_walk(seed: int, monkeypatch) -> None:
+    """Where skips are charged the DP only works out the starts each device can reach within a
+    cell's caps (Completions._band); with every start worked out instead, the bounds of whole
+    plans and the plans walked are the same, on ≤ 12 layers × 5 devices of mixed speeds."""
+    rng, draw = random.Random(seed), np.random.default_rng(seed)
+    left_out = 0
+    for _ in range(10):
+        layers, devices = rng.randint(3, 12), rng.randint(2, 5)
+        model, candidate = _skipped(rng, layers, devices)
+        speeds = model.speeds[:devices]
+        potentials = _random_potentials(draw, candidate) if rng.random() < 0.5 else None
+        levels = grid_levels(candidate, devices, (math.inf, math.inf), None)
+        banded = Completions.grid(candidate, speeds, *levels, skips=True, potentials=potentials)
+        with monkeypatch.context() as patch:
+            patch.setattr(Completions, "_band", lambda self, device: (np.zeros(len(self.cap_x), dtype=int),
+                                                                      np.full(len(self.cap_x), len(self.work))))
+            full = Completions.grid(candidate, speeds, *levels, skips=True, potentials=potentials)
+        assert np.array_equal(banded.rest[0, :, 0], full.rest[0, :, 0])
+        for cell in np.flatnonzero(np.isfinite(full.rest[0, :, 0])):
+            assert banded._walk(int(cell))[0] == full._walk(int(cell))[0]
+        left_out += int(np.sum(np.isinf(banded.rest) & np.isfinite(full.rest)))
+    assert left_out > 0  # the band did leave starts out
+
+
+def test_charged_candidates_far_from_the_best_time_are_halved_longer() -> None:
+    """Where skips are charged the potentials keep raising the bound as halving goes on, so a
+    candidate far under the best time keeps more cells and stalls before it is settled; near
+    the best time, or without charged skips, the limits stay (the exact search closes the gap)."""
+    from autopipe.planning import refinement
+
+    rng = random.Random(2)
+    while True:
+        model, candidate = _skipped(rng, 8, 3)
+        levels = grid_levels(candidate, 3, (math.inf, math.inf), None)
+        charged = Cells.of(Completions.grid(candidate, model.speeds[:3], *levels, skips=True))
+        if charged.directions is not None:
+            break
+    plain = Cells.of(Completions.grid(candidate, model.speeds[:3], *levels))
+    least = charged.least()
+    assert charged.patience(least * 1.5) == refinement._PATIENT > 1
+    assert charged.patience(least * 1.001) == 1 and plain.patience(least * 1.5) == 1

@@ -124,3 +124,11 @@ def test_a_search_that_would_outgrow_memory_stops_with_a_proven_bound(monkeypatc
     assert main(["plan", str(profile.save(tmp_path / "profile.json")), "--time-limit", "0", "--interleave", "1",
                  "--replicas", "1"]) == 0
     assert "the exact search stopped where its partial plans would outgrow memory" in capsys.readouterr().out
+
+
+def test_a_step_foreseen_too_long_leaves_the_time_to_shorter_ones() -> None:
+    """Budget.fits, unlike Budget.out, records nothing: the solver skips a grid that would not
+    fit and still builds and searches those that do."""
+    budget = Budget(10.0)
+    assert not budget.fits(20.0) and budget.fits(0.1) and not budget.spent
+    assert budget.out(20.0) and not budget.fits(0.1)

@@ -82,15 +82,17 @@ class RangeMin:
         # per span length 2^k, its minima from each column (inf where the span would run past the end)
         self.spans = np.full((int(level.max(initial=0)) + 1, shape[0], width), math.inf)
 
-    def of(self, values: np.ndarray, plus: np.ndarray) -> np.ndarray:
-        """Each query's minimum of ``values + plus``."""
+    def of(self, values: np.ndarray, plus: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
+        """Each query's minimum of ``values + plus`` (of the ``queries`` given, else all)."""
         spans = self.spans
         np.add(values, plus, out=spans[0, :, :-1])
         for level in range(1, len(spans)):
             half = 1 << (level - 1)
             np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
         flat = spans.reshape(-1)
-        return np.minimum(flat[self.left], flat[self.right])
+        if queries is None:
+            return np.minimum(flat[self.left], flat[self.right])
+        return np.minimum(flat[self.left[queries]], flat[self.right[queries]])
 
 
 def power_spans(values: Any, combine: Callable[[np.ndarray, np.ndarray], np.ndarray], fill: float,

@@ -48,6 +48,11 @@ class Budget:
         self.spent = self.spent or time.perf_counter() + expected >= self.end
         return self.spent
 
+    def fits(self, expected: float) -> bool:
+        """Whether a step ``expected`` to take that many seconds would end in time; unlike
+        :meth:`out`, a step that would not leaves the time to shorter ones."""
+        return not self.out() and time.perf_counter() + expected < self.end
+
     def before(self, kind: str, steps: int = 1) -> bool:
         """Whether the time is up, or would be after ``steps`` more steps of ``kind`` as long as
         the slowest so far (:meth:`step`)."""

@@ -17,6 +17,17 @@ this sees that moving cuts to cheap copies unbalances the lanes, and that a plan
 needs larger lanes to finish on the devices left.  The bound is as tight as the grid is fine
 where the best plans' lanes are, so :func:`grid_levels` places the levels densely
 around a known plan.  Walking the DP's minima from the first layer gives a plan per cell.
+
+With per-pair copies a skip's cost depends on the devices of both its stash and its pop, and
+the DP, which does not know where the stash went when it prices the pop, charges the least
+copy from any device that could hold it (:class:`_Sources`): far below what plans pay, which
+cannot put every stash on its cheapest source at once.  Potentials ``λ[t, s]`` (Lagrangian
+multipliers) move part of that cost to the stash: a stage on device ``s`` that stashes skip
+``t`` and sends it on pays ``λ[t, s]``, the pop on ``d`` pays ``min_s' (copy(t, s', d) −
+λ[t, s'])``; the two add up to at most the copy whatever the potentials, so every bound
+holds, and the right potentials make the cheap source dear.  :meth:`Completions.directions`
+gives the subgradient along each cell's plan; :mod:`autopipe.planning.refinement` steps the
+potentials as it refines.
 """
 from __future__ import annotations
 
@@ -50,10 +61,12 @@ class Completions:
     """The DP of the module docstring for one :class:`~autopipe.planning.candidates.Candidate`
     over cells of caps: cell ``i`` holds the plans whose largest lanes lie in
     ``(low_x[i], cap_x[i]] × (low_y[i], cap_y[i]]``.  A grid ``xs × ys`` (:meth:`grid`) also
-    bounds partial plans (:meth:`lower_bound`); any cells bound whole plans (:meth:`cell_bounds`)."""
+    bounds partial plans (:meth:`lower_bound`); any cells bound whole plans (:meth:`cell_bounds`),
+    their skips charged with ``potentials`` ``[t, s]`` (the module docstring; default 0)."""
 
     def __init__(self, candidate: Candidate, speeds: np.ndarray, cells: tuple[np.ndarray, ...],
-                 levels: tuple[np.ndarray, np.ndarray] | None = None, skips: bool = False) -> None:
+                 levels: tuple[np.ndarray, np.ndarray] | None = None, skips: bool = False,
+                 potentials: np.ndarray | None = None) -> None:
         self.candidate = candidate
         paid = np.isfinite(candidate.receive) & (candidate.receive > 0)
         self.skips = skips and bool(np.any(paid))  # charge the skips a stage receives
@@ -63,22 +76,25 @@ class Completions:
         self.work = candidate.costs.forward + candidate.back
         self.windows: dict[float, _Windows] = {}
         self.entries = _entries(candidate) if self.skips else None
+        self.potentials = np.zeros(candidate.receive.shape[:2]) if potentials is None else potentials
         self.sources = None if self.entries is None else _Sources.of(candidate, self.entries, speeds, self.cap_x,
-                                                                     self.cap_y)
+                                                                     self.cap_y, self.potentials)
+        self.held = self._held() if self.skips else None
         self.stage: tuple[tuple[np.ndarray, np.ndarray], np.ndarray] | None = None
+        self.walks: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}  # by cell, :meth:`_walk`'s
         self.rest = self._rest()
         self.floor = float(np.min(self.rest[0, :, 0]))  # the least lane sum of any plan within the largest caps
 
     @staticmethod
     def grid(candidate: Candidate, speeds: np.ndarray, xs: np.ndarray, ys: np.ndarray,
-             skips: bool = False) -> Completions:
+             skips: bool = False, potentials: np.ndarray | None = None) -> Completions:
         """The cells of the grid of caps ``xs × ys`` (increasing, the last possibly ``inf``),
         each reaching down to the level below (the floors below the first); ``skips``: charge
         the skips each stage receives (bounds of whole plans only, see :class:`_Windows`)."""
         floor_x, floor_y = candidate.floors
         lows = np.concatenate(([floor_x], xs[:-1])), np.concatenate(([floor_y], ys[:-1]))
         cells = np.repeat(xs, len(ys)), np.tile(ys, len(xs)), np.repeat(lows[0], len(ys)), np.tile(lows[1], len(xs))
-        return Completions(candidate, speeds, cells, lows, skips)
+        return Completions(candidate, speeds, cells, lows, skips, potentials)
 
     def cell_bounds(self) -> np.ndarray:
         """Per cell, a lower bound on the time of every plan in it: ``rest + (m-1)·x⁻ + w·y⁻``
@@ -88,7 +104,9 @@ class Completions:
 
     def _rest(self) -> np.ndarray:
         """``rest[d, cell, p]``: the least lane sum of stages on devices ``d, d+1, …`` covering
-        ``[p, L)`` within the cell's caps (``inf`` if they cannot), device by device from the last."""
+        ``[p, L)`` within the cell's caps (``inf`` if they cannot), device by device from the last.
+        Where skips are charged (bounds of whole plans only) also ``inf`` where devices ``0 … d-1``
+        cannot cover ``[0, p)`` within the caps (:meth:`_band`): no plan of the cell gets there."""
         devices, layers = len(self.speeds), len(self.work) - 1
         rest = np.empty((devices + 1, len(self.cap_x), layers + 1))
         rest[devices] = math.inf
@@ -96,9 +114,39 @@ class Completions:
         for device in range(devices - 1, -1, -1):
             speed = float(self.speeds[device])
             charge = None if self.sources is None else self.sources.charges(device)
-            least = self._window(speed).least(self._stage(device), rest[device + 1], charge)
-            np.subtract(least, self.work[:layers] / speed, out=rest[device, :, :layers])
+            stage, start = self._stage(device), self.work[:layers] / speed
+            if self.held is not None:
+                stage, start = stage + self.held[device], start + self.held[device, :layers]
+            band = self._band(device) if self.skips else None
+            np.subtract(self._window(speed).least(stage, rest[device + 1], charge, band), start,
+                        out=rest[device, :, :layers])
         return rest
+
+    def _band(self, device: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per cell, the first and last start ``p`` of a stage on ``device`` in a plan within
+        the cell's caps: devices ``0 … d-1`` hold ``[0, p)``, a layer at least each and at most
+        a cap's work at their speed; devices ``d …`` hold ``[p, L)`` likewise.  Only this band
+        needs the DP: at 400 layers × 32 devices, 8-16% of the starts in the cells of least
+        bound (rounding widens it)."""
+        before, after = float(np.sum(self.speeds[:device])), float(np.sum(self.speeds[device:]))
+        slack = 1 + 1e-6
+        lanes = ((self.candidate.costs.forward, self.cap_x), (self.candidate.back, self.cap_y))
+        last = np.min([np.searchsorted(prefix, cap * before * slack, side="right") - 1 if before else
+                       np.zeros(len(cap), dtype=np.intp) for prefix, cap in lanes], axis=0)
+        first = np.max([np.searchsorted(prefix, prefix[-1] - cap * after * slack, side="left")
+                        for prefix, cap in lanes], axis=0)
+        return np.maximum(first, device), last
+
+    def _held(self) -> np.ndarray:
+        """Per device and position ``q``: the potentials there of the skips stashed before
+        ``q`` less those of the skips popped before ``q``, so that a stage ``[p, q)`` pays the
+        difference: the potential of each skip it stashes and sends on (one it also pops costs
+        nothing; :class:`_Sources` gives the potential of what it pops back)."""
+        candidate = self.candidate
+        steps = np.zeros((len(self.work) + 1, len(self.speeds)))
+        np.add.at(steps, candidate.skip_stash + 1, self.potentials)
+        np.subtract.at(steps, candidate.skip_pop + 1, self.potentials)
+        return np.cumsum(steps[:-1], axis=0).T
 
     def _stage(self, device: int) -> np.ndarray:
         """Per cell, what a stage on ``device`` ending at each position costs beyond its start:
@@ -153,12 +201,39 @@ class Completions:
         least = self.cell_bounds()
         cells = dict.fromkeys(int(c) for order in (np.argsort(promise), np.argsort(least)) for c in order[:count]
                               if math.isfinite(rest[c]))
-        return [self._walk(cell) for cell in cells]
+        return [self._walk(cell)[0] for cell in cells]
 
-    def _walk(self, cell: int) -> tuple[int, ...]:
-        """Follow the DP's minima of ``cell`` from the first layer on device 0."""
+    def directions(self, cells: np.ndarray) -> np.ndarray:
+        """Per cell of ``cells``, ``[t, s]``: how the potentials would raise its bound fastest
+        (a subgradient ``g``, as ``g / |g|²``: a Polyak step then scales it by the gap).  Along
+        the DP's plan each skip ``t`` popped by a later stage is charged from one source ``s'``
+        while its stash lies on device ``s``: raising the potential of ``(t, s)`` and lowering
+        that of ``(t, s')`` charges more for that plan."""
+        directions = np.zeros((len(cells), *self.candidate.receive.shape[:2]))
+        stash = self.candidate.skip_stash
+        for row, cell in enumerate(cells):
+            bounds, sources = self._walk(int(cell))
+            popped = np.flatnonzero(sources >= 0)
+            holder = np.searchsorted(np.asarray(bounds), stash[popped], side="right") - 1
+            np.add.at(directions[row], (popped, holder), 1.0)
+            np.subtract.at(directions[row], (popped, sources[popped]), 1.0)
+        norms = np.sum(directions ** 2, axis=(1, 2))
+        return directions / np.maximum(norms, 1.0)[:, None, None]
+
+    def _walk(self, cell: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """Follow the DP's minima of ``cell`` from the first layer on device 0, skips charged
+        as the DP charged them: the stage bounds, and per skip the source its pop was charged
+        from (-1: none was).  Kept per cell: the cell of least bound gives both a direction
+        and a plan (:meth:`directions`, :meth:`plans`)."""
+        if cell not in self.walks:
+            self.walks[cell] = self._follow(cell)
+        return self.walks[cell]
+
+    def _follow(self, cell: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """:meth:`_walk`, worked out."""
         layers = len(self.work) - 1
         bounds = [0]
+        sources = np.full(len(self.candidate.skip_pop), -1)
         for device, speed in enumerate(self.speeds):
             start = bounds[-1]
             if start == layers:
@@ -167,8 +242,28 @@ class Completions:
             cut = _cut(self.candidate.copy_forward[device, stops], self.candidate.copy_back[device, stops],
                        self.cap_x[cell], self.cap_y[cell])
             values = self.work[stops] / speed + cut + self.rest[device + 1, cell, stops]
-            bounds.append(int(stops[np.argmin(values)]))
-        return tuple(bounds)
+            popped, source = self._popped(device, cell, start, stops, values)
+            stop = int(stops[np.argmin(values)])
+            done = popped[1] < stop
+            sources[popped[0][done]] = source[done]
+            bounds.append(stop)
+        return tuple(bounds), sources
+
+    def _popped(self, device: int, cell: int, start: int, stops: np.ndarray,
+                values: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        """Add to ``values`` what a stage of ``cell`` on ``device`` from ``start`` to each of
+        ``stops`` pays for its skips beyond the compute and cut (:meth:`_rest`); return the
+        skips open at ``start``, their pops and the source each is charged from."""
+        if self.held is None or self.sources is None or self.entries is None:
+            return (np.zeros(0, dtype=int), np.zeros(0, dtype=int)), np.zeros(0, dtype=int)
+        values += self.held[device, stops]
+        skip, at = self.entries
+        entries = np.arange(*np.searchsorted(at, [start, start + 1]))
+        charge, source = self.sources.pick(device, cell, entries)
+        pops = self.candidate.skip_pop[skip[entries]]
+        paid = np.concatenate(([0.0], np.cumsum(charge)))
+        values += paid[np.searchsorted(pops, stops, side="left")]
+        return (skip[entries], pops), source
 
 
 def grid_levels(candidate: Candidate, devices: int, caps: tuple[float, float],
@@ -237,15 +332,15 @@ class _Sources:
 
     @staticmethod
     def of(candidate: Candidate, entries: tuple[np.ndarray, np.ndarray], speeds: np.ndarray, cap_x: np.ndarray,
-           cap_y: np.ndarray) -> _Sources:
+           cap_y: np.ndarray, potentials: np.ndarray) -> _Sources:
         """The ranges of each cell, or where there are more than :data:`_SOURCES` cells ×
         entries × devices, of the largest caps for all cells (wider: as valid, cheaper)."""
         if len(cap_x) * len(entries[0]) * len(speeds) > _SOURCES:
             cap_x, cap_y = np.array([np.max(cap_x)]), np.array([np.max(cap_y)])
-        return _Sources(candidate, entries, speeds, cap_x, cap_y)
+        return _Sources(candidate, entries, speeds, cap_x, cap_y, potentials)
 
     def __init__(self, candidate: Candidate, entries: tuple[np.ndarray, np.ndarray], speeds: np.ndarray,
-                 cap_x: np.ndarray, cap_y: np.ndarray) -> None:
+                 cap_x: np.ndarray, cap_y: np.ndarray, potentials: np.ndarray) -> None:
         skip, at = entries
         stash = candidate.skip_stash[skip]
         loose = 1 + 1e-9  # never narrower than exact: rounding widens the range
@@ -258,30 +353,49 @@ class _Sources:
         self.span = np.max([(prefix[at] - prefix[stash])[None, :] / (cap[:, None] * loose) for prefix, cap in lanes],
                            axis=0)
         self.stash, self.at, self.skip = stash, at, skip
-        self.table = power_spans(candidate.receive, np.minimum, math.inf, axis=1)  # [level, t, s, d]
+        self.potentials = potentials
+        # [d, t, s]: a copy less its source's potential, each device's rows together (read a device at a time)
+        self.less = np.subtract(candidate.receive.transpose(2, 0, 1), potentials, order="C")
+        self.table = power_spans(self.less, np.minimum, math.inf, axis=2)  # [level, d, t, s]
         self.log2 = np.floor(np.log2(np.arange(1, len(speeds) + 2))).astype(np.intp)  # of each range length
         # at one speed, s … d-1 hold that work when there are at least this many of them
         self.count = np.ceil(self.span / speeds[0] - 1e-9).astype(np.intp) if np.ptp(speeds) == 0 else None
 
     def charges(self, device: int) -> np.ndarray:
         """Per cell (or one row for all) and entry: the least copy of the entry's skip to
-        ``device`` from a source in its range (``inf`` where none is)."""
-        if self.count is not None:
-            high = device - self.count
-        else:
-            reach = self.prefix[device] * (1 + 1e-12) - self.span  # rounding widens the range
-            high = np.searchsorted(self.prefix, reach, side="right") - 1
-        high = np.minimum(np.minimum(high, device - 1), self.stash)  # a device holds a layer at least
-        low = np.maximum(self.low, device - (self.at - self.stash))
+        ``device`` from a source in its range less the source's potential, plus ``device``'s
+        own (``inf`` where no source is).  Any potentials keep the bound: the stage holding
+        the stash pays its device's (:meth:`Completions._held`), and that plus what the pop is
+        charged is at most the copy (the module docstring)."""
+        low, high = self._range(device, slice(None), slice(None))
         empty = high < low
-        length = np.maximum(high - low + 1, 1)
-        level = self.log2[length - 1]
-        table = self.table[..., device]  # [level, t, s]
-        rows = (level * table.shape[1] + self.skip) * table.shape[2]
-        flat = table.ravel()
+        level = self.log2[np.maximum(high - low + 1, 1) - 1]
+        _, devices, skips, sources = self.table.shape
+        rows = ((level * devices + device) * skips + self.skip) * sources
+        flat = self.table.ravel()
         least = np.minimum(flat.take(rows + np.where(empty, 0, low)),
                            flat.take(rows + np.where(empty, 0, high - (1 << level) + 1)))
-        return np.where(empty, math.inf, least)
+        return np.where(empty, math.inf, least + self.potentials[self.skip, device])
+
+    def pick(self, device: int, cell: int, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`charges` of some ``entries`` in one ``cell``, and the source each is charged from."""
+        low, high = self._range(device, cell if len(self.low) > 1 else 0, entries)
+        skip, sources = self.skip[entries], np.arange(self.less.shape[2])
+        values = np.where((sources >= low[:, None]) & (sources <= high[:, None]), self.less[device, skip], math.inf)
+        source = np.argmin(values, axis=1)
+        return values[np.arange(len(entries)), source] + self.potentials[skip, device], source
+
+    def _range(self, device: int, row: int | slice, entries: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last device that may hold each entry's stash when ``device`` pops it
+        (none where the last is before the first)."""
+        span, stash = self.span[row, entries], self.stash[entries]
+        if self.count is not None:
+            high = device - self.count[row, entries]
+        else:
+            reach = self.prefix[device] * (1 + 1e-12) - span  # rounding widens the range
+            high = np.searchsorted(self.prefix, reach, side="right") - 1
+        high = np.minimum(np.minimum(high, device - 1), stash)  # a device holds a layer at least
+        return np.maximum(self.low[row, entries], device - (self.at[entries] - stash)), high
 
 
 class _Windows:
@@ -314,20 +428,43 @@ class _Windows:
         lo = np.where(part == 0, q_start + 1, steps[np.maximum(which - 1, 0)])
         top = np.where(last, np.repeat(hi.ravel(), count), steps[np.minimum(which, len(steps) - 1)] - 1)
         self.ranges = RangeMin(np.repeat(cell, count), lo, top, (cells, starts + 1))
-        self.skips = (np.repeat(cell, count), np.repeat(first[start], count), which,
-                      np.concatenate(([0], np.cumsum(count)[:-1])))
+        ends = np.concatenate(([0], np.cumsum(count)))  # each (cell, p)'s first range, and one past the last
+        self.skips = (np.repeat(cell, count), np.repeat(first[start], count), which, ends[:-1], ends)
 
-    def least(self, values: np.ndarray, plus: np.ndarray, charge: np.ndarray | None) -> np.ndarray:
+    def least(self, values: np.ndarray, plus: np.ndarray, charge: np.ndarray | None,
+              band: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Per ``(cell, p)``: the least over its window of ``values + plus`` and, given the
-        ``charge`` of each cell and entry (:class:`_Sources`), what its skips cost."""
-        least = self.ranges.of(values, plus)
+        ``charge`` of each cell and entry (:class:`_Sources`), what its skips cost; only for
+        the starts ``p`` in each cell's ``band`` (first, last; all without), ``inf`` elsewhere."""
+        groups, queries, ends = self._within(band)
+        least = self.ranges.of(values, plus, queries)
         if self.skips is not None and charge is not None:
-            cell, begin, which, starts = self.skips
+            cell, begin, which = (part if queries is None else part[queries] for part in self.skips[:3])
             zeros = np.zeros((len(charge), 1))
             paid = np.concatenate((zeros, np.cumsum(np.where(np.isinf(charge), 0.0, charge), axis=1)), axis=1)
             blocked = np.concatenate((zeros, np.cumsum(np.isinf(charge), axis=1)), axis=1)  # no source can send it
             row = cell if len(charge) > 1 else 0
             cost = paid[row, which] - paid[row, begin]
             cost = np.where(blocked[row, which] > blocked[row, begin], math.inf, cost)
-            least = np.minimum.reduceat(least + cost, starts)
-        return least.reshape(self.hi.shape)
+            least = np.minimum.reduceat(least + cost, ends) if len(least) else least
+        if groups is None:
+            return least.reshape(self.hi.shape)
+        out = np.full(self.hi.size, math.inf)
+        out[groups] = least
+        return out.reshape(self.hi.shape)
+
+    def _within(self, band: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray | None, ...]:
+        """The ``(cell, p)`` (flat) in ``band``, their queries (ranges, :class:`RangeMin`) and
+        where each one's first lies among those; all ``None`` for every ``(cell, p)``."""
+        if band is None:
+            return None, None, None if self.skips is None else self.skips[3]
+        cells, starts = self.hi.shape
+        first = np.arange(cells) * starts + np.clip(band[0], 0, starts)
+        count = np.maximum(np.arange(cells) * starts + np.clip(band[1] + 1, 0, starts) - first, 0)
+        groups = np.repeat(first, count) + ragged_arange(count)
+        if self.skips is None:
+            return groups, groups, None
+        offsets = self.skips[4]
+        per_group = offsets[groups + 1] - offsets[groups]
+        queries = np.repeat(offsets[groups], per_group) + ragged_arange(per_group)
+        return groups, queries, np.concatenate(([0], np.cumsum(per_group)[:-1])).astype(np.intp)

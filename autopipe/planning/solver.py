@@ -15,6 +15,7 @@ stopped by the time limit, the least bound of what is left is a proven lower bou
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -193,12 +194,12 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     the time is up, what is left contributes its bound: a candidate not scouted its cheap
     bound, one not searched to the end its cells'.
     """
-    pairs = sorted((Candidate.of(model, chunks, mode, len(limits)) for chunks in candidates for mode in modes),
+    pairs = sorted(Candidate.all(model, candidates, modes, len(limits)),
                    key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
     leads: list[_Lead] = []
 
-    def scout(candidate: Candidate, best: Choice | None) -> tuple[Cells, Choice | None]:
-        leads.append(_scout(model, candidate, limits, best))
+    def scout(candidate: Candidate, best: Choice | None, potentials: np.ndarray) -> tuple[Cells, Choice | None]:
+        leads.append(_scout(model, candidate, limits, best, potentials))
         return leads[-1].cells, leads[-1].plan
 
     def price(candidate: Candidate, splits: Sequence[tuple[int, ...]]) -> Choice | None:
@@ -206,19 +207,13 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
 
     best, waiting, per_cell = refine(pairs, scout, price, model.speeds[: len(limits)],
                                      better(incumbent, _seed(model, pairs[0], limits)), budget)
-    left = [waiting]
     unsettled = [lead for lead in leads if lead.cells.least() < (math.inf if best is None else best.iteration_ms)]
-    refined = []
-    for lead in sorted(unsettled, key=lambda lead: math.inf if lead.plan is None else lead.plan.iteration_ms):
-        xs, ys = _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)
-        if budget.out(2 * per_cell * len(xs) * len(ys)):  # foreseen from the cells refined; twice, as steps vary
-            left.append(lead.cells.least())
-            continue
-        refined.append(_refine(model, lead, limits, best, xs, ys))
-        best = better(best, refined[-1].plan)
+    refined, left, best = _refine_all(model, unsettled, limits, best, per_cell, budget)
     for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
         best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
+    budget.spent = budget.spent or len(left) > len(refined)  # a grid left out for time
+    left.append(waiting)
     upper = math.inf if best is None else best.iteration_ms
     return Outcome(None if best is incumbent else best, min(upper, *left))
 
@@ -245,11 +240,13 @@ def _seed(model: CostModel, candidate: Candidate, limits: np.ndarray) -> Choice 
     return _best_plan(model, candidate, limits, [bounds])[0]
 
 
-def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None) -> _Lead:
-    """A coarse grid of caps for ``candidate``: cheap, and its bound and plans decide the order of
-    the exact searches and cut most of them off."""
+def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
+           potentials: np.ndarray) -> _Lead:
+    """A coarse grid of caps for ``candidate`` (skips charged with ``potentials``): cheap, and
+    its bound and plans decide the order of the exact searches and cut most of them off."""
     completions = Completions.grid(candidate, model.speeds[: len(limits)],
-                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True)
+                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True,
+                                   potentials=potentials)
     loose = bool(model.chain.skips) or candidate.effective == "except_last" or bool(np.any(np.isfinite(limits)))
     return _Lead(candidate, Cells.of(completions, loose), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
@@ -273,6 +270,29 @@ def _refine(model: CostModel, lead: _Lead, limits: np.ndarray, best: Choice | No
     completions = Completions.grid(lead.candidate, model.speeds[: len(limits)], xs, ys)
     found = better(lead.plan, _best_plan(model, lead.candidate, limits, completions.plans(_PLANS))[0])
     return _Refined(lead.candidate, completions, max(lead.cells.least(), completions.least()), found)
+
+
+def _refine_all(model: CostModel, leads: list[_Lead], limits: np.ndarray, best: Choice | None, per_cell: float,
+                budget: Budget) -> tuple[list[_Refined], list[float], Choice | None]:
+    """The finer grid of each of ``leads`` (:func:`_refine`), the smallest first, while the next
+    is foreseen to fit in ``budget`` (twice the slowest grid so far per cell, as steps vary;
+    before the first, ``per_cell``: a refined cell's, which charges skips and so costs 2-4 times
+    a grid's); the bounds of the leads left out, and the best plan.  A grid that does not fit
+    leaves the time to the others and to the exact searches of those built."""
+    refined, left = [], []
+    grid_cell = per_cell
+    levels = [(lead, _levels(model, lead.candidate, limits, best, lead.lanes, lead.floor)) for lead in leads]
+    for lead, (xs, ys) in sorted(levels, key=lambda pair: len(pair[1][0]) * len(pair[1][1])):
+        cells = len(xs) * len(ys)
+        if not budget.fits(2 * grid_cell * cells):
+            left.append(lead.cells.least())
+            continue
+        start = time.perf_counter()
+        refined.append(_refine(model, lead, limits, best, xs, ys))
+        took = (time.perf_counter() - start) / cells
+        grid_cell = took if len(refined) == 1 else max(grid_cell, took)
+        best = better(best, refined[-1].plan)
+    return refined, left, best
 
 
 def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice | None,
