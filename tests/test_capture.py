@@ -532,6 +532,55 @@ def test_exported_batch_norm_is_not_deferred_but_refused_and_partition_keeps_one
         pipe.close()
 
 
+class _CountsItself(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.double))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count.add_(1)
+        return self.lin(x)
+
+
+class _CountedAgainLater(nn.Module):
+    """A buffer written by a submodule's forward and again by the parent's glue two layers on;
+    fx cannot trace the item assignment, so torch.export captures it, and there the second write
+    reads the buffer through the first write's result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s, self.a, self.b = _CountsItself(), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x * 1.0
+        x[:, :1] = 0.0
+        h = self.a(self.s(x))
+        self.s.count.add_(1)
+        return self.b(h)
+
+
+def test_layers_reading_a_buffer_through_a_write_into_it_become_one() -> None:
+    """Every layer that reads a buffer, also through what a write into it returns, is one layer
+    with the buffer's owner: the pipeline trains as the model (it refused the valid model,
+    the buffer's alias sent to another stage as a copy)."""
+    original = _CountedAgainLater().double()
+    sample = torch.randn(4, 4, dtype=torch.double)
+    for checkpoint in ("never", "always"):
+        model = copy.deepcopy(original)
+        layers = chain(model, sample)
+        assert [layer.name for layer in layers] == ["s", "b"]  # a, which the second write follows, joins s
+        for bounds in all_splits(len(layers), 2):
+            balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+            pipe = autopipe.Pipeline(layers, balance=balance, devices=["cpu"] * len(balance), chunks=2,
+                                     checkpoint=checkpoint)
+            try:
+                assert_training_matches(pipe, model, copy.deepcopy(model), [torch.randn(4, 4, dtype=torch.double)],
+                                        chunks=2, what=f"{balance} {checkpoint}: ")
+            finally:
+                pipe.close()
+
+
 class _Counting(nn.Module):
     """Counts its calls in its buffer, whose new value it reads, updating it in place
     (``self.calls += 1``) or assigning it (``self.calls = self.calls + 1``); ``blocks`` makes

@@ -106,13 +106,25 @@ def _merge_shared_state(traced: Traced, where: dict[fx.Node, int], count: int) -
             layers = uses.setdefault(id(tensor), [])
             layers.append(where[node])
             if node.op == "get_attr" and not isinstance(tensor, nn.Parameter):
-                layers.extend(count - 1 if user.op == "output" else where[user] for user in node.users)
+                layers.extend(count - 1 if user.op == "output" else where[user] for user in _readers(traced, node))
     renumber = list(range(count))
     for start, end in sorted((min(layers), max(layers)) for layers in uses.values()):
         for index in range(start, end + 1):
             renumber[index] = renumber[start]
     dense = {old: new for new, old in enumerate(sorted(set(renumber)))}
     return {node: dense[renumber[index]] for node, index in where.items()}
+
+
+def _readers(traced: Traced, attribute: fx.Node) -> list[fx.Node]:
+    """The users of a buffer's node and, through writes into it (``add_`` returns the buffer:
+    an exported graph reads it after the write through that node), of every alias so made."""
+    aliases, readers = [attribute], []
+    for alias in aliases:
+        for user in alias.users:
+            readers.append(user)
+            if _may_write(traced, user) and user.args and user.args[0] is alias and user not in aliases:
+                aliases.append(user)
+    return readers
 
 
 def _state_of(model: nn.Module, node: fx.Node) -> list[torch.Tensor]:
