@@ -624,15 +624,40 @@ def test_buffer_updated_by_augmented_assignment_is_captured_by_fx() -> None:
         pipe.close()
 
 
+class _CountedExported(_Counted):
+    """:class:`_Counted` whose forward fx cannot trace (an item assignment): torch.export captures it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x * 1.0
+        x[:, :1] = 0.0
+        return super().forward(x)
+
+
 def test_buffer_assigned_in_a_traced_forward_is_refused() -> None:
     """``self.calls = self.calls + 1`` assigns the module a new tensor, which no chain could ever
-    update: fx would record nothing and torch.export (with a sample) drops it without a word.  It
-    is refused, naming the buffer and the ways out, with the model left as it was."""
-    model = _Counted(assigns=True).double()
-    for sample in (None, torch.randn(4, 3, dtype=torch.double)):
-        with pytest.raises(CaptureError, match=r"assigns the buffers \['body.calls'\].*\+= 1.*leaf_modules=\['body'\]"):
-            chain(model, sample)
-        assert type(model.body.calls) is Tensor and model.body.calls.item() == 0
+    update: fx would record nothing and torch.export drops it without a word.  It is refused,
+    whether fx sees it or only torch.export does, naming the buffer and the ways out, with the
+    model left as it was."""
+    for model, samples in ((_Counted(assigns=True), (None, torch.randn(4, 3))),
+                           (_CountedExported(assigns=True), (torch.randn(4, 3),))):
+        for sample in samples:
+            with pytest.raises(CaptureError, match=r"assigns the buffers \['body.calls'\].*\+= 1.*leaf_modules"):
+                chain(model, sample)
+            assert type(model.body.calls) is Tensor and model.body.calls.item() == 0
+
+
+def test_buffer_updated_in_place_is_captured_by_torch_export() -> None:
+    """The same update in place (``self.calls += 1``) under torch.export trains as the model."""
+    model = _CountedExported(assigns=False).double()
+    reference = copy.deepcopy(model)
+    layers = chain(model, torch.randn(4, 3, dtype=torch.double))
+    assert layers[0].module.exported_mode is not None
+    pipe = autopipe.Pipeline(layers, balance=[1, len(layers) - 1], devices=["cpu"] * 2, chunks=3,
+                             checkpoint="always")
+    try:
+        assert_training_matches(pipe, model, reference, _steps(3), chunks=3)
+    finally:
+        pipe.close()
 
 
 class _AugmentedThroughAnotherName(nn.Module):

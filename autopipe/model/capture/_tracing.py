@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import fx, nn
+from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ..layers import ChainError
@@ -247,13 +248,35 @@ def _updates_itself(value: Any, path: str) -> bool:
             and target.target == path)
 
 
+@contextlib.contextmanager
+def _assignments(model: nn.Module) -> Iterator[list[str]]:
+    """The paths of the buffers ``model``'s forward assigns inside the block (torch.export's
+    tracing drops them without a word); ``self.count += 1`` assigns the buffer itself back and
+    is recorded as the update in place it is."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    assigned: list[str] = []
+
+    def seen(module: nn.Module, name: str, value: Any) -> None:
+        if id(module) in paths and value is not module._buffers.get(name):
+            assigned.append(".".join(filter(None, (paths[id(module)], name))))
+
+    hook = register_module_buffer_registration_hook(seen)
+    try:
+        yield assigned
+    finally:
+        hook.remove()
+
+
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     """The exported graph (ATen operations on the model's own parameters and buffers), each
     node assigned to the outermost layer module in its ``nn_module_stack``."""
     args, kwargs = _split_sample(sample_input)
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
-    root = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic).module()
+    with _assignments(model) as assigned:
+        root = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic).module()
+    if assigned:
+        raise CaptureError(f"cannot capture {type(model).__name__}: {_AssignsBuffers(assigned)}")
     graph = root.graph
     for node in [n for n in graph.nodes if n.op == "call_module" and not n.users]:
         graph.erase_node(node)  # export's input guards: sizes are the micro-batch's, not the sample's
