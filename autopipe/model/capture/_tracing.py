@@ -36,7 +36,7 @@ class CaptureError(ChainError):
 
 
 class _AssignsBuffers(Exception):
-    """The traced forward assigns buffers, which an fx graph cannot do."""
+    """The traced forward assigns buffers, which neither torch.fx nor torch.export records."""
 
     def __init__(self, paths: list[str]) -> None:
         owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
@@ -184,7 +184,9 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         return _symbolic(model, tracer)
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
         failure = _trace_failure(model, tracer.failed_in or "", error)
-        if sample_input is None or isinstance(error, _AssignsBuffers):  # export drops the assignment
+        if isinstance(error, _AssignsBuffers):  # export would drop the assignment: no way out there
+            raise CaptureError(failure) from error
+        if sample_input is None:
             raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
         return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
 
