@@ -38,7 +38,7 @@ from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
 from .memory import StageMeter, StagePeak
-from .replicas import Copies, Replicas, copied_layers, shares_parameters
+from .replicas import Copies, Replicas, copied_layers, pair_stages, shares_parameters
 from .run import Loss, Run
 from .skips import skip_spans, stage_routes
 from .stage import Stage
@@ -187,9 +187,7 @@ class Pipeline(nn.Module):
                          for chain, group in zip(chains, groups)]
         self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
-            for engine in self._engines:
-                for stage in engine.stages:
-                    stage.brackets_batch_norm = False
+            pair_stages(self._engines, shared)
         self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
         self.measure_memory = False

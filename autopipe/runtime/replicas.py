@@ -24,6 +24,12 @@ bracketed here once per call rather than per stage.  Shared, its running statist
 updated once from the whole batch's statistics, as ``nn.BatchNorm`` on the whole batch would
 (plain batch norms would be updated by every replica's thread at once); with copies, from the
 first replica's share, as DDP with ``broadcast_buffers``.
+
+Other buffers (a spectral norm's vectors, counters) are shared too on CPU, and a checkpointed
+micro-batch recomputes on the values its forward read, put back into the buffers for the
+recomputation and its backward.  So stage ``i`` of every replica takes one lock around each
+forward and backward when it has such buffers (:func:`pair_stages`): those stages run one
+replica at a time; stages without them (batch norms only) keep running at once.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .run import Run
 
-__all__ = ["Copies", "Replicas", "copied_layers", "shares_parameters"]
+__all__ = ["Copies", "Replicas", "copied_layers", "pair_stages", "shares_parameters"]
 
 
 def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
@@ -56,6 +62,17 @@ def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
 def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
     """A replica's own copy of ``layers`` (modules deep-copied; placed later with the stages)."""
     return [Layer(layer.name, copy.deepcopy(layer.module), layer.stash, layer.pop, layer.prefix) for layer in layers]
+
+
+def pair_stages(engines: Sequence[Engine], shared: bool) -> None:
+    """Stage ``i`` of every replica: the call, not the stages, brackets their deferred batch norms;
+    and where they run the same modules (``shared``), one lock keeps the buffers a stage
+    recomputes on (:attr:`Stage.replayed`) to one replica at a time."""
+    for stages in zip(*(engine.stages for engine in engines)):
+        lock = threading.Lock() if shared and stages[0].replayed else None
+        for stage in stages:
+            stage.brackets_batch_norm = False
+            stage.replay_lock = lock
 
 
 class Copies:
