@@ -106,3 +106,42 @@ def test_recomputation_sees_and_leaves_buffers_as_its_forward(checkpoint: str) -
     pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
     inputs = [torch.randn(6, 4, dtype=torch.double) for _ in range(2)]
     assert_training_matches(pipe, model, reference, inputs, chunks=3)
+
+
+class Regain(nn.Module):
+    """Grows its gain by assigning the buffer a new tensor (not in place), then multiplies by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.gain = self.gain * 1.5
+        return x * self.gain
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_recomputation_replays_a_buffer_its_forward_assigned_anew(checkpoint: str, schedule: str) -> None:
+    """A forward that assigns its buffer a new tensor (``self.gain = self.gain * 1.5``) leaves the
+    module holding another tensor than the one the stage found: the recomputation must still read
+    the gain its forward read and not grow it again (it once read the latest gain and grew it
+    once more per checkpointed micro-batch: gradients off by 50-300%)."""
+    model = nn.Sequential(nn.Linear(4, 8), Regain(), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint,
+                             schedule=schedule)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(2):
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        x, y = torch.randn(6, 4, dtype=torch.double), torch.randn(6, 3, dtype=torch.double)
+        pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+        for xs, ys in zip(x.split(2), y.split(2)):
+            (nn.functional.mse_loss(reference(xs), ys) / 3).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"step {step} {name}.grad")
+        torch.testing.assert_close(pipe.state_dict()["1.gain"], reference[1].gain, msg=f"step {step} gain")
+        for optimizer in optimizers:
+            optimizer.step()

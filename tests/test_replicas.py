@@ -89,41 +89,89 @@ def test_batch_norm_statistics_are_the_whole_batch() -> None:
             assert_close(value.float(), state[name].float(), f"run {attempt} {name}")
 
 
+#: (tag, scale, recomputing) per forward of :class:`Counted`, whichever replica's copy ran it
+READ: list[tuple[float, float, bool]] = []
+
+
 class Counted(nn.Module):
     """Scales by a counter buffer, which each forward then increments (as a spectral norm's
-    vectors, read and updated by every forward); logs the scale each micro-batch (tagged by its
-    first input) read, in its forward and in its recomputation."""
+    vectors, read and updated by every forward); logs in :data:`READ` the scale each
+    micro-batch (tagged by its first input) read, in its forward and in its recomputation."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("scale", torch.ones(1))
         self.weight = nn.Parameter(torch.ones(1))
-        self.read: list[tuple[float, float, bool]] = []
 
     def forward(self, x: Tensor) -> Tensor:
-        self.read.append((x[0, 0].item(), self.scale.item(), autopipe.is_recomputing()))
+        READ.append((x[0, 0].item(), self.scale.item(), autopipe.is_recomputing()))
         y = x * self.weight * self.scale.clone()
         with torch.no_grad():
             self.scale.add_(1)
         return y
 
 
+class Recounted(Counted):
+    """:class:`Counted`, counting by assigning the buffer a new tensor rather than in place."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        READ.append((x[0, 0].item(), self.scale.item(), autopipe.is_recomputing()))
+        y = x * self.weight * self.scale
+        self.scale = self.scale.detach() + 1
+        return y
+
+
+@pytest.mark.parametrize("counter", [Counted, Recounted])
+@pytest.mark.parametrize("sharing", ["shared", "copies"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_replicas_recompute_on_the_buffers_their_own_forward_read(schedule: str) -> None:
-    """Replicas running one module recompute each micro-batch on the counter its forward read,
-    though the other replica recomputes on the same buffer at once (and, under 1F1B, runs its
-    forwards meanwhile).  Repeated, for the races were a matter of timing: some other
-    micro-batch's scale in 15-18 runs of 20."""
+def test_replicas_recompute_on_the_buffers_their_own_forward_read(monkeypatch: pytest.MonkeyPatch, schedule: str,
+                                                                   sharing: str, counter: type[Counted]) -> None:
+    """Each micro-batch recomputes on the counter its forward read, whether the counter is
+    written in place or assigned anew.  Each replica owns such a buffer (on CPU it shares only
+    the parameters): when replicas shared it, one replica's recomputation put its older value
+    back while the other read it (some other micro-batch's scale in 15-18 runs of 20: timing,
+    so repeated); a counter assigned anew was replayed into the tensor it no longer held, and
+    counted twice.  Each replica starts a call from the first's counter, as copies do."""
+    if sharing == "copies":
+        monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
     x = torch.arange(16.0).unsqueeze(1).repeat(1, 3)  # micro-batches of 2 rows, tagged by the first
-    for attempt in range(10):
-        counted = Counted()
-        pipe = autopipe.Pipeline(nn.Sequential(counted, nn.Linear(3, 3)), balance=[1, 1], devices=["cpu"] * 4,
-                                 chunks=4, replicas=2, checkpoint="always", schedule=schedule)
-        pipe.train_step(x, target=torch.zeros(16, 3), loss_fn=nn.functional.mse_loss)
-        forwards = {tag: scale for tag, scale, again in counted.read if not again}
-        recomputed = {tag: scale for tag, scale, again in counted.read if again}
-        assert len(forwards) == 8 and recomputed == forwards, f"run {attempt}"
-        assert sorted(forwards.values()) == [float(s) for s in range(1, 9)], f"run {attempt}"
+    for attempt in range(6):
+        model = nn.Sequential(counter(), nn.Linear(3, 3))
+        pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu"] * 4, chunks=4, replicas=2,
+                                 checkpoint="always", schedule=schedule)
+        for step in range(2):
+            READ.clear()
+            pipe.train_step(x, target=torch.zeros(16, 3), loss_fn=nn.functional.mse_loss)
+            forwards = {tag: scale for tag, scale, again in READ if not again}
+            recomputed = {tag: scale for tag, scale, again in READ if again}
+            assert len(forwards) == 8 and recomputed == forwards, f"run {attempt} step {step}"
+            first = 1 + 4 * step
+            assert sorted(forwards.values()) == [float(s) for s in range(first, first + 4) for _ in range(2)]
+            assert pipe.state_dict()["0.scale"].item() == first + 4  # the first replica's four forwards
+        assert model[0].weight.grad is not None
+
+
+class Masked(nn.Linear):
+    """A linear layer under a constant mask buffer (as a model's position ids or causal mask)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, size)
+        self.register_buffer("mask", torch.rand(size, size) > 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight * self.mask, self.bias)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_replicas_with_buffers_of_their_own_train_as_the_model(checkpoint: str) -> None:
+    """Replicas with buffers besides batch norm's own those buffers but share the parameters:
+    two steps give the plain model's outputs, gradients and parameters."""
+    torch.manual_seed(3)
+    model = nn.Sequential(Masked(6), nn.Tanh(), Masked(6), nn.Tanh(), nn.BatchNorm1d(6), Masked(6))
+    pipe = assert_replicas_transparent(model, torch.randn(10, 6), [2, 4], replicas=2, chunks=2,
+                                       checkpoint=checkpoint, steps=2)
+    twin = pipe._engines[1].stages[0].modules[0]
+    assert twin is not model[0] and twin.weight is model[0].weight and twin.mask is not model[0].mask
 
 
 def test_eval_and_no_grad_join_the_replicas() -> None:
@@ -312,10 +360,10 @@ def test_copies_gather_gradients_when_the_last_backward_under_way_ends() -> None
     gradients when the first ends would read and clear them while the second still adds to
     them.  They are gathered when the last ends, or dropped if one of them failed."""
     from autopipe.model import layer_chain
-    from autopipe.runtime.replicas import Copies, copied_layers
+    from autopipe.runtime.replicas import Copies, replica_layers
 
     primary = layer_chain(nn.Sequential(nn.Linear(2, 2)))
-    twin = copied_layers(primary)
+    twin = replica_layers(primary, shared=False)
     copies = Copies(primary, [twin])
     source, target = primary[0].module.weight, twin[0].module.weight
     for failed in (False, True):

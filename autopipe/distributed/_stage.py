@@ -14,7 +14,8 @@ from ..errors import StageOutputError
 from ..model import Layer
 from ..model.skip import SkipTracker, use_skip_tracker
 from ..runtime.aliases import Watch
-from ..runtime.checkpoint import buffers_replayed, checkpointed, recomputing
+from ..runtime.checkpoint import (buffer_slots, buffers_kept, buffers_replayed, buffers_restored, checkpointed,
+                                  recomputing)
 from ..runtime.skips import SkipSpan
 
 __all__ = ["StageModule"]
@@ -43,6 +44,9 @@ class StageModule(nn.Module):
         self.micro_batch: int | None = None
 
     def forward(self, *received: Tensor) -> Any:
+        if self.micro_batch is None:  # the engine's shape probe, which the plain model never ran
+            with buffers_restored(buffer_slots([self])):
+                return self._run(*received)
         if self._checkpointing():
             return self._checkpointed(*received)
         return self._run(*received)
@@ -82,8 +86,8 @@ class StageModule(nn.Module):
         """Recompute the stage in backward on its buffers as the forward found them (the later
         micro-batches' forwards update them: a spectral norm's vectors), and put back what the
         recomputation writes (``nn.BatchNorm`` does not ask :func:`is_recomputing`)."""
-        buffers = list(self.buffers())
-        kept = [buffer.detach().clone() for buffer in buffers]
+        buffers = buffer_slots([self])
+        kept = buffers_kept(buffers)
         calls = 0
 
         def run(*args: Tensor) -> Any:

@@ -25,41 +25,92 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterable, Iterator, Sequence
+from typing import Container, Iterable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 from ..planning.schedules import checkpointed
 
-__all__ = ["buffers_replayed", "buffers_restored", "checkpointed", "is_recomputing", "recomputing", "RandomGuard"]
+__all__ = ["BufferSlot", "buffer_slots", "buffers_kept", "buffers_replayed", "buffers_restored", "checkpointed",
+           "is_recomputing", "put", "recomputing", "slot_tensor", "RandomGuard"]
 
 _local = threading.local()
 
 
+#: Where a buffer lives, ``module._buffers[name]``: a forward may assign its buffer a new tensor
+#: (``self.count = self.count + 1``) rather than write into it, and the tensor found before is
+#: then no longer the module's; so buffers are kept and put back through their slots.
+BufferSlot = tuple[nn.Module, str]
+
+
+def buffer_slots(modules: Iterable[nn.Module], skip: Container[int] = ()) -> list[BufferSlot]:
+    """The buffer slots of ``modules`` and their submodules (each module once), but for the
+    modules whose ``id`` is in ``skip``."""
+    slots: list[BufferSlot] = []
+    seen: set[int] = set()
+    for top in modules:
+        for module in top.modules():
+            if id(module) not in seen and id(module) not in skip:
+                seen.add(id(module))
+                slots += [(module, name) for name, buffer in module._buffers.items() if buffer is not None]
+    return slots
+
+
+def slot_tensor(slot: BufferSlot) -> torch.Tensor:
+    """The tensor in ``slot`` now."""
+    module, name = slot
+    tensor = module._buffers[name]
+    assert tensor is not None, f"buffer '{name}' was set to None"
+    return tensor
+
+
+def buffers_kept(slots: Sequence[BufferSlot]) -> list[torch.Tensor]:
+    """A copy of each slot's tensor now (slots holding one tensor share one copy)."""
+    copies: dict[int, torch.Tensor] = {}
+    tensors = [slot_tensor(slot) for slot in slots]
+    for tensor in tensors:
+        copies.setdefault(id(tensor), tensor.detach().clone())
+    return [copies[id(tensor)] for tensor in tensors]
+
+
+def put(slot: BufferSlot, value: torch.Tensor) -> None:
+    """``value`` into the tensor in ``slot``, through ``.data``, which does not bump its autograd
+    version (see :func:`buffers_restored`); where the slot holds a tensor of another shape or
+    dtype by now, a copy of ``value`` takes its place."""
+    tensor = slot_tensor(slot)
+    if tensor.shape == value.shape and tensor.dtype == value.dtype:
+        tensor.data.copy_(value)
+    else:
+        module, name = slot
+        module._buffers[name] = value.detach().to(tensor.device, copy=True)
+
+
 @contextlib.contextmanager
-def buffers_restored(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Put ``buffers`` back as they were on entry, for a recomputation must not update running
-    statistics twice.  Written through ``.data``, which does not bump their autograd version:
-    the recomputed graph, or a micro-batch that was not checkpointed (whose backward comes
-    later under 1F1B), saved them for backward, and a visible in-place write would fail its
-    version check."""
-    saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
+def buffers_restored(slots: Sequence[BufferSlot]) -> Iterator[None]:
+    """The buffers of ``slots`` back as they were on entry, the same tensors with the same
+    values, for a recomputation must not update running statistics twice.  Written through
+    ``.data``, which does not bump their autograd version: the recomputed graph, or a
+    micro-batch that was not checkpointed (whose backward comes later under 1F1B), saved them
+    for backward, and a visible in-place write would fail its version check."""
+    tensors, values = [slot_tensor(slot) for slot in slots], buffers_kept(slots)
     try:
         yield
     finally:
-        for buffer, value in saved:
-            buffer.data.copy_(value)
+        for (module, name), tensor, value in zip(slots, tensors, values):
+            module._buffers[name] = tensor
+            tensor.data.copy_(value)
 
 
 @contextlib.contextmanager
-def buffers_replayed(buffers: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Iterator[None]:
-    """``buffers`` hold ``values`` (copies taken before a checkpointed forward) inside the block,
-    their own values again after it (:func:`buffers_restored`).  The block is the recomputation
-    and its backward: the recomputed graph may have saved a buffer itself (``x * scale``), so
-    the backward must see the forward's values too."""
-    with buffers_restored(buffers):
-        for buffer, value in zip(buffers, values):
-            buffer.data.copy_(value)
+def buffers_replayed(slots: Sequence[BufferSlot], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The buffers of ``slots`` hold ``values`` (:func:`buffers_kept` before a checkpointed
+    forward) inside the block, and are as on entry after it (:func:`buffers_restored`).  The
+    block is the recomputation and its backward: the recomputed graph may have saved a buffer
+    itself (``x * scale``), so the backward must see the forward's values too."""
+    with buffers_restored(slots):
+        for slot, value in zip(slots, values):
+            put(slot, value)
         yield
 
 

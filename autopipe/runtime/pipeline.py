@@ -38,7 +38,7 @@ from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
 from .memory import StageMeter, StagePeak
-from .replicas import Copies, Replicas, copied_layers, pair_stages, shares_parameters
+from .replicas import Copies, Replicas, replica_layers, shares_parameters
 from .run import Loss, Run
 from .skips import skip_spans, stage_routes
 from .stage import Stage
@@ -98,8 +98,9 @@ class Pipeline(nn.Module):
       which a pipeline cannot do: :class:`~autopipe.ChainError` names the fixes
       (:mod:`autopipe.runtime.aliases`).
     * A checkpointed micro-batch recomputes on the stage's buffers as its forward found them
-      (a copy is kept until its backward) and what the recomputation writes into them (batch
-      norm statistics, counters) is put back: each micro-batch updates them once.
+      (a copy is kept until its backward; a buffer the forward assigns anew is followed where
+      it lives) and what the recomputation writes into them (batch norm statistics, counters)
+      is put back: each micro-batch updates them once.
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
       last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
@@ -182,19 +183,21 @@ class Pipeline(nn.Module):
         self._register_state(layers)
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
-        chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
+        chains = [layers if r == 0 else replica_layers(layers, shared) for r in range(replicas)]
         self._engines = [Engine(_build_stages(chain, self.balance, group, turns), schedule)
                          for chain, group in zip(chains, groups)]
-        self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
+        self._copies = None if replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
-            pair_stages(self._engines, shared)
+            for engine in self._engines:
+                for stage in engine.stages:
+                    stage.brackets_batch_norm = False
         self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
         self.measure_memory = False
 
     @property
     def stages(self) -> list[Stage]:
-        """The stages of the first replica (every replica runs the same modules)."""
+        """The stages of the first replica (every replica runs the same parameters)."""
         return self._engine.stages
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ on its own devices.  A call splits the batch with ``torch.tensor_split(batch, re
 share into the plan's micro-batches, runs every replica's phase at once (:class:`Replicas`) and
 joins the outputs in order, so the caller's loss sees the whole batch as from the plain model.
 
-On CPU devices the replicas run the same layer modules: they share parameter storage, so each
+On CPU devices the replicas run the same parameters: they share their storage, so each
 parameter's ``AccumulateGrad`` (thread-safe) sums every replica's gradient into the one
 ``.grad`` — after ``backward`` it holds the plain model's gradient on the whole batch with no
 separate reduction step, the optimizer sees one set of parameters, and the next step computes
@@ -25,11 +25,13 @@ updated once from the whole batch's statistics, as ``nn.BatchNorm`` on the whole
 (plain batch norms would be updated by every replica's thread at once); with copies, from the
 first replica's share, as DDP with ``broadcast_buffers``.
 
-Other buffers (a spectral norm's vectors, counters) are shared too on CPU, and a checkpointed
-micro-batch recomputes on the values its forward read, put back into the buffers for the
-recomputation and its backward.  So stage ``i`` of every replica takes one lock around each
-forward and backward when it has such buffers (:func:`pair_stages`): those stages run one
-replica at a time; stages without them (batch norms only) keep running at once.
+Other buffers (a spectral norm's vectors, counters, constant masks) are never shared: where
+the layers have any, the CPU replicas ``1..R-1`` run copies of the modules that share the
+parameters and batch norms (:func:`replica_layers`), and their buffers are refreshed from the
+first replica's before each forward, as on copies.  A checkpointed micro-batch recomputes on
+the buffers as its forward found them, put back for the recomputation and its backward
+(:mod:`autopipe.runtime.checkpoint`): on shared buffers another replica's thread would read
+those older values, or put its own back over them.
 """
 from __future__ import annotations
 
@@ -45,34 +47,40 @@ from ..device import ops_for
 from ..model import Layer
 from ._model_calls import join_outputs
 from .batchnorm import DeferredBatchNorm
+from .checkpoint import BufferSlot, buffer_slots, put, slot_tensor
 from .microbatch import Value
 
 if TYPE_CHECKING:
     from .engine import Engine
     from .run import Run
 
-__all__ = ["Copies", "Replicas", "copied_layers", "pair_stages", "shares_parameters"]
+__all__ = ["Copies", "Replicas", "replica_layers", "shares_parameters"]
 
 
 def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
-    """Whether replicas on ``devices`` run the same modules (all CPU) rather than copies."""
+    """Whether replicas on ``devices`` share the parameters (all CPU) rather than copy them."""
     return all(d.type == "cpu" for group in devices for d in group)
 
 
-def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
-    """A replica's own copy of ``layers`` (modules deep-copied; placed later with the stages)."""
-    return [Layer(layer.name, copy.deepcopy(layer.module), layer.stash, layer.pop, layer.prefix) for layer in layers]
+def replica_layers(layers: Sequence[Layer], shared: bool) -> list[Layer]:
+    """The layers of a replica after the first: deep copies of the modules, or where replicas
+    share parameters (``shared``, :func:`shares_parameters`) copies that keep the parameters
+    and deferred batch norms and own only the other buffers (the module docstring), and with
+    no such buffers the layers themselves."""
+    if not shared:
+        return _copied(layers, {})
+    norms = [m for layer in layers for m in layer.module.modules() if isinstance(m, DeferredBatchNorm)]
+    if not buffer_slots([layer.module for layer in layers], skip={id(bn) for bn in norms}):
+        return list(layers)
+    kept = [*(p for layer in layers for p in layer.module.parameters()), *norms]
+    return _copied(layers, {id(item): item for item in kept})
 
 
-def pair_stages(engines: Sequence[Engine], shared: bool) -> None:
-    """Stage ``i`` of every replica: the call, not the stages, brackets their deferred batch norms;
-    and where they run the same modules (``shared``), one lock keeps the buffers a stage
-    recomputes on (:attr:`Stage.replayed`) to one replica at a time."""
-    for stages in zip(*(engine.stages for engine in engines)):
-        lock = threading.Lock() if shared and stages[0].replayed else None
-        for stage in stages:
-            stage.brackets_batch_norm = False
-            stage.replay_lock = lock
+def _copied(layers: Sequence[Layer], memo: dict[int, object]) -> list[Layer]:
+    """``layers`` with their modules deep-copied together (a module at two positions stays one),
+    but for what ``memo`` maps to itself."""
+    return [Layer(layer.name, copy.deepcopy(layer.module, memo), layer.stash, layer.pop, layer.prefix)
+            for layer in layers]
 
 
 class Copies:
@@ -80,9 +88,13 @@ class Copies:
     out before a forward and gradients in after a backward."""
 
     def __init__(self, primary: Sequence[Layer], copies: Sequence[Sequence[Layer]]) -> None:
-        self.params = [list(zip(_params(primary), _params(layers))) for layers in copies]
-        self.buffers = [list(zip(_buffers(primary), _buffers(layers))) for layers in copies]
-        self.devices = {t.device for pairs in self.params + self.buffers for _, t in pairs}
+        # a replica sharing the first's parameters and batch norms pairs only what it owns; buffers
+        # by where they live, for a forward may assign a buffer a new tensor
+        self.params = [[(p, q) for p, q in zip(_params(primary), _params(layers)) if p is not q] for layers in copies]
+        self.buffers = [[(a, b) for a, b in zip(_slots(primary), _slots(layers)) if a[0] is not b[0]]
+                        for layers in copies]
+        self.devices = {t.device for pairs in self.params for _, t in pairs}
+        self.devices |= {slot_tensor(slot).device for pairs in self.buffers for _, slot in pairs}
         # backward phases under way: two calls' (two forwards, one loss) run at once, and the
         # copies' gradients are gathered only when the last ends, not while the other adds to them
         self._lock = threading.Lock()
@@ -95,9 +107,12 @@ class Copies:
         ``.data``, which autograd does not count: a forward whose backward is still pending (two
         forwards, then their backwards) would fail a counted write.  Its saved values change
         only if the first replica's did, whose own backward then fails as the plain model's."""
-        for pairs in self.params + self.buffers:
+        for pairs in self.params:
             for source, target in pairs:
                 target.data.copy_(source)
+        for slots in self.buffers:
+            for source, target in slots:
+                put(target, slot_tensor(source))
         self._synchronize()
 
     def begin_backward(self) -> None:
@@ -151,8 +166,9 @@ def _params(layers: Sequence[Layer]) -> list[Tensor]:
     return [p for layer in layers for p in layer.module.parameters()]
 
 
-def _buffers(layers: Sequence[Layer]) -> list[Tensor]:
-    return [b for layer in layers for b in layer.module.buffers()]
+def _slots(layers: Sequence[Layer]) -> list[BufferSlot]:
+    """Layer by layer, so that a module at two positions pairs with each position's copy."""
+    return [slot for layer in layers for slot in buffer_slots([layer.module])]
 
 
 class Replicas:

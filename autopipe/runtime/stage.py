@@ -19,7 +19,6 @@ order.  For micro-batch ``j`` it
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import RandomGuard, RngStates, buffers_replayed
+from .checkpoint import RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -63,20 +62,20 @@ class Stage:
         self.neighbours = neighbours  # every stage, by index, for sending
         self.random = RandomGuard(device)
         self.deferred = [m for module in self.modules for m in module.modules() if isinstance(m, DeferredBatchNorm)]
-        once = {id(b): (".".join(filter(None, (layer.state_prefix, name))), b)
-                for layer in self.layers for name, b in layer.module.named_buffers()}
-        self.buffers: dict[str, Tensor] = dict(once.values())  # by path in the model
         # what a checkpointed micro-batch keeps a copy of: the buffers later forwards may change
         # before its recomputation (a deferred batch norm's statistics change only at a step's end)
-        steady = {id(b) for bn in self.deferred for b in bn.buffers()}
-        self.replayed = [b for b in self.buffers.values() if id(b) not in steady]
-        # shared with the same stage of the other replicas when they run these very modules: a
-        # recomputation puts older values into the buffers, which no other thread may see
-        self.replay_lock: threading.Lock | None = None
+        self.replayed = buffer_slots(self.modules, skip={id(bn) for bn in self.deferred})
         # False when the caller brackets the deferred batch norms' steps (replicas share them)
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
+
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        """The stage's buffers now, by path in the model (a forward may assign one anew)."""
+        once = {id(b): (".".join(filter(None, (layer.state_prefix, name))), b)
+                for layer in self.layers for name, b in layer.module.named_buffers()}
+        return dict(once.values())
 
     @property
     def is_last(self) -> bool:
@@ -115,10 +114,10 @@ class Stage:
     def _forward(self, run: Run, j: int) -> None:
         args, skips = self._receive_inputs(run, j)
         checkpointed = run.checkpointed[j]
-        with self._turn("F"), self._buffers_held():
+        with self._turn("F"):
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
-                kept = [b.detach().clone() for b in self.replayed] if checkpointed else None
+                kept = buffers_kept(self.replayed) if checkpointed else None
                 with self._random(run) as rng:
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
@@ -244,7 +243,7 @@ class Stage:
         else:
             output_grads = inbox.take(("dy", j))
         skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
-        with self._turn("B"), self._buffers_held(), self._on_stream(), self._as_at_forward(saved):
+        with self._turn("B"), self._on_stream(), self._as_at_forward(saved):
             if saved.output is None:
                 begin = run.ms()
                 saved.output, saved.leaving = self._recompute(run, j, saved)
@@ -274,11 +273,6 @@ class Stage:
         if saved.buffers is None:
             return contextlib.nullcontext()
         return buffers_replayed(self.replayed, saved.buffers)
-
-    def _buffers_held(self) -> contextlib.AbstractContextManager[object]:
-        """This stage's buffers to itself, among replicas sharing them.  Taken after the turn and
-        before the random generators' locks, in the forward as in the backward."""
-        return self.replay_lock or contextlib.nullcontext()
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]
