@@ -230,6 +230,24 @@ def test_the_callers_input_is_untouched(checkpoint: str) -> None:
     assert torch.equal(x, kept)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_the_callers_input_passed_on_by_a_stage_is_untouched(checkpoint: str) -> None:
+    """Stage 0 hands the batch on as it is; stage 1 writes into its input.  Stage 0 sends a copy,
+    so the caller's batch stays as it was (stage 1 once wrote into the second micro-batch's rows)."""
+    model = nn.Sequential(nn.Identity(), nn.LeakyReLU(0.1, inplace=True), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    kept = x.clone()
+    expected, grads = _reference(model, x.clone())
+    pipe = autopipe.Pipeline(model, balance=[1, 2], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    for _ in range(2):
+        _assert_like_plain(pipe, model, x, expected, grads)
+        assert torch.equal(x, kept)
+    with torch.no_grad():
+        assert torch.equal(pipe.eval()(x), model(x.clone()))
+    assert torch.equal(x, kept)
+
+
 # -- 4. outputs outlive their pipeline ---------------------------------------------------------
 
 @pytest.mark.timeout(60)

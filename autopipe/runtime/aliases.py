@@ -24,7 +24,7 @@ one's, and a write the receiver made into the copy would miss the buffer.
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -89,12 +89,17 @@ def mark(messages: dict[Hashable, tuple[str, Value]], watch: Watch,
 def buffer_spans(buffers: dict[str, Tensor]) -> list[tuple[str, _Span]]:
     """Each buffer (by its path in the model) as what it is and the addresses it lies in, taken
     once for all the messages of a micro-batch."""
-    return [(f"the buffer '{path}'", _span(b)) for path, b in buffers.items() if b.numel()]
+    return tensor_spans((f"the buffer '{path}'", b) for path, b in buffers.items())
+
+
+def tensor_spans(named: Iterable[tuple[str, Tensor]]) -> list[tuple[str, _Span]]:
+    """Each of the ``(what, tensor)`` given as what it is and the addresses it lies in."""
+    return [(what, _span(tensor)) for what, tensor in named if tensor.numel()]
 
 
 def unshared(value: Value, buffers: Sequence[tuple[str, _Span]]) -> Value:
     """``value`` with a copy of each tensor whose memory overlaps one of ``buffers``
-    (:func:`buffer_spans`)."""
+    (:func:`buffer_spans`, :func:`tensor_spans`)."""
     return map_tensors(value, lambda t: t.clone() if t.numel() and any(_overlap(_span(t), there)
                                                                         for _, there in buffers) else t)
 

@@ -32,7 +32,7 @@ from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
-from .aliases import Marks, Watch, buffer_spans, mark, unshared
+from .aliases import Marks, Watch, buffer_spans, mark, tensor_spans, unshared
 from .boundary import Boundary
 from .inplace import InputGuard
 from .run import Aborted, Run, Saved
@@ -203,11 +203,13 @@ class Stage:
             messages["skip", key, j] = (self.routes.leaving[key], f"the skip '{key}'", tensor)
         owned = buffer_spans(self.buffers)
         sent = mark({key: (what, value) for key, (_, what, value) in messages.items()}, watch, owned)
+        # stage 0's inputs are views of the caller's batch, which no stage writes into
+        caller = tensor_spans(("the caller's batch", t) for t in tensors_of(args)) if self.index == 0 else []
         for key, (to, _, value) in messages.items():
             if key in sent:
                 run.marks[to, key] = sent[key]
-            with self._on_stream():  # a copy of what is a buffer here: later micro-batches update it
-                value = unshared(value, owned)
+            with self._on_stream():  # a copy of a buffer (later micro-batches update it) or of the batch
+                value = unshared(value, owned + caller)
             run.inboxes[to].put(key, self._message(run, j, value, to, checkpointed, args, skips))
 
     def _message(self, run: Run, j: int, value: Value, to: int, checkpointed: bool,
