@@ -204,3 +204,15 @@ def aliased(case: str) -> nn.Sequential:
 #: Per case of :func:`aliased`, balances that split the stash from the write.
 REFUSED = {"input": ([2, 3], [2, 2, 1]), "passed on": ([2, 1, 3],), "popped": ([2, 2],), "two names": ([2, 4],),
            "returned twice": ([2, 2],)}
+
+
+class Regain(nn.Module):
+    """Grows its gain by assigning the buffer a new tensor (not in place), then multiplies by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.gain = self.gain * 1.5
+        return x * self.gain

@@ -11,6 +11,7 @@ from torch.nn.utils import parametrizations, spectral_norm
 import autopipe
 from autopipe.runtime.checkpoint import RandomGuard
 from helpers import assert_training_matches
+from models import Regain
 
 
 class Record(nn.Module):
@@ -106,18 +107,6 @@ def test_recomputation_sees_and_leaves_buffers_as_its_forward(checkpoint: str) -
     pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
     inputs = [torch.randn(6, 4, dtype=torch.double) for _ in range(2)]
     assert_training_matches(pipe, model, reference, inputs, chunks=3)
-
-
-class Regain(nn.Module):
-    """Grows its gain by assigning the buffer a new tensor (not in place), then multiplies by it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("gain", torch.ones(()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.gain = self.gain * 1.5
-        return x * self.gain
 
 
 @pytest.mark.timeout(60)

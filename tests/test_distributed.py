@@ -22,7 +22,7 @@ from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
 from distributed_models import batch, inplace_model, plan_for
-from models import REFUSED, aliased
+from models import REFUSED, Regain, aliased
 
 JOB_TIMEOUT_S = 100.0
 CHUNKS = 4
@@ -120,18 +120,6 @@ def counted_model() -> nn.Sequential:
     """Balance [2, 2]: one Counted per stage."""
     torch.manual_seed(6)
     return nn.Sequential(nn.Linear(8, 8), Counted(), Counted(), nn.Linear(8, 4))
-
-
-class Regain(nn.Module):
-    """Grows its gain by assigning the buffer a new tensor (not in place), then multiplies by it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("gain", torch.ones(()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.gain = self.gain * 1.5
-        return x * self.gain
 
 
 def spectral_model() -> nn.Sequential:
