@@ -127,11 +127,12 @@ class Recounted(Counted):
 def test_replicas_recompute_on_the_buffers_their_own_forward_read(monkeypatch: pytest.MonkeyPatch, schedule: str,
                                                                    sharing: str, counter: type[Counted]) -> None:
     """Each micro-batch recomputes on the counter its forward read, whether the counter is
-    written in place or assigned anew.  Each replica owns such a buffer (on CPU it shares only
-    the parameters): when replicas shared it, one replica's recomputation put its older value
+    written in place or assigned anew, though the other replica recomputes and (under 1F1B)
+    runs forwards at once.  Replicas on CPU share the counter, and its stage runs one replica at
+    a time in a call that checkpoints: unlocked, one replica's recomputation put its older value
     back while the other read it (some other micro-batch's scale in 15-18 runs of 20: timing,
-    so repeated); a counter assigned anew was replayed into the tensor it no longer held, and
-    counted twice.  Each replica starts a call from the first's counter, as copies do."""
+    so repeated); a counter assigned anew was replayed into the tensor it no longer held.  On
+    copies each replica counts its own, from the first's counter at the start of the call."""
     if sharing == "copies":
         monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
     x = torch.arange(16.0).unsqueeze(1).repeat(1, 3)  # micro-batches of 2 rows, tagged by the first
@@ -139,16 +140,17 @@ def test_replicas_recompute_on_the_buffers_their_own_forward_read(monkeypatch: p
         model = nn.Sequential(counter(), nn.Linear(3, 3))
         pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu"] * 4, chunks=4, replicas=2,
                                  checkpoint="always", schedule=schedule)
+        first = 1.0
         for step in range(2):
             READ.clear()
             pipe.train_step(x, target=torch.zeros(16, 3), loss_fn=nn.functional.mse_loss)
             forwards = {tag: scale for tag, scale, again in READ if not again}
             recomputed = {tag: scale for tag, scale, again in READ if again}
             assert len(forwards) == 8 and recomputed == forwards, f"run {attempt} step {step}"
-            first = 1 + 4 * step
-            assert sorted(forwards.values()) == [float(s) for s in range(first, first + 4) for _ in range(2)]
-            assert pipe.state_dict()["0.scale"].item() == first + 4  # the first replica's four forwards
-        assert model[0].weight.grad is not None
+            counts = range(8) if sharing == "shared" else [c for c in range(4) for _ in range(2)]
+            assert sorted(forwards.values()) == [first + c for c in counts], f"run {attempt} step {step}"
+            first += 8 if sharing == "shared" else 4
+            assert pipe.state_dict()["0.scale"].item() == first  # every forward counted once
 
 
 class Masked(nn.Linear):
@@ -163,15 +165,28 @@ class Masked(nn.Linear):
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_replicas_with_buffers_of_their_own_train_as_the_model(checkpoint: str) -> None:
-    """Replicas with buffers besides batch norm's own those buffers but share the parameters:
-    two steps give the plain model's outputs, gradients and parameters."""
+def test_replicas_with_constant_buffers_train_as_the_model(checkpoint: str) -> None:
+    """Replicas sharing layers with buffers besides batch norm's: two steps give the plain
+    model's outputs, gradients and parameters, checkpointed or not."""
     torch.manual_seed(3)
     model = nn.Sequential(Masked(6), nn.Tanh(), Masked(6), nn.Tanh(), nn.BatchNorm1d(6), Masked(6))
-    pipe = assert_replicas_transparent(model, torch.randn(10, 6), [2, 4], replicas=2, chunks=2,
-                                       checkpoint=checkpoint, steps=2)
-    twin = pipe._engines[1].stages[0].modules[0]
-    assert twin is not model[0] and twin.weight is model[0].weight and twin.mask is not model[0].mask
+    assert_replicas_transparent(model, torch.randn(10, 6), [2, 4], replicas=2, chunks=2, checkpoint=checkpoint,
+                                steps=2)
+
+
+def test_what_the_caller_does_to_the_model_reaches_every_replica() -> None:
+    """On CPU the replicas run the model's own modules: ``model.eval()`` after wrapping (not
+    ``pipe.eval()``) and a hook registered then reach the whole batch, as on the plain model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), Masked(4), nn.Linear(4, 2))
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu"] * 4, chunks=2, replicas=2)
+    model.eval()
+    seen: list[int] = []
+    model[2].register_forward_hook(lambda module, args, output: seen.append(len(output)))
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        assert torch.equal(pipe(x), model(x))
+    assert sum(seen) == 16  # 8 rows through the replicas, 8 through the plain model
 
 
 def test_eval_and_no_grad_join_the_replicas() -> None:
@@ -360,10 +375,10 @@ def test_copies_gather_gradients_when_the_last_backward_under_way_ends() -> None
     gradients when the first ends would read and clear them while the second still adds to
     them.  They are gathered when the last ends, or dropped if one of them failed."""
     from autopipe.model import layer_chain
-    from autopipe.runtime.replicas import Copies, replica_layers
+    from autopipe.runtime.replicas import Copies, copied_layers
 
     primary = layer_chain(nn.Sequential(nn.Linear(2, 2)))
-    twin = replica_layers(primary, shared=False)
+    twin = copied_layers(primary)
     copies = Copies(primary, [twin])
     source, target = primary[0].module.weight, twin[0].module.weight
     for failed in (False, True):

@@ -38,7 +38,7 @@ from .checkpoint import checkpointed
 from .engine import Engine
 from .function import PipelineTie
 from .memory import StageMeter, StagePeak
-from .replicas import Copies, Replicas, replica_layers, shares_parameters
+from .replicas import Copies, Replicas, copied_layers, pair_stages, shares_parameters
 from .run import Loss, Run
 from .skips import skip_spans, stage_routes
 from .stage import Stage
@@ -183,21 +183,19 @@ class Pipeline(nn.Module):
         self._register_state(layers)
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
-        chains = [layers if r == 0 else replica_layers(layers, shared) for r in range(replicas)]
+        chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
         self._engines = [Engine(_build_stages(chain, self.balance, group, turns), schedule)
                          for chain, group in zip(chains, groups)]
-        self._copies = None if replicas == 1 else Copies(chains[0], chains[1:])
+        self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
-            for engine in self._engines:
-                for stage in engine.stages:
-                    stage.brackets_batch_norm = False
+            pair_stages(self._engines, shared)
         self._engine = self._engines[0]
         self._dummy = torch.ones((), requires_grad=True)
         self.measure_memory = False
 
     @property
     def stages(self) -> list[Stage]:
-        """The stages of the first replica (every replica runs the same parameters)."""
+        """The stages of the first replica (every replica runs the same modules)."""
         return self._engine.stages
 
     def __len__(self) -> int:
@@ -271,9 +269,9 @@ class Pipeline(nn.Module):
     def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
         """One call's runs: the batch split into replica shares, each into micro-batches."""
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
-        guarded = any(any(run.checkpointed) for run in runs)  # the replicas draw from one generator
+        replays = any(any(run.checkpointed) for run in runs)  # the replicas share generators and buffers
         for run in runs:
-            run.guards_random = guarded
+            run.replays = replays
         engines = self._engines[:len(runs)]
         if self.measure_memory:
             for engine, run in zip(engines, runs):

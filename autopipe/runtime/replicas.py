@@ -5,11 +5,12 @@ on its own devices.  A call splits the batch with ``torch.tensor_split(batch, re
 share into the plan's micro-batches, runs every replica's phase at once (:class:`Replicas`) and
 joins the outputs in order, so the caller's loss sees the whole batch as from the plain model.
 
-On CPU devices the replicas run the same parameters: they share their storage, so each
+On CPU devices the replicas run the same layer modules: they share parameter storage, so each
 parameter's ``AccumulateGrad`` (thread-safe) sums every replica's gradient into the one
 ``.grad`` — after ``backward`` it holds the plain model's gradient on the whole batch with no
 separate reduction step, the optimizer sees one set of parameters, and the next step computes
-with the updated weights everywhere.
+with the updated weights everywhere; and what the caller does to the modules (``eval()``, a
+hook, an attribute) reaches every replica.
 
 Elsewhere (CUDA) a module lives on one device, so replicas ``1..R-1`` run copies
 (:class:`Copies`), as ``torch.nn.parallel`` does: before each forward the first replica's
@@ -25,13 +26,12 @@ updated once from the whole batch's statistics, as ``nn.BatchNorm`` on the whole
 (plain batch norms would be updated by every replica's thread at once); with copies, from the
 first replica's share, as DDP with ``broadcast_buffers``.
 
-Other buffers (a spectral norm's vectors, counters, constant masks) are never shared: where
-the layers have any, the CPU replicas ``1..R-1`` run copies of the modules that share the
-parameters and batch norms (:func:`replica_layers`), and their buffers are refreshed from the
-first replica's before each forward, as on copies.  A checkpointed micro-batch recomputes on
-the buffers as its forward found them, put back for the recomputation and its backward
-(:mod:`autopipe.runtime.checkpoint`): on shared buffers another replica's thread would read
-those older values, or put its own back over them.
+Other buffers (a spectral norm's vectors, counters, masks) are shared on CPU too.  A
+checkpointed micro-batch recomputes on them as its forward found them, put back into the
+buffers for its recomputation and backward (:mod:`autopipe.runtime.checkpoint`), which no other
+replica's thread may see, nor move them while its forward reads them.  So in a call that
+checkpoints, stage ``i`` of every replica holds one lock around each forward and backward where
+it has such buffers (:func:`pair_stages`): those stages run one replica at a time.
 """
 from __future__ import annotations
 
@@ -54,33 +54,31 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .run import Run
 
-__all__ = ["Copies", "Replicas", "replica_layers", "shares_parameters"]
+__all__ = ["Copies", "Replicas", "copied_layers", "pair_stages", "shares_parameters"]
 
 
 def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
-    """Whether replicas on ``devices`` share the parameters (all CPU) rather than copy them."""
+    """Whether replicas on ``devices`` run the same modules (all CPU) rather than copies."""
     return all(d.type == "cpu" for group in devices for d in group)
 
 
-def replica_layers(layers: Sequence[Layer], shared: bool) -> list[Layer]:
-    """The layers of a replica after the first: deep copies of the modules, or where replicas
-    share parameters (``shared``, :func:`shares_parameters`) copies that keep the parameters
-    and deferred batch norms and own only the other buffers (the module docstring), and with
-    no such buffers the layers themselves."""
-    if not shared:
-        return _copied(layers, {})
-    norms = [m for layer in layers for m in layer.module.modules() if isinstance(m, DeferredBatchNorm)]
-    if not buffer_slots([layer.module for layer in layers], skip={id(bn) for bn in norms}):
-        return list(layers)
-    kept = [*(p for layer in layers for p in layer.module.parameters()), *norms]
-    return _copied(layers, {id(item): item for item in kept})
-
-
-def _copied(layers: Sequence[Layer], memo: dict[int, object]) -> list[Layer]:
-    """``layers`` with their modules deep-copied together (a module at two positions stays one),
-    but for what ``memo`` maps to itself."""
+def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
+    """A replica's own copy of ``layers``: the modules deep-copied together (a module at two
+    positions stays one module), placed later with the stages."""
+    memo: dict[int, object] = {}
     return [Layer(layer.name, copy.deepcopy(layer.module, memo), layer.stash, layer.pop, layer.prefix)
             for layer in layers]
+
+
+def pair_stages(engines: Sequence[Engine], shared: bool) -> None:
+    """Stage ``i`` of every replica: the call, not the stages, brackets their deferred batch norms;
+    and where they run the same modules (``shared``) and have buffers a recomputation replays
+    (:attr:`Stage.replayed`), they share one lock (the module docstring)."""
+    for stages in zip(*(engine.stages for engine in engines)):
+        lock = threading.Lock() if shared and stages[0].replayed else None
+        for stage in stages:
+            stage.brackets_batch_norm = False
+            stage.replay_lock = lock
 
 
 class Copies:
@@ -88,11 +86,9 @@ class Copies:
     out before a forward and gradients in after a backward."""
 
     def __init__(self, primary: Sequence[Layer], copies: Sequence[Sequence[Layer]]) -> None:
-        # a replica sharing the first's parameters and batch norms pairs only what it owns; buffers
-        # by where they live, for a forward may assign a buffer a new tensor
-        self.params = [[(p, q) for p, q in zip(_params(primary), _params(layers)) if p is not q] for layers in copies]
-        self.buffers = [[(a, b) for a, b in zip(_slots(primary), _slots(layers)) if a[0] is not b[0]]
-                        for layers in copies]
+        # buffers by where they live, for a forward may assign a buffer a new tensor
+        self.params = [list(zip(_params(primary), _params(layers))) for layers in copies]
+        self.buffers = [list(zip(_slots(primary), _slots(layers))) for layers in copies]
         self.devices = {t.device for pairs in self.params for _, t in pairs}
         self.devices |= {slot_tensor(slot).device for pairs in self.buffers for _, slot in pairs}
         # backward phases under way: two calls' (two forwards, one loss) run at once, and the

@@ -108,9 +108,10 @@ class Run:
     # (receiving stage, message key) -> the marks of a message's tensors that are, in the plain
     # model, the same tensor as another sent apart (autopipe.runtime.aliases)
     marks: dict[tuple[int, Hashable], Marks] = field(default_factory=dict)
-    # whether stages that draw random numbers take the generator's lock (RandomGuard): when this
-    # run or another replica's run of the same call checkpoints, whose replay needs its own draws
-    guards_random: bool = False
+    # whether this run or another replica's run of the same call checkpoints: a replay needs its
+    # own draws, so stages that draw random numbers take the generator's lock (RandomGuard), and
+    # its own buffers, so stages with buffers take their replicas' lock (Stage.replay_lock)
+    replays: bool = False
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]

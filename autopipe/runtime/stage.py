@@ -19,6 +19,7 @@ order.  For micro-batch ``j`` it
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -65,6 +66,9 @@ class Stage:
         # what a checkpointed micro-batch keeps a copy of: the buffers later forwards may change
         # before its recomputation (a deferred batch norm's statistics change only at a step's end)
         self.replayed = buffer_slots(self.modules, skip={id(bn) for bn in self.deferred})
+        # shared with the same stage of the other replicas where they run these very modules
+        # (autopipe.runtime.replicas): a recomputation puts older values into the buffers
+        self.replay_lock: threading.Lock | None = None
         # False when the caller brackets the deferred batch norms' steps (replicas share them)
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
@@ -114,7 +118,7 @@ class Stage:
     def _forward(self, run: Run, j: int) -> None:
         args, skips = self._receive_inputs(run, j)
         checkpointed = run.checkpointed[j]
-        with self._turn("F"):
+        with self._turn("F"), self._buffers_held(run):
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 kept = buffers_kept(self.replayed) if checkpointed else None
@@ -132,7 +136,7 @@ class Stage:
             run.saved[self.index][j] = saved
 
     def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
-        if run.guards_random:
+        if run.replays:
             return self.random.forward()
         return contextlib.nullcontext()
 
@@ -245,7 +249,7 @@ class Stage:
         else:
             output_grads = inbox.take(("dy", j))
         skip_grads = {key: inbox.take(("dskip", key, j)) for key in self.routes.leaving}
-        with self._turn("B"), self._on_stream(), self._as_at_forward(saved):
+        with self._turn("B"), self._buffers_held(run), self._on_stream(), self._as_at_forward(saved):
             if saved.output is None:
                 begin = run.ms()
                 saved.output, saved.leaving = self._recompute(run, j, saved)
@@ -275,6 +279,12 @@ class Stage:
         if saved.buffers is None:
             return contextlib.nullcontext()
         return buffers_replayed(self.replayed, saved.buffers)
+
+    def _buffers_held(self, run: Run) -> contextlib.AbstractContextManager[object]:
+        """This stage's buffers to itself among the replicas sharing them, in a call that
+        replays them.  Taken after the turn and before the random generators' locks, in the
+        forward as in the backward."""
+        return self.replay_lock if self.replay_lock is not None and run.replays else contextlib.nullcontext()
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]
