@@ -67,8 +67,11 @@ def slot_tensor(slot: BufferSlot) -> torch.Tensor:
 
 def buffers_kept(slots: Sequence[BufferSlot]) -> list[torch.Tensor]:
     """A copy of each slot's tensor now (slots holding one tensor share one copy)."""
+    return _copies([slot_tensor(slot) for slot in slots])
+
+
+def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     copies: dict[int, torch.Tensor] = {}
-    tensors = [slot_tensor(slot) for slot in slots]
     for tensor in tensors:
         copies.setdefault(id(tensor), tensor.detach().clone())
     return [copies[id(tensor)] for tensor in tensors]
@@ -93,7 +96,8 @@ def buffers_restored(slots: Sequence[BufferSlot]) -> Iterator[None]:
     ``.data``, which does not bump their autograd version: the recomputed graph, or a
     micro-batch that was not checkpointed (whose backward comes later under 1F1B), saved them
     for backward, and a visible in-place write would fail its version check."""
-    tensors, values = [slot_tensor(slot) for slot in slots], buffers_kept(slots)
+    tensors = [slot_tensor(slot) for slot in slots]
+    values = _copies(tensors)
     try:
         yield
     finally:
