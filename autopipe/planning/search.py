@@ -284,9 +284,11 @@ class Search:
         consumers: dict[tuple[int, int], range] = {}
         sent: dict[_Key, int] = {}
         count, copy_grad, sent_id = np.zeros(len(starts), dtype=int), [], []
+        listed = 0  # commitments in the ways listed so far
         for index, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
             self._tick(index)
-            ways = self._sent(stage, start, stop, consumers)
+            ways = self._sent(stage, start, stop, consumers, listed)
+            listed += sum(len(entries) for _, entries in ways)
             count[index] = len(ways)
             for copy, entries in ways:
                 copy_grad.append(copy)
@@ -330,19 +332,27 @@ class Search:
                 kept.append(entry)
         return copy_in, tuple(kept)
 
-    def _sent(self, stage: int, start: int, stop: int,
-              consumers: dict[tuple[int, int], range]) -> list[tuple[float, _Key]]:
+    def _sent(self, stage: int, start: int, stop: int, consumers: dict[tuple[int, int], range],
+              listed: int) -> list[tuple[float, _Key]]:
         """One ``(copy of gradients, commitments)`` per choice of consumer stage for each skip
         stage ``[start, stop)`` sends on (``consumers`` caches :meth:`_consumers` by stop and
-        pop)."""
+        pop), after ``listed`` commitments of other stages' ways.  The choices multiply (a
+        stage sending ten skips with ten consumers each has 10¹⁰ ways), so their commitments
+        are counted (:meth:`_check_size`) before they are listed and the time is checked while
+        they are."""
         model, skips, nbytes = self.model, self.model.chain.skips, self.costs.skip_bytes
         sent = [i for i, s in enumerate(skips) if start <= s.stash < stop <= s.pop]
         for i in sent:
             if (stop, skips[i].pop) not in consumers:
                 consumers[stop, skips[i].pop] = self._consumers(stage, stop, skips[i].pop)
-        choices = itertools.product(*(consumers[stop, skips[i].pop] for i in sent))
-        return [(sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, chosen)),
-                 tuple((i, stage, u) for i, u in zip(sent, chosen))) for chosen in choices]
+        options = [consumers[stop, skips[i].pop] for i in sent]
+        self._check_size(listed + math.prod(len(choices) for choices in options) * max(len(sent), 1))
+        ways = []
+        for chosen in itertools.product(*options):
+            self._tick(len(ways))
+            ways.append((sum(model.copy_ms(u, stage, nbytes[i]) for i, u in zip(sent, chosen)),
+                         tuple((i, stage, u) for i, u in zip(sent, chosen))))
+        return ways
 
     def _consumers(self, stage: int, stop: int, pop: int) -> range:
         """The stages that can pop at layer ``pop`` a skip sent on by stage ``stage`` ending at
