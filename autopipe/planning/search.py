@@ -197,6 +197,7 @@ class Search:
         forward_cap, backward_cap = self._caps()
         within = np.flatnonzero((forward <= forward_cap) & (back <= backward_cap))
         state, stops, start, forward, back = state[within], stops[within], start[within], forward[within], back[within]
+        self._check_time()  # each of these steps takes up to a second on millions of moves
         memory = model.memory(costs, start, stops, self.m, self.mode, model.held_bytes(costs, start, stops))
         fits = np.flatnonzero(memory <= self.limits[stage])
         state, stops, start, forward, back = state[fits], stops[fits], start[fits], forward[fits], back[fits]
@@ -205,6 +206,7 @@ class Search:
         skipped = forward if self.mode == "except_last" else np.zeros(len(stops))
         moves = _Moves(state, stops, copy_in, forward, back, skipped, copy_grad, np.zeros(len(stops), dtype=int))
         if self.keyed:
+            self._check_time()
             return self._commit(stage, starts, keys, moves)
         self._add_skips(stage, start, stops, copy_in, copy_grad)
         return moves
@@ -252,6 +254,7 @@ class Search:
         once per distinct pair (a stage has many more moves than pairs)."""
         span = self.model.layers + 1
         codes, by_key = _distinct(keys[moves.state] * span + moves.stop)
+        self._check_time()
         copy_in, kept_id, kept = self._receipts(stage, codes // span, codes % span)
         codes, by_start = _distinct(starts[moves.state] * span + moves.stop)
         count, copy_grad, sent_id, sent = self._sendings(stage, codes // span, codes % span)
