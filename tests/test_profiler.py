@@ -186,6 +186,16 @@ def test_profiling_leaves_model_state_unchanged() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_spectral_norm_a_forward_has_run_profiles_under_load() -> None:
+    """The load's twin chain is a deep copy of the layers: a spectral norm already run holds
+    its computed ``weight`` (an autograd non-leaf), which ``copy.deepcopy`` refuses."""
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 2))
+    model(torch.randn(2, 4))
+    result = run(model, torch.randn(4, 4), [2])
+    assert [layer.name for layer in result.layers] == ["0", "1", "2"]
+    assert result.layers[0].param_bytes == (4 * 8 + 8) * F32
+
+
 def test_a_layer_list_profiles_like_its_model_and_comes_back_unchanged() -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
     state = {k: v.clone() for k, v in model.state_dict().items()}

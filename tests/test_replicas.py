@@ -252,6 +252,24 @@ def test_copied_replicas_with_skips(copies: None) -> None:
     assert_unet_replicas_transparent()
 
 
+def normed() -> nn.Sequential:
+    """A spectral norm run once: its module holds the ``weight`` that forward computed, a tensor
+    of the autograd graph, which ``copy.deepcopy`` refuses.  In eval mode, where its power
+    iteration stands still, so that each copy computes the plain model's weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(8, 16)), nn.Tanh(), nn.Linear(16, 4))
+    model(torch.randn(2, 8))
+    return model.eval()
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_copied_replicas_of_a_norm_a_forward_has_run(copies: None, checkpoint: str) -> None:
+    pipe = autopipe.Pipeline(normed(), balance=[1, 2], devices=["cpu"] * 4, chunks=2, checkpoint=checkpoint,
+                             replicas=2)
+    assert pipe._copies is not None
+    assert_step_matches(pipe, normed(), torch.randn(8, 8), 2, 2)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_replicas_equal_the_plain_model() -> None:

@@ -2,8 +2,9 @@
 passes are timed, so layers are timed beside a busy neighbour as pipeline stages run."""
 from __future__ import annotations
 
-import copy
 import threading
+
+from ..model._copy import deep_copy
 
 from ._layer_runs import LayerRun, train_pass
 from ._progress import Progress
@@ -39,7 +40,7 @@ class Load:
 
     def __init__(self, runs: dict[int, list[LayerRun]]) -> None:
         first = next(iter(runs.values()))
-        modules = [copy.deepcopy(run.layer.module) for run in first]
+        modules = [deep_copy(run.layer.module) for run in first]
         self.twins = {b: [run.twin(module) for run, module in zip(chain, modules)] for b, chain in runs.items()}
         self.size = next(iter(runs))
         self.stop = threading.Event()

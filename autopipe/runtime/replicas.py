@@ -35,7 +35,6 @@ it has such buffers (:func:`pair_stages`): those stages run one replica at a tim
 """
 from __future__ import annotations
 
-import copy
 import threading
 from typing import TYPE_CHECKING, Sequence
 
@@ -45,6 +44,7 @@ from torch import Tensor
 from .._vocab import Phase
 from ..device import ops_for
 from ..model import Layer
+from ..model._copy import deep_copy
 from ._model_calls import join_outputs
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import BufferSlot, buffer_slots, put, slot_tensor
@@ -66,7 +66,7 @@ def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
     """A replica's own copy of ``layers``: the modules deep-copied together (a module at two
     positions stays one module), placed later with the stages."""
     memo: dict[int, object] = {}
-    return [Layer(layer.name, copy.deepcopy(layer.module, memo), layer.stash, layer.pop, layer.prefix)
+    return [Layer(layer.name, deep_copy(layer.module, memo), layer.stash, layer.pop, layer.prefix)
             for layer in layers]
 
 
