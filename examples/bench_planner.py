@@ -8,7 +8,10 @@ chosen and ``plan(..., time_limit=...)``.  Cases:
 * ``equal``: one copy fit for every device pair, equal speeds (the original benchmark);
 * ``pairs``: a copy fit per device pair and L/20 skips (at least 2);
 * ``speeds``: device speeds 1, 1.5 and 2 in turn, one copy fit;
-* ``interleaved``: two stages per device (``interleave=2``), one copy fit, equal speeds.
+* ``interleaved``: two stages per device (``interleave=2``), one copy fit, equal speeds;
+* ``small``: ten random chains of at most 12 layers × 4 devices with per-pair copies, skips and
+  mixed speeds (tests/synthetic.py ``small_hard``, which the tests check against brute force
+  without a time limit): the slowest and the largest gap (goal: gap 0), once, not per size.
 
 Each line prints the wall time of ``plan()`` end to end, the plan and its gap to the proven lower
 bound (0: optimal for the cost model).  ``--placement search`` also searches which device each
@@ -24,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from synthetic import random_profile  # noqa: E402
+from synthetic import random_profile, small_hard  # noqa: E402
 
 from autopipe.planning.solver import plan  # noqa: E402
 
 DEFAULT = ["100x8", "400x32", "1000x64"]
-CASES = ["equal", "pairs", "speeds", "interleaved"]
+CASES = ["equal", "pairs", "speeds", "interleaved", "small"]
 
 
 def bench(case: str, layers: int, devices: int, time_limit: float | None, placement: str) -> str:
@@ -49,6 +52,15 @@ def bench(case: str, layers: int, devices: int, time_limit: float | None, placem
             f"{chosen.predicted.iteration_ms:.1f} ms (bound {chosen.predicted.lower_bound_ms:.1f})")
 
 
+def bench_small(time_limit: float | None) -> str:
+    slowest, widest = 0.0, 0.0
+    for profile, speeds in small_hard(random.Random(17)):
+        start = time.perf_counter()
+        chosen = plan(profile, speeds=speeds, interleave=1, time_limit=time_limit)
+        slowest, widest = max(slowest, time.perf_counter() - start), max(widest, chosen.predicted.gap or 0.0)
+    return f"{'small':>11}  <=12 x <=4: {slowest:6.2f} s  gap {100 * widest:6.2f}%  (slowest and widest of 10)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sizes", nargs="*", default=DEFAULT, help="LAYERSxDEVICES, e.g. 1000x64")
@@ -58,6 +70,9 @@ def main() -> None:
                         help="plan()'s placement: also search which device each stage runs on")
     args = parser.parse_args()
     for case in args.cases.split(","):
+        if case == "small":
+            print(bench_small(args.time_limit or None), flush=True)
+            continue
         for size in args.sizes:
             layers, devices = (int(v) for v in size.lower().split("x"))
             print(bench(case, layers, devices, args.time_limit or None, args.placement), flush=True)

@@ -7,7 +7,7 @@ from typing import Sequence
 from autopipe._jsonio import digest
 from autopipe.profiling.profiles import CopyFit, LayerProfile, Profile, Stat
 
-__all__ = ["make_profile", "random_profile", "scale"]
+__all__ = ["make_profile", "random_profile", "scale", "small_hard"]
 
 Copies = tuple[float, float] | dict[tuple[int, int], tuple[float, float]]
 
@@ -106,3 +106,15 @@ def random_profile(rng: random.Random, layers: int, devices: int, *, skips: int 
         param_bytes=[rng.randrange(0, 50_000) for _ in range(layers)],
         skips=edges, copies=copies, input_bytes=rng.randrange(0, 4000),
     )
+
+
+def small_hard(rng: random.Random, count: int = 10) -> list[tuple[Profile, list[float]]]:
+    """``count`` random chains of at most 12 layers on at most 4 devices, with per-pair copies,
+    1-3 skips and device speeds of 1, 1.5 or 2: the small hard cases the planner must solve
+    exactly (profile, speeds)."""
+    cases = []
+    for _ in range(count):
+        layers, devices = rng.randint(2, 12), rng.randint(2, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(1, 3), per_pair=True)
+        cases.append((profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)]))
+    return cases
