@@ -12,7 +12,7 @@ from helpers import all_splits, brute_force, model_of
 from synthetic import make_profile, random_profile
 
 from autopipe.profiling.profiles import Profile
-from autopipe.planning.solver import PlanningError, candidate_chunks, plan, solve
+from autopipe.planning.solver import PlanningError, candidate_chunks, plan, smallest_memory, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +107,21 @@ def test_memory_limit_respected_and_infeasible_error_states_the_exact_minimum():
     # one limit per device: a small first device pushes layers to the others
     per_device = plan(profile, memory_limit=[smallest, 10**9, 10**9])
     assert per_device.stages[0].memory_bytes <= smallest
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_smallest_memory_is_the_least_largest_stage_of_every_split(seed: int) -> None:
+    """The limit the infeasible error names (a min-max DP over a table of every stage's
+    memory) against every split, micro-batch count and mode, with skips."""
+    rng = random.Random(seed)
+    for _ in range(6):
+        layers, devices = rng.randint(1, 8), rng.randint(1, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=False)
+        model = model_of(profile, [1.0] * devices)
+        chunks, modes = candidate_chunks(profile.batch_size, profile.batch_sizes), ["never", "except_last", "always"]
+        expected = min(max(s.memory for s in model.evaluate(bounds, m, mode).stages)
+                       for bounds in all_splits(layers, devices) for m in chunks for mode in modes)
+        assert smallest_memory(model, chunks, modes, devices)[0] == pytest.approx(expected, rel=1e-12)
 
 
 def test_faster_device_gets_more_layers():

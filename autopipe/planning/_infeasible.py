@@ -8,7 +8,7 @@ import numpy as np
 
 from .._vocab import CheckpointMode
 from ._options import Options
-from .cost import CostModel, SizeCosts, effective_mode
+from .cost import CostModel, effective_mode
 
 __all__ = ["infeasible", "smallest_memory"]
 
@@ -16,9 +16,10 @@ __all__ = ["infeasible", "smallest_memory"]
 def infeasible(model: CostModel, options: Options) -> str:
     """Why no plan fits: the memory limits given and the smallest limit that would fit."""
     need, chunks, mode = smallest_memory(model, options.candidates, options.modes, len(options.limits))
-    limits = ", ".join("none" if math.isinf(v) else f"{int(v)}" for v in options.limits)
+    named = ["none" if math.isinf(v) else f"{int(v)}" for v in options.limits]
+    limits = f"{named[0]} bytes on every device" if len(set(named)) == 1 else f"{', '.join(named)} bytes per device"
     plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
-    return (f"no plan fits the memory limits ({limits} bytes per device); the smallest per-device "
+    return (f"no plan fits the memory limits ({limits}); the smallest per-device "
             f"memory limit that would fit {plans}is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
             f"with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices or allow "
             "checkpointing")
@@ -28,29 +29,29 @@ def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence
                     devices: int) -> tuple[float, int, str]:
     """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``)."""
     best = (math.inf, 0, "")
+    start, stop = np.triu_indices(model.layers + 1, k=1)  # every stage [start, stop)
     for chunks in candidates:
         costs = model.at(model.micro_batch_size(chunks))
+        held = model.held_bytes(costs, start, stop)
         for mode in modes:
-            answer = _min_max_memory(model, costs, chunks, effective_mode(mode, chunks), devices)
+            memory = model.memory(costs, start, stop, chunks, effective_mode(mode, chunks), held)
+            answer = _min_max(model.layers, start, stop, memory, devices)
             if answer < best[0]:
                 best = (answer, chunks, mode)
     return best
 
 
-def _min_max_memory(model: CostModel, costs: SizeCosts, chunks: int, mode: CheckpointMode, devices: int) -> float:
-    """``min over k ≤ devices and splits of max stage memory``: ``reach[c]`` is the best over
-    the first ``c`` layers with one more stage each round."""
-    layers = model.layers
-    starts = np.arange(layers)
+def _min_max(layers: int, start: np.ndarray, stop: np.ndarray, memory: np.ndarray, devices: int) -> float:
+    """``min over k ≤ devices and splits of max stage memory``, given the ``memory`` of every
+    stage ``[start, stop)``: ``reach[c]`` is the best over the first ``c`` layers in at most as
+    many stages as rounds so far, one more each round until a round changes nothing."""
+    table = np.full((layers + 1, layers + 1), math.inf)
+    table[start, stop] = memory
     reach = np.full(layers + 1, math.inf)
     reach[0] = 0.0
-    answer = math.inf
     for _ in range(devices):
-        grown = np.full(layers + 1, math.inf)
-        for stop in range(1, layers + 1):
-            head = starts[:stop]
-            row = model.memory(costs, head, stop, chunks, mode, model.held_bytes(costs, head, stop))
-            grown[stop] = np.min(np.maximum(reach[:stop], row))
+        grown = np.minimum(reach, np.min(np.maximum(reach[:, None], table), axis=0))
+        if np.array_equal(grown, reach):
+            break
         reach = grown
-        answer = min(answer, float(reach[layers]))
-    return answer
+    return float(reach[layers])
