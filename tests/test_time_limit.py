@@ -123,6 +123,25 @@ def test_a_search_that_would_outgrow_memory_stops_with_a_proven_bound(monkeypatc
     assert "the exact search stopped where its partial plans would outgrow memory" in capsys.readouterr().out
 
 
+def test_a_stage_of_the_exact_search_foreseen_to_end_past_the_limit_is_not_started(monkeypatch) -> None:
+    """A stage of the exact DP prices millions of label-move pairs at the largest sizes (half a
+    second at 150 layers x 8 devices with per-pair copies and skips, past a 0.5 s limit): one
+    foreseen, at the slowest rate so far, to end past the limit is not started, and the plan
+    says the limit was reached.  Here every pair is foreseen to take a second."""
+    profile = random_profile(random.Random(3), 16, 4, skips=3, per_pair=True, sizes=(1, 2, 4, 8))
+    speeds = [1, 1.5, 2, 1]
+    exact = plan(profile, speeds=speeds, time_limit=None, interleave=1)
+    started = []
+    run = search.Search.run
+    monkeypatch.setattr(search.Search, "run", lambda self: started.append(self) or run(self))
+    monkeypatch.setattr(search, "_PER_PAIR", 1.0)
+    stopped = plan(profile, speeds=speeds, time_limit=60, interleave=1)
+    assert started and not all(s.finished for s in started)
+    assert stopped.options["time_limit_reached"] and stopped.predicted.gap > 0
+    assert stopped.predicted.lower_bound_ms <= exact.predicted.iteration_ms * (1 + 1e-9)
+    assert stopped.predicted.iteration_ms >= exact.predicted.iteration_ms * (1 - 1e-9)
+
+
 def test_a_step_foreseen_too_long_leaves_the_time_to_shorter_ones() -> None:
     """Budget.fits, unlike Budget.out, records nothing: the solver skips a grid that would not
     fit and still builds and searches those that do."""

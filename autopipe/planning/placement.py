@@ -8,7 +8,8 @@ exact, so the best over all orders is — stages use a prefix of an order, so ev
 ``k ≤ devices`` stages on distinct devices is some order's prefix), and beyond that a few
 orders that tend to be good: as given, fastest first, slowest first, and chains that take the
 cheapest copy next from each device.  The plan's bound then covers only the orders searched,
-and its options say which (``placements_searched``).
+and its options say how many (``placements_searched``); so does it when the time limit leaves
+orders out.
 """
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -59,6 +60,10 @@ _PAIRS = 2_000_000
 # Most label-move pairs (or moves) one stage of the DP may list, at about 80 bytes each.  Beyond,
 # the keyed search (per-pair copies with skips on many devices) stops as out of time.
 _MOST = 10_000_000
+
+
+# Seconds per label-move pair a stage of the DP is foreseen to take before one has been timed.
+_PER_PAIR = 0.0
 
 
 class _OutOfTime(Exception):
@@ -128,6 +133,9 @@ class Search:
         self.speed_prefix = np.concatenate(([0.0], np.cumsum(speeds)))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
+        # seconds per label-move pair of the slowest stage so far: a stage of millions of pairs
+        # takes seconds, so one foreseen to end past the time limit is not started
+        self.per_pair = _PER_PAIR
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``; :attr:`finished` says
@@ -137,7 +145,9 @@ class Search:
         try:
             for stage in range(self.devices):
                 self._check_time()
-                labels = self._step(stage, labels)
+                start = time.perf_counter()
+                labels, count = self._step(stage, labels)
+                self.per_pair = max(self.per_pair, (time.perf_counter() - start) / max(count, 1))
                 if not len(labels.x):
                     break
             self.finished = True
@@ -147,8 +157,10 @@ class Search:
             return None
         return Choice(self.bounds, self.m, self.candidate.mode, self.best)
 
-    def _check_time(self) -> None:
-        if self.budget is not None and self.budget.out():
+    def _check_time(self, expected: float = 0.0) -> None:
+        """Stop if the time is up, or would be after a step ``expected`` to take that long (the
+        time left then goes to the other searches)."""
+        if self.budget is not None and not self.budget.fits(expected):
             raise _OutOfTime
 
     def _check_size(self, count: int) -> None:
@@ -158,26 +170,27 @@ class Search:
                 self.budget.crowded = True
             raise _OutOfTime
 
-    def _step(self, stage: int, labels: _Labels) -> _Labels:
+    def _step(self, stage: int, labels: _Labels) -> tuple[_Labels, int]:
         """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
-        record a finished plan that beats ``best``, return the labels that can still beat it."""
+        record a finished plan that beats ``best``, return the labels that can still beat it
+        and how many label-move pairs were priced."""
         state, first = states(labels.start, labels.key)
         moves = self._moves(stage, labels.start[first], labels.key[first])
-        self._check_time()
-        self._check_size(int(np.dot(np.bincount(state, minlength=len(first)),
-                                    np.bincount(moves.state, minlength=len(first)))))
+        count = int(np.dot(np.bincount(state, minlength=len(first)), np.bincount(moves.state, minlength=len(first))))
+        self._check_size(count)
+        self._check_time(count * self.per_pair)
         label, move = pairs(state, moves.state, len(first))
         lanes = moves.take(move)
         x, peak, v, total = self._grow(labels, label, lanes)
         parent = labels.ref[label]
         self._finish(stage, lanes.stop, x, v, total, parent)
         if stage + 1 >= self.devices:
-            return labels.take(move[:0])
+            return labels.take(move[:0]), count
         going = np.flatnonzero(lanes.stop < self.model.layers)
         stops = lanes.stop[going]
         x, peak, v = self._raise(stage, stops, x[going], peak[going], v[going])
         grown = _Labels(stops, lanes.key[going], x, peak, v, total[going], parent[going])
-        return self._settle(stage, grown.take(np.flatnonzero(self._lower_bound(stage, grown) < self.best)))
+        return self._settle(stage, grown.take(np.flatnonzero(self._lower_bound(stage, grown) < self.best))), count
 
     def _caps(self) -> tuple[float, float]:
         """:meth:`Candidate.caps` with the least lane sum of any plan within the caps the

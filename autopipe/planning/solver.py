@@ -132,11 +132,13 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state, engine)
     searched, complete = placements.orders(model, placement)
-    choice, lower, order = None, math.inf, searched[0]
+    choice, lower, order, tried = None, math.inf, searched[0], 0
     for candidate_order in searched:  # each order only looks for plans faster than the best so far
+        if choice is not None and budget.out():  # an order's setup alone takes 10-20 ms
+            break
         found, bound = _search_all(placements.permuted(model, candidate_order), options,
                                    options.limits[list(candidate_order)], budget, choice)
-        lower = min(lower, bound)
+        lower, tried = min(lower, bound), tried + 1
         if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
             choice, order = found, candidate_order
     if choice is None:
@@ -146,7 +148,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
         raise PlanningError(infeasible(model, options))
     record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
               "memory_limit_reached": budget.crowded,
-              "placement": placement, "placements_searched": "all" if complete else len(searched),
+              "placement": placement, "placements_searched": "all" if complete and tried == len(searched) else tried,
               "device_order": list(order)}
     return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
                       choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
@@ -209,10 +211,12 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
                                      better(incumbent, _seed(model, pairs[0], limits)), budget)
     unsettled = [lead for lead in leads if lead.cells.least() < (math.inf if best is None else best.iteration_ms)]
     refined, left, best = _refine_all(model, unsettled, limits, best, per_cell, budget)
+    stopped = False  # a search stopped for time (not for memory)
     for grid in sorted(refined, key=lambda grid: math.inf if grid.plan is None else grid.plan.iteration_ms):
         best, unresolved = _search(model, grid, limits, best, budget)
         left.append(unresolved)
-    budget.spent = budget.spent or len(left) > len(refined)  # a grid left out for time
+        stopped = stopped or math.isfinite(unresolved) and not budget.crowded
+    budget.spent = budget.spent or stopped or len(left) > len(refined)  # a grid or a search left out for time
     left.append(waiting)
     upper = math.inf if best is None else best.iteration_ms
     return Outcome(None if best is incumbent else best, min(upper, *left))
