@@ -39,7 +39,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 
@@ -62,8 +64,8 @@ _PAIRS = 2_000_000
 _MOST = 10_000_000
 
 
-# Seconds per label-move pair a stage of the DP is foreseen to take before one has been timed.
-_PER_PAIR = 0.0
+# Seconds per row a step of the DP is foreseen to take before one of its kind has been timed.
+_PER_ROW = 0.0
 
 
 class _OutOfTime(Exception):
@@ -133,9 +135,9 @@ class Search:
         self.speed_prefix = np.concatenate(([0.0], np.cumsum(speeds)))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
-        # seconds per label-move pair of the slowest stage so far: a stage of millions of pairs
-        # takes seconds, so one foreseen to end past the time limit is not started
-        self.per_pair = _PER_PAIR
+        # per kind of step (Search._rated), the most seconds per row it took so far: a step over
+        # millions of rows takes seconds, so one foreseen to end past the time limit is not started
+        self.rates: dict[str, float] = {}
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``; :attr:`finished` says
@@ -145,9 +147,7 @@ class Search:
         try:
             for stage in range(self.devices):
                 self._check_time()
-                start = time.perf_counter()
-                labels, count = self._step(stage, labels)
-                self.per_pair = max(self.per_pair, (time.perf_counter() - start) / max(count, 1))
+                labels = self._step(stage, labels)
                 if not len(labels.x):
                     break
             self.finished = True
@@ -163,6 +163,16 @@ class Search:
         if self.budget is not None and not self.budget.fits(expected):
             raise _OutOfTime
 
+    @contextmanager
+    def _rated(self, kind: str, rows: int) -> Iterator[None]:
+        """Run a step over ``rows`` rows only if, at the most seconds per row of its ``kind`` so
+        far, it is foreseen to end within the time limit (else stop as out of time); time it."""
+        rate = self.rates.get(kind, _PER_ROW)
+        self._check_time(rows * rate)
+        start = time.perf_counter()
+        yield
+        self.rates[kind] = max(rate, (time.perf_counter() - start) / max(rows, 1))
+
     def _check_size(self, count: int) -> None:
         """Stop (as out of time) before listing ``count`` rows, if more than :data:`_MOST`."""
         if count > _MOST:
@@ -170,27 +180,31 @@ class Search:
                 self.budget.crowded = True
             raise _OutOfTime
 
-    def _step(self, stage: int, labels: _Labels) -> tuple[_Labels, int]:
+    def _step(self, stage: int, labels: _Labels) -> _Labels:
         """Every label × every stage ``[start, stop)`` on device ``stage`` its state allows:
-        record a finished plan that beats ``best``, return the labels that can still beat it
-        and how many label-move pairs were priced."""
+        record a finished plan that beats ``best``, return the labels that can still beat it."""
         state, first = states(labels.start, labels.key)
         moves = self._moves(stage, labels.start[first], labels.key[first])
         count = int(np.dot(np.bincount(state, minlength=len(first)), np.bincount(moves.state, minlength=len(first))))
         self._check_size(count)
-        self._check_time(count * self.per_pair)
-        label, move = pairs(state, moves.state, len(first))
+        with self._rated("pairs", count):
+            return self._pair(stage, labels, state, len(first), moves)
+
+    def _pair(self, stage: int, labels: _Labels, state: np.ndarray, count: int, moves: _Moves) -> _Labels:
+        """:meth:`_step` on each label (of state ``state[i]``, of ``count``) paired with each
+        of its state's moves."""
+        label, move = pairs(state, moves.state, count)
         lanes = moves.take(move)
         x, peak, v, total = self._grow(labels, label, lanes)
         parent = labels.ref[label]
         self._finish(stage, lanes.stop, x, v, total, parent)
         if stage + 1 >= self.devices:
-            return labels.take(move[:0]), count
+            return labels.take(move[:0])
         going = np.flatnonzero(lanes.stop < self.model.layers)
         stops = lanes.stop[going]
         x, peak, v = self._raise(stage, stops, x[going], peak[going], v[going])
         grown = _Labels(stops, lanes.key[going], x, peak, v, total[going], parent[going])
-        return self._settle(stage, grown.take(np.flatnonzero(self._lower_bound(stage, grown) < self.best))), count
+        return self._settle(stage, grown.take(np.flatnonzero(self._lower_bound(stage, grown) < self.best)))
 
     def _caps(self) -> tuple[float, float]:
         """:meth:`Candidate.caps` with the least lane sum of any plan within the caps the
@@ -200,8 +214,14 @@ class Search:
     def _moves(self, stage: int, starts: np.ndarray, keys: np.ndarray) -> _Moves:
         """The stages on device ``stage`` from each state ``(starts[i], keys[i])`` whose lanes
         are within :meth:`_caps` and whose memory fits the device."""
-        model, costs, speed = self.model, self.costs, self.model.speeds[stage]
         state, stops = self._windows(stage, starts)
+        with self._rated("moves", len(stops)):
+            return self._priced(stage, starts, keys, state, stops)
+
+    def _priced(self, stage: int, starts: np.ndarray, keys: np.ndarray, state: np.ndarray,
+                stops: np.ndarray) -> _Moves:
+        """:meth:`_moves` of the stages from ``starts[state[i]]`` to ``stops[i]``."""
+        model, costs, speed = self.model, self.costs, self.model.speeds[stage]
         start = starts[state]
         forward = costs.sum(costs.forward, start, stops) / speed
         back = costs.sum(costs.backward, start, stops) / speed
@@ -210,7 +230,6 @@ class Search:
         forward_cap, backward_cap = self._caps()
         within = np.flatnonzero((forward <= forward_cap) & (back <= backward_cap))
         state, stops, start, forward, back = state[within], stops[within], start[within], forward[within], back[within]
-        self._check_time()  # each of these steps takes up to a second on millions of moves
         memory = model.memory(costs, start, stops, self.m, self.mode, model.held_bytes(costs, start, stops))
         fits = np.flatnonzero(memory <= self.limits[stage])
         state, stops, start, forward, back = state[fits], stops[fits], start[fits], forward[fits], back[fits]
@@ -236,6 +255,9 @@ class Search:
         last = np.minimum(reach(self.costs.forward, starts, forward_cap * speed),
                           reach(self.candidate.back, starts, backward_cap * speed))
         counts = np.maximum(last - starts, 0)
+        total = int(counts.sum())
+        self._check_size(total)
+        self._check_time(total * self.rates.get("moves", _PER_ROW))
         state = np.repeat(np.arange(len(starts)), counts)
         return state, starts[state] + 1 + ragged_arange(counts)
 
