@@ -50,7 +50,7 @@ from .cost import CostModel, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
 from ._chain import Chains, cheapest_cuts, cut_least
-from ._minmax import min_max_split
+from ._minmax import foreseen, min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
 from .schedules import TURN_RULES
@@ -64,9 +64,6 @@ EXACT = 200_000
 #: ~0.25 s for the 170,544 splits of ResNet-50 into 8 stages on the machine of the README), to
 #: descend a group whose enumeration would overrun the budget
 _ENUMERATE_S = 2e-7
-#: seconds per stage and squared layer that a min-max DP takes (measured: ~6 s for 128 stages
-#: of 1,000 layers on the 2-core machine of the README), to skip one that would overrun the budget
-_MIN_MAX_S = 5e-8
 
 
 def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
@@ -241,7 +238,7 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
     if np.all(np.isinf(limits[:devices])):
         lane = costs.forward * (2.0 if recomputations(mode, chunks) else 1.0) + costs.backward
         return tuple(sorted({0, *greedy_split(lane, speeds, least_largest(lane, speeds, 1e-3)[1])}))
-    if budget is not None and budget.out(_MIN_MAX_S * len(where) * model.layers ** 2):
+    if budget is not None and budget.out(foreseen(model.layers, len(where))):
         return None
 
     def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:

@@ -10,8 +10,11 @@ bound on any such plan and only while that bound is under the best time found, a
 gives the split of least largest compute lane ``(F + W + R) / v`` whose every stage fits its
 device's memory with 1F1B's in-flight count, and the simulator prices it.  The lower bound is
 the larger of all work spread over the ``k`` devices' total speed and one micro-batch's
-forward and backward through the chain at the top speed; a ``(chunks, mode, k)`` whose bound
-reaches the best time is never better, so the search skips it.  An interleaved group gets the
+forward and backward through the chain at the top speed, and with one stage per device (when
+the group is reached: it costs a bisection) the least over splits of the largest stage's work
+after and before that chain (:func:`_staged`, within 15% of the best split where the others lie
+up to 42% below it); a ``(chunks, mode, k)`` whose bound reaches the best time is never better,
+so the search skips it.  An interleaved group gets the
 min-max split of its ``k · interleave`` stages and a descent on the simulated time
 (:class:`autopipe.planning.interleaved.Group`), each device's stages sharing its memory.
 
@@ -22,15 +25,17 @@ least group bound, not its plan's time: a 1F1B plan's gap is rarely 0.
 """
 from __future__ import annotations
 
+import heapq
 import math
+import time
 from typing import Sequence
 
 import numpy as np
 
 from ._budget import Budget, Outcome
-from .candidates import Choice
+from .candidates import Choice, better
 from .cost import CostModel, recomputations
-from ._minmax import min_max_split
+from ._minmax import foreseen, min_max_split
 from ._chain import cheapest_cuts
 from .interleaved import Group
 from .simulate import evaluate
@@ -48,27 +53,45 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     the devices given and stages per device ``interleaves``, and a lower bound on the time of
     ``best`` and of every 1F1B plan: the least bound of the groups (searched or not, as the
     split the DP picks need not be the fastest of its group)."""
-    groups = sorted((_bound(model, chunks, mode, k, k * factor), chunks, mode, k, factor)
-                    for chunks in candidates for mode in modes for factor in interleaves
-                    for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1))
-    spent, found = 0, best
-    for least, chunks, mode, k, factor in groups:
+    # (bound, chunks, mode, k, factor, whether the bound is tightened by _staged yet), least first
+    groups = [(_bound(model, chunks, mode, k, k * factor), chunks, mode, k, factor, factor > 1)
+              for chunks in candidates for mode in modes for factor in interleaves
+              for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
+    heapq.heapify(groups)
+    spent, found, searched = 0, best, math.inf  # searched: the least bound of the groups taken out
+    per_cell = 0.0  # the most seconds per stage and squared layer a group has taken so far
+    while groups and not (found is not None and groups[0][0] >= found.iteration_ms):
+        least, chunks, mode, k, factor, tight = groups[0]
         cells = k * factor * model.layers * (model.layers + 1) // 2
-        over = found is not None and least >= found.iteration_ms
-        if over or spent + cells > CELLS or budget is not None and budget.out():
+        if spent + cells > CELLS or budget is not None and budget.out():
             break
+        if not tight:  # worked out for the groups reached only: each costs a bisection
+            heapq.heapreplace(groups, (max(least, _staged(model, chunks, mode, k)), chunks, mode, k, factor, True))
+            continue
+        heapq.heappop(groups)
+        searched = min(searched, least)
+        squares = k * factor * model.layers ** 2
+        if budget is not None and not budget.fits(max(foreseen(model.layers, k * factor), per_cell * squares)):
+            continue
         spent += cells
-        if factor > 1:  # interleaved 1F1B: its min-max split, descended on the simulated time
-            found = Group(model, chunks, mode, k, factor, limits, budget, schedule="1f1b").descend(found)
-            continue
-        bounds = _split(model, chunks, mode, k, limits)
-        if bounds is None:
-            continue
-        time = evaluate(model, bounds, chunks, mode, "1f1b").iteration_ms
-        if found is None or time < found.iteration_ms:
-            found = Choice(tuple(bounds), chunks, mode, time, schedule="1f1b")
+        start = time.perf_counter()
+        found = _group(model, chunks, mode, k, factor, limits, budget, found)
+        per_cell = max(per_cell, (time.perf_counter() - start) / squares)
     upper = math.inf if found is None else found.iteration_ms
-    return Outcome(None if found is best else found, min(upper, groups[0][0]) if groups else upper)
+    return Outcome(None if found is best else found, min(upper, searched, groups[0][0] if groups else math.inf))
+
+
+def _group(model: CostModel, chunks: int, mode: str, k: int, factor: int, limits: np.ndarray,
+           budget: Budget | None, found: Choice | None) -> Choice | None:
+    """``found`` or a faster plan of the group: its min-max split priced by the simulator, or
+    (interleaved 1F1B) that split descended on the simulated time."""
+    if factor > 1:
+        return Group(model, chunks, mode, k, factor, limits, budget, schedule="1f1b").descend(found)
+    bounds = _split(model, chunks, mode, k, limits)
+    if bounds is None:
+        return found
+    ms = evaluate(model, bounds, chunks, mode, "1f1b").iteration_ms
+    return better(found, Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b"))
 
 
 def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> float:
@@ -82,6 +105,37 @@ def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> flo
     speeds = model.speeds[:k]
     cuts = 2 * cheapest_cuts(model, costs)[stages - 1]
     return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)) + cuts)
+
+
+def _staged(model: CostModel, chunks: int, mode: str, k: int) -> float:
+    """A lower bound on the 1F1B time of any split into at most ``k`` stages, one per device in
+    order.  A stage's worker runs all its tasks, forwards, backwards and recomputations at its
+    device's speed; its first task (micro-batch 0's forward) waits for that forward through
+    every stage before it, and after its last (micro-batch ``m-1``'s backward) that backward
+    still goes back through them: both at the top speed here.  So the time is at least the
+    largest stage's ``before + own work``, and the least of that over splits is found by
+    bisection on it: the furthest stop a device reaches within a time only moves later with
+    its start (a layer adds ``m`` times its work to the stage and once to what comes before
+    the next), so the greedy split (each device in turn the most layers that fit) decides
+    whether a time is feasible.  Copies are left out."""
+    costs = model.at(model.micro_batch_size(chunks))
+    redo = recomputations(mode, chunks)
+    own = chunks * (costs.forward + costs.backward) + redo * costs.forward  # prefix sums over layers
+    last = 1.0 if redo == chunks else 0.0  # micro-batch m-1 recomputes on its way back
+    speeds = model.speeds[:k]
+    before = (costs.forward + costs.backward + last * costs.forward) / float(np.max(speeds))
+    layers = len(own) - 1
+    low, high = 0.0, float(own[-1] / speeds[0]) * (1 + 1e-9)  # one stage holding every layer
+    while high - low > 1e-9 * high:
+        caps = np.linspace(low, high, 257)[1:-1]
+        start = np.zeros(len(caps), dtype=int)
+        for speed in speeds:
+            limit = (own[start] + (caps - before[start]) * speed) * (1 + 1e-12)
+            start = np.maximum(np.searchsorted(own, limit, side="right") - 1, start)
+        feasible = start == layers
+        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
+        low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
+    return low
 
 
 def _split(model: CostModel, chunks: int, mode: str, k: int, limits: np.ndarray) -> list[int] | None:
