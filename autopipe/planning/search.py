@@ -66,6 +66,9 @@ _MOST = 10_000_000
 
 # Seconds per row a step of the DP is foreseen to take before one of its kind has been timed.
 _PER_ROW = 0.0
+# Rows from which a step's time is mostly per row (a stage of the DP also costs a few
+# milliseconds whatever its size): only such steps set the rate.
+_RATED = 100_000
 
 
 class _OutOfTime(Exception):
@@ -171,7 +174,8 @@ class Search:
         self._check_time(rows * rate)
         start = time.perf_counter()
         yield
-        self.rates[kind] = max(rate, (time.perf_counter() - start) / max(rows, 1))
+        if rows >= _RATED:
+            self.rates[kind] = max(rate, (time.perf_counter() - start) / rows)
 
     def _check_size(self, count: int) -> None:
         """Stop (as out of time) before listing ``count`` rows, if more than :data:`_MOST`."""
