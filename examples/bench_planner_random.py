@@ -81,7 +81,7 @@ def main() -> None:
         group = kind(options)
         slowest[group] = max(slowest.get(group, 0.0), seconds)
         if seconds > 1.1 * args.time_limit:
-            over.append(f"seed {seed}: {seconds:.2f} s ({profile.layers} layers x {len(profile.devices)} devices, "
+            over.append(f"seed {seed}: {seconds:.2f} s ({len(profile.layers)} layers x {len(profile.devices)} devices, "
                         f"{options})")
         if chosen is not None:
             gaps.setdefault(group, []).append(chosen.predicted.gap or 0.0)
