@@ -59,7 +59,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
               for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
     heapq.heapify(groups)
     spent, found, searched = 0, best, math.inf  # searched: the least bound of the groups taken out
-    per_cell = 0.0  # the most seconds per stage and squared layer a group has taken so far
+    per_cell, skipped = 0.0, False  # the most seconds per stage and squared layer a group took so far
     while groups and not (found is not None and groups[0][0] >= found.iteration_ms):
         least, chunks, mode, k, factor, tight = groups[0]
         cells = k * factor * model.layers * (model.layers + 1) // 2
@@ -72,11 +72,14 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
         searched = min(searched, least)
         squares = k * factor * model.layers ** 2
         if budget is not None and not budget.fits(max(foreseen(model.layers, k * factor), per_cell * squares)):
+            skipped = True  # for time: its bound stays in searched, and the plan says the limit was reached
             continue
         spent += cells
         start = time.perf_counter()
         found = _group(model, chunks, mode, k, factor, limits, budget, found)
         per_cell = max(per_cell, (time.perf_counter() - start) / squares)
+    if budget is not None and skipped:
+        budget.spent = True
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, searched, groups[0][0] if groups else math.inf))
 
