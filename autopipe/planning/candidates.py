@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .._vocab import CheckpointMode
 from .cost import CostModel, SizeCosts, effective_mode
 
-__all__ = ["Candidate", "Choice", "better", "filled", "greedy_split", "least_largest", "reach"]
+__all__ = ["Candidate", "Choice", "better", "filled", "greedy_split", "least_feasible", "least_largest", "reach"]
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,19 @@ def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> t
     largest = float(np.max(np.diff(prefix), initial=0.0))
     low = max(total / spread, largest / float(np.max(speeds)))
     high = (total + len(speeds) * largest) / spread * (1 + 1e-9)
+    return least_feasible(low, high, tolerance, lambda caps: _greedy(prefix, speeds, caps)[-1] == len(prefix) - 1)
+
+
+def least_feasible(low: float, high: float, tolerance: float,
+           feasible: Callable[[np.ndarray], np.ndarray]) -> tuple[float, float]:
+    """Bisection on a value whose feasibility only grows with it, 255 values a round
+    (``feasible`` answers for an array of them): ``(low, high)`` narrowed to within
+    ``tolerance · high``, ``low`` never feasible (unless it was given so) and ``high`` feasible
+    (if it was given so)."""
     while high - low > tolerance * high:
         caps = np.linspace(low, high, 257)[1:-1]
-        feasible = _greedy(prefix, speeds, caps)[-1] == len(prefix) - 1
-        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
+        found = feasible(caps)
+        first = int(np.argmax(found)) if found.any() else len(caps)
         low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
     return low, high
 

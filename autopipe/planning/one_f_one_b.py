@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ._budget import Budget, Outcome
-from .candidates import Choice, better
+from .candidates import Choice, better, least_feasible
 from .cost import CostModel, recomputations
 from ._minmax import foreseen, min_max_split
 from ._chain import cheapest_cuts
@@ -127,18 +127,15 @@ def _staged(model: CostModel, chunks: int, mode: str, k: int) -> float:
     last = 1.0 if redo == chunks else 0.0  # micro-batch m-1 recomputes on its way back
     speeds = model.speeds[:k]
     before = (costs.forward + costs.backward + last * costs.forward) / float(np.max(speeds))
-    layers = len(own) - 1
-    low, high = 0.0, float(own[-1] / speeds[0]) * (1 + 1e-9)  # one stage holding every layer
-    while high - low > 1e-9 * high:
-        caps = np.linspace(low, high, 257)[1:-1]
+
+    def feasible(caps: np.ndarray) -> np.ndarray:
         start = np.zeros(len(caps), dtype=int)
         for speed in speeds:
             limit = (own[start] + (caps - before[start]) * speed) * (1 + 1e-12)
             start = np.maximum(np.searchsorted(own, limit, side="right") - 1, start)
-        feasible = start == layers
-        first = int(np.argmax(feasible)) if feasible.any() else len(caps)
-        low, high = (caps[first - 1] if first else low), (caps[first] if first < len(caps) else high)
-    return low
+        return start == len(own) - 1
+
+    return least_feasible(0.0, float(own[-1] / speeds[0]) * (1 + 1e-9), 1e-9, feasible)[0]  # from one stage holding all
 
 
 def _split(model: CostModel, chunks: int, mode: str, k: int, limits: np.ndarray) -> list[int] | None:
