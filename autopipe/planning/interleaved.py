@@ -15,9 +15,11 @@ of the two turn rules (:data:`~autopipe.planning.schedules.TURN_RULES`), which t
 Each ``(chunks, mode, device count)`` group has a cheap lower bound on all its splits
 (:func:`_group_bounds`: per phase all work over the devices, or the chain — one micro-batch
 through every stage and the cheapest cuts, plus ``m - 1`` on a lane no smaller than the
-average stage's or the largest layer).  The groups that may beat the best time found get a
-tighter one, their least chain time (:class:`~autopipe.planning._chain.Chains`: which cuts
-fall where copies are cheap and how large a lane that makes), all device counts of a
+average stage's, the largest layer or the ``n - 1``-th cheapest cut; the cut after stage ``s``
+joins devices ``s % k`` and ``(s + 1) % k``, so only those pairs' copies count).  The groups
+that may beat the best time found get a tighter one, their least chain time
+(:class:`~autopipe.planning._chain.Chains`: which cuts fall where copies are cheap and how
+large a lane that makes), all device counts of a
 ``(chunks, mode)`` at once, in order of their least cheap bound; the split that gives the
 least chain time of each ``(chunks, mode)``'s best group is simulated, so that the groups
 after it are cut off by a better time.  Then the groups in order of bound, until it reaches
@@ -25,9 +27,10 @@ the best time:
 
 * with at most :data:`EXACT` splits, when listing them fits the time left, every split in
   order of its own bound (per phase the larger of the busiest device, ``m · Σ`` of its stages'
-  lanes with what must run before and after, and the chain ``Σ q + (m-1)·max p``, where ``q``
-  leaves out a recomputation that might not happen) until that bound reaches the best time:
-  exact;
+  lanes with what must run before and after, and the chain ``Σ q + (m-1)·max p`` over its
+  stages and its copy lanes, priced as the cost model prices them — the main input and the
+  skips between devices — where ``q`` leaves out a recomputation that might not happen) until
+  that bound reaches the best time: exact;
 * beyond, a polynomial search: its least chain split (or, where that does not fit in memory,
   the split of least largest lane within each device's memory, shared equally by its
   stages), then a descent that moves one cut at a time to the neighbouring layer while the
@@ -46,10 +49,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel, recomputations
+from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
-from ._chain import Chains, cheapest_cuts, cut_least
+from ._chain import Chains, copies_between, ring_copies
 from ._minmax import foreseen, min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
@@ -253,45 +256,98 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
     """A lower bound on every split of ``k`` devices × ``interleave`` stages, for each ``k =
     2 … devices``: per phase the larger of all its work over the devices' total speed and the
     chain: one micro-batch through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1``
-    cheapest cuts (stages next to each other run on different devices), plus ``m - 1`` on the
-    slowest lane, at least the average of the ``n`` stages' and the largest layer at the top speed."""
+    cheapest cuts (:func:`_cheapest`), plus ``m - 1`` on the slowest lane: a stage's, at least
+    the average of the ``n`` stages' and the largest layer at the top speed, or a cut's copy."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
-    counts = np.arange(2, devices + 1)
     spread = np.cumsum(model.speeds[:devices])[1:]
     top = np.maximum.accumulate(model.speeds[:devices])[1:]
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
     slowest = [np.maximum(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    cuts = cheapest_cuts(model, costs)[counts * interleave - 1]
-    return (np.maximum(chunks * forward / spread, forward / top + cuts + (chunks - 1) * slowest[0])
+    cuts = _cheapest(model, costs, devices, interleave)  # [phase, k - 2, sum or largest]
+    return (np.maximum(chunks * forward / spread,
+                       forward / top + cuts[0, :, 0] + (chunks - 1) * np.maximum(slowest[0], cuts[0, :, 1]))
             + np.maximum((chunks * backward + recomputed * forward) / spread,
-                         first / top + cuts + (chunks - 1) * slowest[1]))
+                         first / top + cuts[1, :, 0] + (chunks - 1) * np.maximum(slowest[1], cuts[1, :, 1])))
+
+
+def _cheapest(model: CostModel, costs: SizeCosts, devices: int, interleave: int) -> np.ndarray:
+    """Per phase (forward, backward) and ``k = 2 … devices``: the least sum of the copies at the
+    ``k · interleave - 1`` cuts of a round-robin split over ``k`` devices, and the least largest
+    of them.  Cuts lie at distinct positions, each paying at least the least copy there of its
+    ring's pairs ``(i, i+1)`` and ``(k-1, 0)`` (:func:`~autopipe.planning._chain.ring_copies`)."""
+    first, later = np.zeros(devices - 1, dtype=np.intp), np.arange(1, devices)
+    out = np.zeros((2, devices - 1, 2))
+    rings = (((later - 1, later), (later, first)), ((later, later - 1), (first, later)))  # copies, then gradients
+    for phase, (chain, closing) in enumerate(rings):
+        # row k - 2: the least copy at each cut position over the ring of k devices
+        least = np.sort(np.minimum(np.minimum.accumulate(copies_between(model, costs, *chain)[:, 1:-1], axis=0),
+                                   copies_between(model, costs, *closing)[:, 1:-1]), axis=1)
+        if not least.shape[1]:
+            continue
+        taken = np.minimum(np.arange(2, devices + 1) * interleave - 1, least.shape[1]) - 1
+        rows = np.arange(devices - 1)
+        out[phase, :, 0] = np.cumsum(least, axis=1)[rows, taken]
+        out[phase, :, 1] = least[rows, taken]  # with fewer positions than cuts no split exists
+    return out
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:
     """A lower bound on the simulated time of every split (the module docstring's)."""
     costs = model.at(model.micro_batch_size(chunks))
     bounds = splits.bounds
-    speeds = model.speeds[np.asarray(placement(bounds.shape[1] - 1, interleave))]
+    stages = bounds.shape[1] - 1
+    speeds = model.speeds[np.asarray(placement(stages, interleave))]
     forward = (costs.forward[bounds[:, 1:]] - costs.forward[bounds[:, :-1]]) / speeds
     backward = (costs.backward[bounds[:, 1:]] - costs.backward[bounds[:, :-1]]) / speeds
     recomputed = recomputations(mode, chunks)
     recompute = forward if recomputed else np.zeros_like(forward)
     least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
-    cuts = cut_least(model, costs)[bounds[:, 1:-1]].sum(axis=1)  # the first micro-batch crosses each
-    return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, cuts)
+    copy_in, copy_grad = _copy_lanes(model, costs, bounds, splits.devices)
+    return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, copy_in)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
-                           splits.devices, chunks, cuts, reverse=True))
+                           splits.devices, chunks, copy_grad, reverse=True))
+
+
+def _copy_lanes(model: CostModel, costs: SizeCosts, bounds: np.ndarray, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per split (a row of ``bounds``) and stage, its copy lanes as the cost model prices them
+    (:meth:`~autopipe.planning.cost.CostModel.stage_lanes`): the main input in and every skip
+    popped there from a stage on another device (``C``), the gradients of both back (``G``)."""
+    rows, stages = bounds.shape[0], bounds.shape[1] - 1
+    where = np.arange(stages) % devices
+    copy_in, copy_grad = np.zeros((rows, stages)), np.zeros((rows, stages))
+    forward, back = ring_copies(model, costs, devices)
+    copy_in[:, 1:] = forward[where[:-1], bounds[:, 1:-1]]
+    copy_grad[:, :-1] = back[where[:-1], bounds[:, 1:-1]]
+    row = np.arange(rows)
+    owner = np.zeros((rows, model.layers + 1), dtype=np.intp)  # each layer's stage, by cumulative cuts
+    np.add.at(owner, (row[:, None], bounds[:, 1:-1]), 1)
+    owner = np.cumsum(owner, axis=1)
+    for skip, nbytes in zip(model.chain.skips, costs.skip_bytes):
+        if nbytes <= 0:
+            continue
+        src, dst = owner[:, skip.stash], owner[:, skip.pop]
+        # relayed, hop s - 1 -> s where the skip crosses cut s (elsewhere a "hop" within stage s - 1)
+        hops = ([(src, dst)] if not model.relayed else
+                [(np.full(rows, s - 1), np.where((src < s) & (s <= dst), s, s - 1)) for s in range(1, stages)])
+        ahead = np.where(np.eye(devices, dtype=bool), 0.0, model.latency[:devices, :devices]
+                         + nbytes * model.per_byte[:devices, :devices])  # one device (or stage) copies nothing
+        for sender, receiver in hops:
+            a, b = where[sender], where[receiver]
+            copy_in[row, receiver] += ahead[a, b]
+            copy_grad[row, sender] += ahead[b, a]
+    return copy_in, copy_grad
 
 
 def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices: int, chunks: int,
-                 cuts: np.ndarray, reverse: bool = False) -> np.ndarray:
-    """Per split: the larger of the chain bound (with the copies ``cuts`` that one micro-batch
-    makes on its way) and, for every device, what one micro-batch needs before its first stage
-    can start, its stages' ``work``, and what the last micro-batch needs after its last stage
-    (``least`` per stage, ``lane`` with recomputation)."""
+                 copies: np.ndarray, reverse: bool = False) -> np.ndarray:
+    """Per split: the larger of the chain bound (one micro-batch through every stage and its
+    ``copies`` at the cuts, then ``m - 1`` on the slowest lane: a stage's or a copy's, each a
+    resource that serves the micro-batches in order) and, for every device, what one
+    micro-batch needs before its first stage can start, its stages' ``work``, and what the last
+    micro-batch needs after its last stage (``least`` per stage, ``lane`` with recomputation)."""
     if reverse:
         work, least, lane = work[:, ::-1], least[:, ::-1], lane[:, ::-1]
     rows, stages = work.shape
@@ -299,5 +355,6 @@ def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices:
     after = least.sum(axis=1, keepdims=True) - np.cumsum(least, axis=1)
     per_device = work.reshape(rows, stages // devices, devices).sum(axis=1)
     busiest = (before[:, :devices] + per_device + after[:, stages - devices:]).max(axis=1)
-    chain = least.sum(axis=1) + cuts + (chunks - 1) * lane.max(axis=1)
+    slowest = np.maximum(lane.max(axis=1), copies.max(axis=1, initial=0.0))
+    chain = least.sum(axis=1) + copies.sum(axis=1) + (chunks - 1) * slowest
     return np.maximum(busiest, chain)
