@@ -11,6 +11,7 @@ from synthetic import make_profile, random_profile, small_hard
 from helpers import brute_force, model_of
 
 from autopipe.cli import main
+from autopipe.errors import PlanningError
 from autopipe.planning import interleaved, search
 from autopipe.planning._budget import Budget
 from autopipe.planning.plans import Plan
@@ -191,3 +192,15 @@ def test_the_exact_search_counts_the_ways_to_commit_skips_before_it_lists_them(m
     chosen = plan(profile, time_limit=None, interleave=1)
     assert listed and max(listed) <= search._MOST
     assert chosen.options["memory_limit_reached"] and chosen.predicted.gap > 0
+
+
+def test_out_of_time_before_any_plan_fits_names_the_memory_limit_and_more_time() -> None:
+    """A search stopped before it found a plan within the memory limits says they may be too
+    small, and how to learn the smallest that fits; without a time limit it names that."""
+    profile = make_profile([1.0] * 6, devices=3, param_bytes=1000)
+    with pytest.raises(PlanningError, match=r"fits the memory limits \(10 bytes on every device\) was found within "
+                                            r"time_limit=1e-09 s; they may be too small for any plan"):
+        plan(profile, memory_limit=10, time_limit=1e-9)
+    with pytest.raises(PlanningError, match=r"the smallest per-device memory limit that would fit is \d+ bytes"):
+        plan(profile, memory_limit=10, time_limit=None)
+    assert plan(profile, time_limit=1e-9).stages  # without memory limits, the first plan is kept

@@ -1,4 +1,5 @@
-"""When no plan fits in memory: the smallest per-device memory limit that would fit, for the error."""
+"""When no plan is found: the error, with the smallest per-device memory limit that would fit
+when none does."""
 from __future__ import annotations
 
 import math
@@ -10,19 +11,33 @@ from .._vocab import CheckpointMode
 from ._options import Options
 from .cost import CostModel, effective_mode
 
-__all__ = ["infeasible", "smallest_memory"]
+__all__ = ["infeasible", "smallest_memory", "unfound"]
 
 
 def infeasible(model: CostModel, options: Options) -> str:
     """Why no plan fits: the memory limits given and the smallest limit that would fit."""
     need, chunks, mode = smallest_memory(model, options.candidates, options.modes, len(options.limits))
-    named = ["none" if math.isinf(v) else f"{int(v)}" for v in options.limits]
-    limits = f"{named[0]} bytes on every device" if len(set(named)) == 1 else f"{', '.join(named)} bytes per device"
     plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
-    return (f"no plan fits the memory limits ({limits}); the smallest per-device "
+    return (f"no plan fits the memory limits ({_limits(options)}); the smallest per-device "
             f"memory limit that would fit {plans}is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
             f"with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices or allow "
             "checkpointing")
+
+
+def unfound(options: Options, time_limit: float | None) -> str:
+    """Why no plan was found before the time ran out: where memory limits are given, they may
+    be what no plan fits (naming the smallest that would takes longer than the search)."""
+    if np.all(np.isinf(options.limits)):
+        return f"no plan was found within time_limit={time_limit} s; allow more time (time_limit=None: no limit)"
+    return (f"no plan that fits the memory limits ({_limits(options)}) was found within time_limit={time_limit} s; "
+            "they may be too small for any plan: raise memory_limit, or allow more time (with time_limit=None "
+            "the error names the smallest limit that fits)")
+
+
+def _limits(options: Options) -> str:
+    """The memory limits given, for an error."""
+    named = ["none" if math.isinf(v) else f"{int(v)}" for v in options.limits]
+    return f"{named[0]} bytes on every device" if len(set(named)) == 1 else f"{', '.join(named)} bytes per device"
 
 
 def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],

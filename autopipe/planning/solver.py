@@ -28,7 +28,7 @@ from . import interleaved, one_f_one_b
 from . import placement as placements
 from ._assembly import build_plan
 from ._budget import Budget, Outcome
-from ._infeasible import infeasible, smallest_memory
+from ._infeasible import infeasible, smallest_memory, unfound
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
 from .completion import Completions, grid_levels
 from .refinement import Cells, refine
@@ -142,10 +142,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
         if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
             choice, order = found, candidate_order
     if choice is None:
-        if budget.spent:
-            raise PlanningError(f"no plan that fits was found within time_limit={time_limit} s; "
-                                "allow more time (time_limit=None: no limit)")
-        raise PlanningError(infeasible(model, options))
+        raise PlanningError(unfound(options, time_limit) if budget.spent else infeasible(model, options))
     record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
               "memory_limit_reached": budget.crowded,
               "placement": placement, "placements_searched": "all" if complete and tried == len(searched) else tried,
