@@ -113,7 +113,7 @@ def test_lower_bounds_never_exceed_the_simulated_time() -> None:
             for mode in ("never", "except_last", "always"):
                 groups = interleaved._group_bounds(model, m, mode, top, 2)
                 for k in range(2, top + 1):
-                    splits = interleaved._Splits.of(layers, k, 2)
+                    splits = interleaved._Splits.of(model, k, 2)
                     lower = interleaved._lower_bounds(model, splits, m, mode, 2)
                     times = [interleaved.time_of(model, tuple(bounds), m, mode, 2, limits) for bounds in splits.bounds]
                     assert np.all(lower <= np.array(times) + 1e-9)
@@ -128,9 +128,8 @@ def test_split_bounds_price_copies_as_the_cost_model() -> None:
         layers, devices = rng.randint(6, 10), rng.randint(2, 3)
         profile = random_profile(rng, layers, devices, skips=rng.randint(1, 4))
         model = model_of(profile, [1.0] * devices, "distributed" if trial % 2 else "local")
-        splits = interleaved._Splits.of(layers, devices, 2)
-        costs = model.at(model.micro_batch_size(2))
-        copy_in, copy_grad = interleaved._copy_lanes(model, costs, splits.bounds, devices)
+        splits = interleaved._Splits.of(model, devices, 2)
+        copy_in, copy_grad = splits.copy_lanes(model.micro_batch_size(2))
         for row, bounds in enumerate(splits.bounds):
             where = [s % devices for s in range(2 * devices)]
             stages = model.stage_lanes(tuple(bounds), 2, "never", where)

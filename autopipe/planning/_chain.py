@@ -44,7 +44,7 @@ from .candidates import least_largest
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 
-__all__ = ["Chains", "cheapest_cuts", "copies_between", "cut_least", "ring_copies"]
+__all__ = ["Chains", "cheapest_cuts", "copies_between", "cut_least"]
 
 #: caps of the first grid (each a row of every DP step: they cost in proportion)
 CAPS = 12
@@ -294,15 +294,6 @@ def cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
     off = ~np.eye(count, dtype=bool)
     nbytes = np.append(costs.input_bytes, 0.0)
     return np.where(nbytes > 0, float(np.min(model.latency[off])) + nbytes * float(np.min(model.per_byte[off])), 0.0)
-
-
-def ring_copies(model: CostModel, costs: SizeCosts, devices: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[i, a]``: the copy of the main input at position ``a`` (0 … L) from device ``i`` to
-    device ``(i + 1) % devices``, and of its gradient back: the cuts of a round-robin split,
-    whose cut after stage ``s`` joins devices ``s % devices`` and ``(s + 1) % devices``."""
-    here = np.arange(devices)
-    after = (here + 1) % devices
-    return copies_between(model, costs, here, after), copies_between(model, costs, after, here)
 
 
 def copies_between(model: CostModel, costs: SizeCosts, src: np.ndarray, dst: np.ndarray) -> np.ndarray:

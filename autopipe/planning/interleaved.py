@@ -52,7 +52,7 @@ import numpy as np
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 from ._budget import Budget, Outcome
-from ._chain import Chains, copies_between, ring_copies
+from ._chain import Chains, copies_between
 from ._minmax import foreseen, min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
@@ -92,17 +92,45 @@ def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, inter
 
 @dataclass(frozen=True)
 class _Splits:
-    """Every split into ``n`` stages: ``bounds`` is (splits × n+1) layer indices."""
+    """Every split into ``n`` stages: ``bounds`` is (splits × n+1) layer indices; their copy
+    lanes (:func:`_copy_lanes`) at micro-batch size ``b`` are ``fixed + b · per_sample``, as
+    bytes grow with ``b`` (each a pair ``C``, ``G``): one listing serves every group of a device
+    count."""
 
     devices: int
     bounds: np.ndarray
+    fixed: tuple[np.ndarray, np.ndarray]
+    per_sample: tuple[np.ndarray, np.ndarray]
 
     @staticmethod
-    def of(layers: int, devices: int, interleave: int) -> _Splits:
-        stages = devices * interleave
+    def of(model: CostModel, devices: int, interleave: int) -> _Splits:
+        layers, stages = model.layers, devices * interleave
         cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
                            dtype=np.int64).reshape(-1, stages - 1)
-        return _Splits(devices, np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers))))
+        bounds = np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers)))
+        inputs = np.asarray([model.profile.input_bytes, *model.chain.output_bytes[:-1]], dtype=float)
+        skips = np.asarray([skip.bytes_per_sample for skip in model.chain.skips], dtype=float)
+        none = np.zeros_like(model.latency)
+        return _Splits(devices, bounds, _copy_lanes(model, bounds, devices, inputs, skips, model.latency, none),
+                       _copy_lanes(model, bounds, devices, inputs, skips, none, model.per_byte))
+
+    def copy_lanes(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each split's ``C`` and ``G`` lanes per stage at micro-batch size ``size``."""
+        return self.fixed[0] + size * self.per_sample[0], self.fixed[1] + size * self.per_sample[1]
+
+
+class _Listings(dict):
+    """The :class:`_Splits` of the device counts enumerated so far, the oldest dropped beyond
+    :data:`KEPT` stage entries (each held in five arrays)."""
+
+    KEPT = 3_000_000
+
+    def of(self, model: CostModel, devices: int, interleave: int) -> _Splits:
+        if devices not in self:
+            self[devices] = _Splits.of(model, devices, interleave)
+            while sum(splits.bounds.size for splits in self.values()) > self.KEPT and len(self) > 1:
+                del self[next(iter(self))]
+        return self[devices]
 
 
 def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], limits: np.ndarray,
@@ -116,6 +144,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     cheap = {(chunks, mode, k): float(bound) for chunks in candidates for mode in modes
              for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave), start=2)}
     groups, found, left = _bounded(model, cheap, interleave, limits, best, budget)
+    listings = _Listings()
     for group in sorted(groups, key=lambda group: group.bound):
         if found is not None and group.bound >= found.iteration_ms:
             break
@@ -124,7 +153,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
             break
         splits = math.comb(model.layers - 1, group.devices * interleave - 1)
         if splits <= EXACT and not budget.out(_ENUMERATE_S * splits * group.devices * interleave):
-            found, unsearched = group.enumerate(found)
+            found, unsearched = group.enumerate(found, listings.of(model, group.devices, interleave))
         else:
             found, unsearched = group.descend(found), group.bound
         left = min(left, unsearched)
@@ -186,10 +215,10 @@ class Group:
             return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule)
         return found
 
-    def enumerate(self, found: Choice | None) -> tuple[Choice | None, float]:
-        """Every split in order of its bound, until that reaches the best time: the best plan
-        and the bound of the splits left unsearched when the time ran out (``inf``: none)."""
-        splits = _Splits.of(self.model.layers, self.devices, self.interleave)
+    def enumerate(self, found: Choice | None, splits: _Splits) -> tuple[Choice | None, float]:
+        """Every split (``splits``, of this group's device count) in order of its bound, until
+        that reaches the best time: the best plan and the bound of the splits left unsearched
+        when the time ran out (``inf``: none)."""
         lower = _lower_bounds(self.model, splits, self.chunks, self.mode, self.interleave)
         for row in np.argsort(lower, kind="stable"):
             if found is not None and lower[row] >= found.iteration_ms:
@@ -277,7 +306,7 @@ def _cheapest(model: CostModel, costs: SizeCosts, devices: int, interleave: int)
     """Per phase (forward, backward) and ``k = 2 … devices``: the least sum of the copies at the
     ``k · interleave - 1`` cuts of a round-robin split over ``k`` devices, and the least largest
     of them.  Cuts lie at distinct positions, each paying at least the least copy there of its
-    ring's pairs ``(i, i+1)`` and ``(k-1, 0)`` (:func:`~autopipe.planning._chain.ring_copies`)."""
+    ring's pairs ``(i, i+1)`` and ``(k-1, 0)``."""
     first, later = np.zeros(devices - 1, dtype=np.intp), np.arange(1, devices)
     out = np.zeros((2, devices - 1, 2))
     rings = (((later - 1, later), (later, first)), ((later, later - 1), (first, later)))  # copies, then gradients
@@ -305,35 +334,39 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
     recomputed = recomputations(mode, chunks)
     recompute = forward if recomputed else np.zeros_like(forward)
     least = backward + (recompute if mode == "always" else 0.0)  # a backward job at the least
-    copy_in, copy_grad = _copy_lanes(model, costs, bounds, splits.devices)
+    copy_in, copy_grad = splits.copy_lanes(costs.b)
     return (_phase_bound(chunks * forward, forward, forward, splits.devices, chunks, copy_in)
             + _phase_bound(chunks * backward + recomputed * recompute, least, backward + recompute,
-                           splits.devices, chunks, copy_grad, reverse=True))
+                           splits.devices, chunks, copy_grad))
 
 
-def _copy_lanes(model: CostModel, costs: SizeCosts, bounds: np.ndarray, devices: int) -> tuple[np.ndarray, np.ndarray]:
+def _copy_lanes(model: CostModel, bounds: np.ndarray, devices: int, inputs: np.ndarray, skips: np.ndarray,
+                latency: np.ndarray, per_byte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per split (a row of ``bounds``) and stage, its copy lanes as the cost model prices them
-    (:meth:`~autopipe.planning.cost.CostModel.stage_lanes`): the main input in and every skip
-    popped there from a stage on another device (``C``), the gradients of both back (``G``)."""
+    (:meth:`~autopipe.planning.cost.CostModel.stage_lanes`), a copy of ``n > 0`` bytes from
+    device ``a`` to ``b`` taking ``latency[a, b] + n · per_byte[a, b]``: the main input
+    (``inputs`` bytes at each layer) and every skip (``skips`` bytes) popped there from a stage
+    on another device (``C``), the gradients of both back (``G``)."""
     rows, stages = bounds.shape[0], bounds.shape[1] - 1
     where = np.arange(stages) % devices
+    here, after = where[:-1], (where[:-1] + 1) % devices
+    cut = inputs[bounds[:, 1:-1]]
     copy_in, copy_grad = np.zeros((rows, stages)), np.zeros((rows, stages))
-    forward, back = ring_copies(model, costs, devices)
-    copy_in[:, 1:] = forward[where[:-1], bounds[:, 1:-1]]
-    copy_grad[:, :-1] = back[where[:-1], bounds[:, 1:-1]]
+    copy_in[:, 1:] = np.where(cut > 0, latency[here, after] + cut * per_byte[here, after], 0.0)
+    copy_grad[:, :-1] = np.where(cut > 0, latency[after, here] + cut * per_byte[after, here], 0.0)
     row = np.arange(rows)
     owner = np.zeros((rows, model.layers + 1), dtype=np.intp)  # each layer's stage, by cumulative cuts
     np.add.at(owner, (row[:, None], bounds[:, 1:-1]), 1)
     owner = np.cumsum(owner, axis=1)
-    for skip, nbytes in zip(model.chain.skips, costs.skip_bytes):
+    for skip, nbytes in zip(model.chain.skips, skips):
         if nbytes <= 0:
             continue
         src, dst = owner[:, skip.stash], owner[:, skip.pop]
         # relayed, hop s - 1 -> s where the skip crosses cut s (elsewhere a "hop" within stage s - 1)
         hops = ([(src, dst)] if not model.relayed else
                 [(np.full(rows, s - 1), np.where((src < s) & (s <= dst), s, s - 1)) for s in range(1, stages)])
-        ahead = np.where(np.eye(devices, dtype=bool), 0.0, model.latency[:devices, :devices]
-                         + nbytes * model.per_byte[:devices, :devices])  # one device (or stage) copies nothing
+        ahead = np.where(np.eye(devices, dtype=bool), 0.0, latency[:devices, :devices]
+                         + nbytes * per_byte[:devices, :devices])  # one device (or stage) copies nothing
         for sender, receiver in hops:
             a, b = where[sender], where[receiver]
             copy_in[row, receiver] += ahead[a, b]
@@ -342,19 +375,20 @@ def _copy_lanes(model: CostModel, costs: SizeCosts, bounds: np.ndarray, devices:
 
 
 def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices: int, chunks: int,
-                 copies: np.ndarray, reverse: bool = False) -> np.ndarray:
+                 copies: np.ndarray) -> np.ndarray:
     """Per split: the larger of the chain bound (one micro-batch through every stage and its
     ``copies`` at the cuts, then ``m - 1`` on the slowest lane: a stage's or a copy's, each a
     resource that serves the micro-batches in order) and, for every device, what one
     micro-batch needs before its first stage can start, its stages' ``work``, and what the last
-    micro-batch needs after its last stage (``least`` per stage, ``lane`` with recomputation)."""
-    if reverse:
-        work, least, lane = work[:, ::-1], least[:, ::-1], lane[:, ::-1]
+    micro-batch needs after its last stage (``least`` per stage, ``lane`` with recomputation).
+    The backward phase runs the stages in reverse, which swaps what runs before and after each
+    device's stages but not their sum, so one bound serves both phases."""
     rows, stages = work.shape
-    before = np.cumsum(least, axis=1) - least  # Σ least over earlier stages
-    after = least.sum(axis=1, keepdims=True) - np.cumsum(least, axis=1)
+    head, tail = least[:, :devices], least[:, stages - devices:]  # each device's first and last stage
+    before = np.cumsum(head, axis=1) - head
+    after = tail.sum(axis=1, keepdims=True) - np.cumsum(tail, axis=1)
     per_device = work.reshape(rows, stages // devices, devices).sum(axis=1)
-    busiest = (before[:, :devices] + per_device + after[:, stages - devices:]).max(axis=1)
+    busiest = (before + per_device + after).max(axis=1)
     slowest = np.maximum(lane.max(axis=1), copies.max(axis=1, initial=0.0))
     chain = least.sum(axis=1) + copies.sum(axis=1) + (chunks - 1) * slowest
     return np.maximum(busiest, chain)
