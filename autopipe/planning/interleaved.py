@@ -51,6 +51,7 @@ import numpy as np
 
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
+from ._arrays import uniform
 from ._budget import Budget, Outcome
 from ._chain import Chains, copies_between
 from ._minmax import foreseen, min_max_split
@@ -63,9 +64,10 @@ __all__ = ["EXACT", "Group", "search", "time_of", "timed"]
 
 #: most splits of one group that the search enumerates (exactly); larger groups are descended.
 EXACT = 200_000
-#: seconds per split and stage that listing a group's splits and their bounds takes (measured:
-#: ~0.25 s for the 170,544 splits of ResNet-50 into 8 stages on the machine of the README), to
-#: descend a group whose enumeration would overrun the budget
+#: seconds per split and stage that bounding a group's splits takes, and per split and stage or
+#: skip that listing them with their copy lanes takes, once per device count (measured: ~0.25 s
+#: for the 170,544 splits of ResNet-50 into 8 stages; 0.15-0.3 s to list the 92,378 splits of 20
+#: layers into 10 stages with 15 skips), to descend a group whose enumeration would overrun
 _ENUMERATE_S = 2e-7
 
 
@@ -108,11 +110,8 @@ class _Splits:
         cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
                            dtype=np.int64).reshape(-1, stages - 1)
         bounds = np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers)))
-        inputs = np.asarray([model.profile.input_bytes, *model.chain.output_bytes[:-1]], dtype=float)
-        skips = np.asarray([skip.bytes_per_sample for skip in model.chain.skips], dtype=float)
-        none = np.zeros_like(model.latency)
-        return _Splits(devices, bounds, _copy_lanes(model, bounds, devices, inputs, skips, model.latency, none),
-                       _copy_lanes(model, bounds, devices, inputs, skips, none, model.per_byte))
+        fixed, per_sample = _copy_lanes(model, bounds, devices)
+        return _Splits(devices, bounds, fixed, per_sample)
 
     def copy_lanes(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Each split's ``C`` and ``G`` lanes per stage at micro-batch size ``size``."""
@@ -141,8 +140,10 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
     budget = Budget(None) if budget is None else budget
     devices = min(len(limits), model.layers // interleave)
+    cuts = {chunks: _cheapest(model, model.at(model.micro_batch_size(chunks)), devices, interleave)
+            for chunks in candidates}
     cheap = {(chunks, mode, k): float(bound) for chunks in candidates for mode in modes
-             for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave), start=2)}
+             for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave, cuts[chunks]), start=2)}
     groups, found, left = _bounded(model, cheap, interleave, limits, best, budget)
     listings = _Listings()
     for group in sorted(groups, key=lambda group: group.bound):
@@ -151,8 +152,9 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
         if budget.out():
             left = min(left, group.bound)
             break
-        splits = math.comb(model.layers - 1, group.devices * interleave - 1)
-        if splits <= EXACT and not budget.out(_ENUMERATE_S * splits * group.devices * interleave):
+        splits, stages = math.comb(model.layers - 1, group.devices * interleave - 1), group.devices * interleave
+        listing = 0 if group.devices in listings else stages + len(model.chain.skips)
+        if splits <= EXACT and budget.fits(_ENUMERATE_S * splits * (stages + listing)):
             found, unsearched = group.enumerate(found, listings.of(model, group.devices, interleave))
         else:
             found, unsearched = group.descend(found), group.bound
@@ -281,12 +283,14 @@ def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave:
     return None if bounds is None else tuple(bounds)
 
 
-def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interleave: int) -> np.ndarray:
+def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interleave: int,
+                  cuts: np.ndarray) -> np.ndarray:
     """A lower bound on every split of ``k`` devices × ``interleave`` stages, for each ``k =
     2 … devices``: per phase the larger of all its work over the devices' total speed and the
     chain: one micro-batch through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1``
-    cheapest cuts (:func:`_cheapest`), plus ``m - 1`` on the slowest lane: a stage's, at least
-    the average of the ``n`` stages' and the largest layer at the top speed, or a cut's copy."""
+    cheapest cuts (``cuts``: :func:`_cheapest` at this micro-batch size), plus ``m - 1`` on the
+    slowest lane: a stage's, at least the average of the ``n`` stages' and the largest layer at
+    the top speed, or a cut's copy."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
@@ -295,7 +299,6 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
     lanes = np.diff(costs.forward), np.diff(costs.backward) + (np.diff(costs.forward) if recomputed else 0.0)
     slowest = [np.maximum(float(np.sum(lane)) / (interleave * spread), float(np.max(lane)) / top) for lane in lanes]
     first = backward + (forward if mode == "always" else 0.0)  # the first job may skip it
-    cuts = _cheapest(model, costs, devices, interleave)  # [phase, k - 2, sum or largest]
     return (np.maximum(chunks * forward / spread,
                        forward / top + cuts[0, :, 0] + (chunks - 1) * np.maximum(slowest[0], cuts[0, :, 1]))
             + np.maximum((chunks * backward + recomputed * forward) / spread,
@@ -303,23 +306,29 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
 
 
 def _cheapest(model: CostModel, costs: SizeCosts, devices: int, interleave: int) -> np.ndarray:
-    """Per phase (forward, backward) and ``k = 2 … devices``: the least sum of the copies at the
-    ``k · interleave - 1`` cuts of a round-robin split over ``k`` devices, and the least largest
-    of them.  Cuts lie at distinct positions, each paying at least the least copy there of its
-    ring's pairs ``(i, i+1)`` and ``(k-1, 0)``."""
+    """``[phase, k - 2, ·]`` for the forward and backward phase and ``k = 2 … devices``: the
+    least sum of the copies at the ``k · interleave - 1`` cuts of a round-robin split over ``k``
+    devices, and the least largest of them.  Cuts lie at distinct positions, each paying at
+    least the least copy there of its ring's pairs ``(i, i+1)`` and ``(k-1, 0)`` (with one copy
+    fit for every pair, that copy)."""
     first, later = np.zeros(devices - 1, dtype=np.intp), np.arange(1, devices)
-    out = np.zeros((2, devices - 1, 2))
     rings = (((later - 1, later), (later, first)), ((later, later - 1), (first, later)))  # copies, then gradients
+    if uniform(model.latency, model.per_byte):
+        rings = tuple(((first[:1], later[:1]), (first[:1], later[:1])) for _ in range(2))
+    out = np.zeros((2, devices - 1, 2))
+    counts = np.arange(2, devices + 1) * interleave - 1
     for phase, (chain, closing) in enumerate(rings):
-        # row k - 2: the least copy at each cut position over the ring of k devices
-        least = np.sort(np.minimum(np.minimum.accumulate(copies_between(model, costs, *chain)[:, 1:-1], axis=0),
-                                   copies_between(model, costs, *closing)[:, 1:-1]), axis=1)
-        if not least.shape[1]:
+        # row k - 2: the least copy at each cut position over the ring of k devices (one row for all)
+        least = np.minimum(np.minimum.accumulate(copies_between(model, costs, *chain)[:, 1:-1], axis=0),
+                           copies_between(model, costs, *closing)[:, 1:-1])
+        width = min(int(counts[-1]), least.shape[1])
+        if not width:
             continue
-        taken = np.minimum(np.arange(2, devices + 1) * interleave - 1, least.shape[1]) - 1
-        rows = np.arange(devices - 1)
-        out[phase, :, 0] = np.cumsum(least, axis=1)[rows, taken]
-        out[phase, :, 1] = least[rows, taken]  # with fewer positions than cuts no split exists
+        smallest = np.sort(np.partition(least, width - 1, axis=1)[:, :width], axis=1)
+        smallest = np.broadcast_to(smallest, (devices - 1, width))
+        taken, rows = np.minimum(counts, width) - 1, np.arange(devices - 1)
+        out[phase, :, 0] = np.cumsum(smallest, axis=1)[rows, taken]
+        out[phase, :, 1] = smallest[rows, taken]  # with fewer positions than cuts no split exists
     return out
 
 
@@ -340,38 +349,38 @@ def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, int
                            splits.devices, chunks, copy_grad))
 
 
-def _copy_lanes(model: CostModel, bounds: np.ndarray, devices: int, inputs: np.ndarray, skips: np.ndarray,
-                latency: np.ndarray, per_byte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per split (a row of ``bounds``) and stage, its copy lanes as the cost model prices them
-    (:meth:`~autopipe.planning.cost.CostModel.stage_lanes`), a copy of ``n > 0`` bytes from
-    device ``a`` to ``b`` taking ``latency[a, b] + n · per_byte[a, b]``: the main input
-    (``inputs`` bytes at each layer) and every skip (``skips`` bytes) popped there from a stage
-    on another device (``C``), the gradients of both back (``G``)."""
+def _copy_lanes(model: CostModel, bounds: np.ndarray,
+                devices: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Per split (a row of ``bounds``) and stage, its copy lanes ``C`` and ``G`` as the cost
+    model prices them (:meth:`~autopipe.planning.cost.CostModel.stage_lanes`) — the main input
+    and every skip popped there from a stage on another device, the gradients of both back —
+    as a part fixed by the copies' latencies and a part per sample of the micro-batch.  Skips
+    go straight from stash to pop: interleaved plans run on the local engine only."""
     rows, stages = bounds.shape[0], bounds.shape[1] - 1
     where = np.arange(stages) % devices
     here, after = where[:-1], (where[:-1] + 1) % devices
-    cut = inputs[bounds[:, 1:-1]]
-    copy_in, copy_grad = np.zeros((rows, stages)), np.zeros((rows, stages))
-    copy_in[:, 1:] = np.where(cut > 0, latency[here, after] + cut * per_byte[here, after], 0.0)
-    copy_grad[:, :-1] = np.where(cut > 0, latency[after, here] + cut * per_byte[after, here], 0.0)
-    row = np.arange(rows)
-    owner = np.zeros((rows, model.layers + 1), dtype=np.intp)  # each layer's stage, by cumulative cuts
-    np.add.at(owner, (row[:, None], bounds[:, 1:-1]), 1)
-    owner = np.cumsum(owner, axis=1)
-    for skip, nbytes in zip(model.chain.skips, skips):
-        if nbytes <= 0:
-            continue
+    inputs = np.asarray([model.profile.input_bytes, *model.chain.output_bytes[:-1]], dtype=float)[bounds[:, 1:-1]]
+    lanes = np.zeros((4, rows, stages))  # C fixed, C per sample, G fixed, G per sample
+    lanes[0, :, 1:], lanes[1, :, 1:] = (inputs > 0) * model.latency[here, after], inputs * model.per_byte[here, after]
+    lanes[2, :, :-1], lanes[3, :, :-1] = (inputs > 0) * model.latency[after, here], inputs * model.per_byte[after, here]
+    flat = lanes.reshape(4, -1)
+    first = np.arange(rows) * stages  # each row's first entry in flat
+    apart = ~np.eye(devices, dtype=bool)  # one device copies nothing
+    latency, per_byte = (np.ravel(apart * table[:devices, :devices]) for table in (model.latency, model.per_byte))
+    skips = [skip for skip in model.chain.skips if skip.bytes_per_sample > 0]
+    if skips:  # each layer's stage: the cuts up to it
+        owner = np.zeros((rows, model.layers + 1), dtype=np.int16)
+        owner[np.arange(rows)[:, None], bounds[:, 1:-1]] = 1  # a split's cuts are distinct
+        np.cumsum(owner, axis=1, out=owner)
+    for skip in skips:
         src, dst = owner[:, skip.stash], owner[:, skip.pop]
-        # relayed, hop s - 1 -> s where the skip crosses cut s (elsewhere a "hop" within stage s - 1)
-        hops = ([(src, dst)] if not model.relayed else
-                [(np.full(rows, s - 1), np.where((src < s) & (s <= dst), s, s - 1)) for s in range(1, stages)])
-        ahead = np.where(np.eye(devices, dtype=bool), 0.0, latency[:devices, :devices]
-                         + nbytes * per_byte[:devices, :devices])  # one device (or stage) copies nothing
-        for sender, receiver in hops:
-            a, b = where[sender], where[receiver]
-            copy_in[row, receiver] += ahead[a, b]
-            copy_grad[row, sender] += ahead[b, a]
-    return copy_in, copy_grad
+        pair, back = where[src] * devices + where[dst], where[dst] * devices + where[src]
+        into, out = first + dst, first + src
+        flat[0, into] += latency[pair]
+        flat[1, into] += skip.bytes_per_sample * per_byte[pair]
+        flat[2, out] += latency[back]
+        flat[3, out] += skip.bytes_per_sample * per_byte[back]
+    return (lanes[0], lanes[2]), (lanes[1], lanes[3])
 
 
 def _phase_bound(work: np.ndarray, least: np.ndarray, lane: np.ndarray, devices: int, chunks: int,
