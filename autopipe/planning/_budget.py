@@ -33,11 +33,13 @@ class Budget:
         self.spent = False
         self.crowded = False  # whether a search stopped because it would have outgrown memory
         self.slowest: dict[str, float] = {}  # per kind of step, the longest one took
+        self.rates: dict[str, float] = {}  # per kind of the exact DP's steps, the most seconds per row
 
     def share(self, parts: int) -> Budget:
         """A budget of ``1 / parts`` of the time left (all of it when unlimited), ending no
         later than this one."""
         part = Budget(None)
+        part.rates = self.rates  # the same machine's
         if math.isfinite(self.end):
             part.end = time.perf_counter() + max(self.end - time.perf_counter(), 0.0) / parts
         return part

@@ -7,21 +7,26 @@ from typing import Sequence
 
 import numpy as np
 
-from .._vocab import CheckpointMode
+from .._vocab import CHECKPOINT_MODES, CheckpointMode
+from ._budget import Budget
 from ._options import Options
 from .cost import CostModel, effective_mode
 
 __all__ = ["infeasible", "smallest_memory", "unfound"]
 
 
-def infeasible(model: CostModel, options: Options) -> str:
-    """Why no plan fits: the memory limits given and the smallest limit that would fit."""
-    need, chunks, mode = smallest_memory(model, options.candidates, options.modes, len(options.limits))
+def infeasible(model: CostModel, options: Options, budget: Budget | None = None) -> str:
+    """Why no plan fits: the memory limits given and the smallest limit that would fit (the
+    least found, if ``budget`` ran out before every micro-batch count and mode was tried)."""
+    need, chunks, mode, complete = smallest_memory(model, options.candidates, options.modes, len(options.limits),
+                                                   budget)
     plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
-    return (f"no plan fits the memory limits ({_limits(options)}); the smallest per-device "
-            f"memory limit that would fit {plans}is {int(math.ceil(need))} bytes ({need / 2**30:.3f} GiB, "
-            f"with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices or allow "
-            "checkpointing")
+    found = (f"the smallest per-device memory limit that would fit {plans}is" if complete else
+             f"a per-device memory limit that would fit {plans}(the least found within the time limit; "
+             "time_limit=None finds the smallest) is")
+    return (f"no plan fits the memory limits ({_limits(options)}); {found} {int(math.ceil(need))} bytes "
+            f"({need / 2**30:.3f} GiB, with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices "
+            "or allow checkpointing")
 
 
 def unfound(options: Options, time_limit: float | None) -> str:
@@ -40,20 +45,26 @@ def _limits(options: Options) -> str:
     return f"{named[0]} bytes on every device" if len(set(named)) == 1 else f"{', '.join(named)} bytes per device"
 
 
-def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
-                    devices: int) -> tuple[float, int, str]:
-    """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``)."""
+def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode], devices: int,
+                    budget: Budget | None = None) -> tuple[float, int, str, bool]:
+    """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``) with the
+    micro-batch count and mode that reach it, and whether every pair was tried: after the
+    first, only while ``budget`` lasts, the likely least first (more checkpointing, more
+    micro-batches)."""
     best = (math.inf, 0, "")
     start, stop = np.triu_indices(model.layers + 1, k=1)  # every stage [start, stop)
-    for chunks in candidates:
+    frugal = sorted(modes, key=lambda mode: -CHECKPOINT_MODES.index(mode))
+    for index, chunks in enumerate(sorted(candidates, reverse=True)):
+        if index and budget is not None and budget.out():
+            return (*best, False)
         costs = model.at(model.micro_batch_size(chunks))
         held = model.held_bytes(costs, start, stop)
-        for mode in modes:
+        for mode in frugal:
             memory = model.memory(costs, start, stop, chunks, effective_mode(mode, chunks), held)
             answer = _min_max(model.layers, start, stop, memory, devices)
             if answer < best[0]:
                 best = (answer, chunks, mode)
-    return best
+    return (*best, True)
 
 
 def _min_max(layers: int, start: np.ndarray, stop: np.ndarray, memory: np.ndarray, devices: int) -> float:

@@ -139,9 +139,10 @@ class Search:
         self.speed_prefix = np.concatenate(([0.0], np.cumsum(speeds)))
         self.top_after = np.concatenate((np.maximum.accumulate(speeds[::-1])[::-1], [0.0]))
         self.trace: list[tuple[np.ndarray, np.ndarray]] = []
-        # per kind of step (Search._rated), the most seconds per row it took so far: a step over
-        # millions of rows takes seconds, so one foreseen to end past the time limit is not started
-        self.rates: dict[str, float] = {}
+        # per kind of step (Search._rated), the most seconds per row it took so far, in every
+        # search of this budget: a step over millions of rows takes seconds, so one foreseen to
+        # end past the time limit is not started
+        self.rates: dict[str, float] = {} if budget is None else budget.rates
 
     def run(self) -> Choice | None:
         """The best split strictly better than ``best``, or ``None``; :attr:`finished` says
