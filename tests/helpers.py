@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
+from autopipe.planning._budget import Budget
 from autopipe.planning.cost import CostModel
 from autopipe.profiling.profiles import Profile, Stat
 from autopipe.runtime.microbatch import split_sizes
@@ -152,3 +153,17 @@ def brute_force(model: CostModel, chunks: Sequence[int], modes: Sequence[str], l
 def balances(stages: int, layers: int) -> list[int]:
     """``layers`` over ``stages`` as evenly as possible, the first stages one larger."""
     return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+
+
+class StopAfter(Budget):
+    """A budget that runs out at its ``calls``-th check: stops a search at every point in turn,
+    independent of the machine's speed."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__(None)
+        self.calls = calls
+
+    def out(self, expected: float = 0.0) -> bool:
+        self.calls -= 1
+        self.spent = self.spent or self.calls < 0
+        return self.spent

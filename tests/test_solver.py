@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import all_splits, brute_force, model_of
+from helpers import StopAfter, all_splits, brute_force, model_of
 from synthetic import make_profile, random_profile
 
 from autopipe.profiling.profiles import Profile
-from autopipe.planning._budget import Budget
 from autopipe.planning._infeasible import infeasible
 from autopipe.planning._options import Options
 from autopipe.planning.solver import PlanningError, candidate_chunks, plan, smallest_memory, solve
@@ -130,19 +129,20 @@ def test_smallest_memory_is_the_least_largest_stage_of_every_split(seed: int) ->
 def test_naming_the_memory_limit_that_fits_keeps_to_the_time_left() -> None:
     """Naming the smallest limit that fits takes a min-max DP per micro-batch count and mode
     (seconds at 1,000 layers): out of time, it names the least found so far, a limit that fits
-    (here only the most micro-batches were tried), and says so."""
+    (here only the most micro-batches were tried), and says so; with no time left, none."""
     profile = random_profile(random.Random(5), 8, 3, skips=2, per_pair=False)
     model = model_of(profile, [1.0] * 3)
     chunks, modes = candidate_chunks(profile.batch_size, profile.batch_sizes), ["never", "except_last", "always"]
     smallest, *_, complete = smallest_memory(model, chunks, modes, 3)
-    found, most, mode, partial = smallest_memory(model, chunks, modes, 3, Budget(1e-9))
+    found, most, mode, partial = smallest_memory(model, chunks, modes, 3, StopAfter(1))
     assert complete and not partial and most == max(chunks) and found >= smallest
     assert min(max(s.memory for s in model.evaluate(bounds, most, mode).stages)
                for bounds in all_splits(8, 3)) == pytest.approx(found, rel=1e-12)
     options = Options.check(profile, profile.devices, None, smallest / 2, "auto", "momentum", "gpipe", None, None,
                             "local", 1)
     assert "memory limit that would fit (the least found within the time limit" in infeasible(model, options,
-                                                                                             Budget(1e-9))
+                                                                                             StopAfter(1))
+    assert "with time_limit=None the error also names" in infeasible(model, options, StopAfter(0))
 
 
 def test_faster_device_gets_more_layers():

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 from synthetic import make_profile, random_profile, small_hard
-from helpers import brute_force, model_of
+from helpers import StopAfter, brute_force, model_of
 
 from autopipe.cli import main
 from autopipe.errors import PlanningError
@@ -16,20 +16,6 @@ from autopipe.planning import interleaved, search
 from autopipe.planning._budget import Budget
 from autopipe.planning.plans import Plan
 from autopipe.planning.solver import candidate_chunks, plan, solve_within
-
-
-class StopAfter(Budget):
-    """A budget that runs out at its ``calls``-th check: stops a search at every point in turn,
-    independent of the machine's speed."""
-
-    def __init__(self, calls: int) -> None:
-        super().__init__(None)
-        self.calls = calls
-
-    def out(self, expected: float = 0.0) -> bool:
-        self.calls -= 1
-        self.spent = self.spent or self.calls < 0
-        return self.spent
 
 
 def instance(rng: random.Random):

@@ -21,12 +21,15 @@ def infeasible(model: CostModel, options: Options, budget: Budget | None = None)
     need, chunks, mode, complete = smallest_memory(model, options.candidates, options.modes, len(options.limits),
                                                    budget)
     plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
+    fix = "raise memory_limit, add devices or allow checkpointing"
+    if not math.isfinite(need):
+        return (f"no plan fits the memory limits ({_limits(options)}); {fix} (with time_limit=None the error "
+                f"also names the smallest per-device limit that would fit {plans.strip() or 'a plan'})")
     found = (f"the smallest per-device memory limit that would fit {plans}is" if complete else
              f"a per-device memory limit that would fit {plans}(the least found within the time limit; "
              "time_limit=None finds the smallest) is")
     return (f"no plan fits the memory limits ({_limits(options)}); {found} {int(math.ceil(need))} bytes "
-            f"({need / 2**30:.3f} GiB, with chunks={chunks}, checkpoint={mode}); raise memory_limit, add devices "
-            "or allow checkpointing")
+            f"({need / 2**30:.3f} GiB, with chunks={chunks}, checkpoint={mode}); {fix}")
 
 
 def unfound(options: Options, time_limit: float | None) -> str:
@@ -48,14 +51,14 @@ def _limits(options: Options) -> str:
 def smallest_memory(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode], devices: int,
                     budget: Budget | None = None) -> tuple[float, int, str, bool]:
     """Min over plans of the largest stage memory (a min-max DP per ``(chunks, mode)``) with the
-    micro-batch count and mode that reach it, and whether every pair was tried: after the
-    first, only while ``budget`` lasts, the likely least first (more checkpointing, more
-    micro-batches)."""
+    micro-batch count and mode that reach it (``inf`` if none was tried), and whether every
+    pair was tried: only while ``budget`` lasts, the likely least first (more checkpointing,
+    more micro-batches)."""
     best = (math.inf, 0, "")
     start, stop = np.triu_indices(model.layers + 1, k=1)  # every stage [start, stop)
     frugal = sorted(modes, key=lambda mode: -CHECKPOINT_MODES.index(mode))
-    for index, chunks in enumerate(sorted(candidates, reverse=True)):
-        if index and budget is not None and budget.out():
+    for chunks in sorted(candidates, reverse=True):
+        if budget is not None and budget.out():
             return (*best, False)
         costs = model.at(model.micro_batch_size(chunks))
         held = model.held_bytes(costs, start, stop)
