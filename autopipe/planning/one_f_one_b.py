@@ -54,9 +54,10 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``best`` and of every 1F1B plan: the least bound of the groups (searched or not, as the
     split the DP picks need not be the fastest of its group)."""
     # (bound, chunks, mode, k, factor, whether the bound is tightened by _staged yet), least first
-    groups = [(_bound(model, chunks, mode, k, k * factor), chunks, mode, k, factor, factor > 1)
+    groups = [(float(bound), chunks, mode, int(k), factor, factor > 1)
               for chunks in candidates for mode in modes for factor in interleaves
-              for k in range(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
+              for ks in [np.arange(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
+              for k, bound in zip(ks, _bound(model, chunks, mode, ks, ks * factor))]
     heapq.heapify(groups)
     spent, found, searched = 0, best, math.inf  # searched: the least bound of the groups taken out
     per_cell, skipped = 0.0, False  # the most seconds per stage and squared layer a group took so far
@@ -97,17 +98,19 @@ def _group(model: CostModel, chunks: int, mode: str, k: int, factor: int, limits
     return better(found, Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b"))
 
 
-def _bound(model: CostModel, chunks: int, mode: str, k: int, stages: int) -> float:
+def _bound(model: CostModel, chunks: int, mode: str, k: np.ndarray | int, stages: np.ndarray | int) -> np.ndarray:
     """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches into ``stages``
-    stages over devices ``0..k-1``: all work over their total speed, or one micro-batch's
-    forward and backward through the chain at the top speed with the ``stages - 1`` cheapest
-    cuts copied both ways (stages next to each other run on different devices)."""
+    stages over devices ``0..k-1`` (each an array, or one count): all work over their total
+    speed, or one micro-batch's forward and backward through the chain at the top speed with
+    the ``stages - 1`` cheapest cuts copied both ways (stages next to each other run on
+    different devices)."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
-    speeds = model.speeds[:k]
-    cuts = 2 * cheapest_cuts(model, costs)[stages - 1]
-    return max(work / float(np.sum(speeds)), (forward + backward) / float(np.max(speeds)) + cuts)
+    index = np.asarray(k) - 1
+    spread, top = np.cumsum(model.speeds)[index], np.maximum.accumulate(model.speeds)[index]
+    cuts = 2 * cheapest_cuts(model, costs)[np.asarray(stages) - 1]
+    return np.maximum(work / spread, (forward + backward) / top + cuts)
 
 
 def _staged(model: CostModel, chunks: int, mode: str, k: int) -> float:
