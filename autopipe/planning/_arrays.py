@@ -13,10 +13,18 @@ __all__ = ["Columns", "RangeMin", "largest_after", "pairs", "power_spans", "pref
 
 
 class Columns:
-    """Parallel arrays of a dataclass, one row per item: :meth:`take` keeps the same rows of each."""
+    """Parallel arrays of a dataclass, one row per item: :meth:`take` keeps the same rows of
+    each, :meth:`joined` puts records' rows one after another."""
 
     def take(self, index: np.ndarray) -> Any:
         return type(self)(*(getattr(self, f.name)[index] for f in fields(self)))  # type: ignore[arg-type]
+
+    @classmethod
+    def joined(cls, parts: list[Any]) -> Any:
+        """The rows of ``parts`` (at least one), one after another."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(part, f.name) for part in parts]) for f in fields(parts[0])))
 
 
 def largest_after(values: np.ndarray) -> np.ndarray:

@@ -68,7 +68,9 @@ _MOST = 10_000_000
 # (measured: 5-7e-7 for the moves of per-pair copies with skips at 300 layers x 4 devices).
 _PER_ROW = 3e-7
 # Rows from which a step's time is mostly per row (a stage of the DP also costs a few
-# milliseconds whatever its size): only such steps set the rate.
+# milliseconds whatever its size): only such steps set the rate.  The moves of a stage are also
+# priced in blocks of this many rows, the time checked between them: a rate learned on other
+# moves can be a third of theirs (memory-limited moves at 300 layers x 4 devices).
 _RATED = 100_000
 
 
@@ -221,8 +223,12 @@ class Search:
         """The stages on device ``stage`` from each state ``(starts[i], keys[i])`` whose lanes
         are within :meth:`_caps` and whose memory fits the device."""
         state, stops = self._windows(stage, starts)
-        with self._rated("moves", len(stops)):
-            return self._priced(stage, starts, keys, state, stops)
+        blocks = []
+        for lo in range(0, max(len(stops), 1), _RATED):  # a block at a time: the time is checked between
+            with self._rated("moves", len(stops[lo:lo + _RATED])):
+                blocks.append(self._priced(stage, starts, keys, state[lo:lo + _RATED], stops[lo:lo + _RATED]))
+            self._check_size(sum(len(block.stop) for block in blocks))  # committed skips multiply the rows
+        return _Moves.joined(blocks)
 
     def _priced(self, stage: int, starts: np.ndarray, keys: np.ndarray, state: np.ndarray,
                 stops: np.ndarray) -> _Moves:
