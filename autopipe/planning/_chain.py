@@ -8,10 +8,11 @@ and every copy between them, then the other ``m - 1`` on the slowest stage.  Ove
     time ≥ Σ_s Q_s + Σ_cuts 2·c(a) + (m - 1)·max_s P_s
 
 with ``P_s = F_s + B_s`` a stage's forward and backward with recomputation, ``Q_s`` the same
-as the first micro-batch runs them, ``c(a)`` the least copy of the main input at cut ``a``
-(paid forward and back) and ``max F + max B ≥ max (F + B)``.  Where copies are dear a balanced
-split is not the fastest: the cuts must also fall where the activations are small, and this
-bound sees both.
+as the first micro-batch runs them, ``2·c(a)`` the least copy of the main input at cut ``a``
+forward and back (for the cut into stage ``s``, over the device pairs ``((s-1) % k, s % k)`` it
+joins in a split over any ``k`` devices, :func:`stage_cuts`) and ``max F + max B ≥ max (F + B)``.
+Where copies are dear a balanced split is not the fastest: the cuts must also fall where the
+activations are small, and this bound sees both.
 
 For a cap ``z`` on every ``P_s``, the least ``Σ Q + Σ 2c`` over splits into ``n`` stages is a DP
 ``D_n(z)`` over stages and cut positions, each stage's window of starts answered by a
@@ -44,7 +45,7 @@ from .candidates import least_largest
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 
-__all__ = ["Chains", "cheapest_cuts", "copies_between", "cut_least"]
+__all__ = ["Chains", "cheapest_cuts", "copies_between", "cut_least", "stage_cuts"]
 
 #: caps of the first grid (each a row of every DP step: they cost in proportion)
 CAPS = 12
@@ -79,9 +80,9 @@ class Chains:
         self.first = costs.forward + costs.backward + (recompute if mode == "always" else 0.0)
         self.lane = costs.forward + costs.backward + recompute  # prefix sums of P
         self.forward, self.back = costs.forward, costs.backward + recompute  # of F and B, apart
-        self.cut = 2 * cut_least(model, costs)  # at each position 0 … L: its copy forward and back
-        self.cut[[0, -1]] = 0.0  # no cut at the ends
-        self.cheapest = 2 * cheapest_cuts(model, costs)  # of k cuts, forward and back
+        self.cuts = stage_cuts(model, costs, interleave, len(speeds))  # [stage, position]: into it, both ways
+        least = np.sort(np.min(self.cuts[1:, 1:-1], axis=0, initial=math.inf))  # at each cut position, any stage
+        self.cheapest = np.concatenate(([0.0], np.cumsum(least)))  # of k cuts
         self.weight, self.interleave, self.speeds = chunks - 1, interleave, speeds
         self.bounds: dict[int, _Bound] = {}
 
@@ -94,7 +95,7 @@ class Chains:
         bound's cap (``None`` if none keeps every lane within it)."""
         speeds = self.stage_speeds(count)
         cap = np.array([self.bounds[count].cap])
-        tables = list(_sums(self.first, [(self.lane, cap)], self.cut, speeds))
+        tables = list(_sums(self.first, [(self.lane, cap)], self.cuts, speeds))
         if not math.isfinite(tables[-1][0, -1]):
             return None
         bounds = [len(self.lane) - 1]
@@ -102,7 +103,8 @@ class Chains:
             j, speed, before = bounds[-1], speeds[s], tables[s][0]
             starts = np.arange(j)
             fits = self.lane[j] - self.lane[starts] <= cap[0] * speed * (1 + 1e-12)
-            values = np.where(fits, before[:j] + self.cut[:j] + (self.first[j] - self.first[:j]) / speed, math.inf)
+            values = np.where(fits, before[:j] + self.cuts[s, :j] + (self.first[j] - self.first[:j]) / speed,
+                              math.inf)
             bounds.append(int(np.argmin(np.abs(values - tables[s + 1][0, j]))))
         return tuple(bounds[::-1])
 
@@ -141,7 +143,7 @@ class Chains:
             if missing:
                 caps = np.array(missing)
                 *_, table = itertools.islice(_sums(self.first, [(self.forward, caps[:, 0]), (self.back, caps[:, 1])],
-                                                   self.cut, speeds), count + 1)
+                                                   self.cuts, speeds), count + 1)
                 known.update(zip(missing, table[:, -1].tolist()))
             lows = [np.concatenate(([floor], level[:-1])) for floor, level in zip(floors, levels)]
             values = weight * (lows[0][:, None] + lows[1][None, :]) + np.array([[known[x, y] for y in ys] for x in xs])
@@ -219,7 +221,8 @@ class _Grid:
     def _add(self, caps: np.ndarray) -> None:
         """Price ``caps`` for every count and merge them in."""
         chains = self.chains
-        sums = np.array([table[:, -1] for table in _sums(chains.first, [(chains.lane, caps)], chains.cut, self.speeds)])
+        sums = np.array([table[:, -1] for table in _sums(chains.first, [(chains.lane, caps)], chains.cuts,
+                                                         self.speeds)])
         order = np.argsort(np.concatenate((self.caps, caps)), kind="stable")
         self.caps = np.concatenate((self.caps, caps))[order]
         self.sums = np.concatenate((self.sums, sums), axis=1)[:, order]
@@ -256,11 +259,12 @@ class _Grid:
         return np.linspace(low, high, SPLIT + 1)[1:-1]
 
 
-def _sums(first: np.ndarray, lanes: Sequence[tuple[np.ndarray, np.ndarray]], cut: np.ndarray,
+def _sums(first: np.ndarray, lanes: Sequence[tuple[np.ndarray, np.ndarray]], cuts: np.ndarray,
           speeds: np.ndarray) -> Iterator[np.ndarray]:
     """Per stage count ``n = 0 … len(speeds)`` in turn: per row and layer ``j``, the least
     ``Σ Q + Σ 2c`` of the first ``n`` stages ending at ``j`` with every stage's work on each of
-    ``lanes`` (prefix sums, and a cap per row) within its cap."""
+    ``lanes`` (prefix sums, and a cap per row) within its cap (``cuts[s]``: the cut into stage
+    ``s`` at each position)."""
     width, rows = len(first), len(lanes[0][1])
     ends = np.arange(width)
     windows = {}
@@ -271,10 +275,31 @@ def _sums(first: np.ndarray, lanes: Sequence[tuple[np.ndarray, np.ndarray]], cut
     best = np.full((rows, width), math.inf)
     best[:, 0] = 0.0
     yield best
-    for speed in speeds:
+    for stage, speed in enumerate(speeds):
         offset = first / speed
-        best = windows[speed].of(best + cut - offset, 0.0).reshape(rows, width) + offset
+        best = windows[speed].of(best + cuts[stage] - offset, 0.0).reshape(rows, width) + offset
         yield best
+
+
+def stage_cuts(model: CostModel, costs: SizeCosts, interleave: int, devices: int) -> np.ndarray:
+    """``[s, a]``: at least what the cut into stage ``s`` at position ``a`` (0 … L) copies,
+    forward and back, in any round-robin split over ``k ≤ devices`` devices with more than ``s``
+    stages (it joins devices ``(s-1) % k`` and ``s % k``): the least latency of those pairs, both
+    ways, plus the bytes at their least ms per byte; 0 into stage 0 and at the ends."""
+    stages = devices * interleave
+    nbytes = np.append(costs.input_bytes, 0.0)
+    nbytes[0] = 0.0
+    cuts = np.zeros((max(stages, 1), len(nbytes)))
+    if devices < 2:
+        return cuts
+    into = np.arange(1, stages)[:, None]
+    counts = np.arange(2, devices + 1)[None, :]
+    before, after = (into - 1) % counts, into % counts
+    apart = counts * interleave > into  # splits over that many devices have such a stage
+    latency, per_byte = (np.min(np.where(apart, table[before, after] + table[after, before], math.inf), axis=1)
+                         for table in (model.latency, model.per_byte))
+    cuts[1:] = np.where(nbytes > 0, latency[:, None] + nbytes * per_byte[:, None], 0.0)
+    return cuts
 
 
 def cheapest_cuts(model: CostModel, costs: SizeCosts) -> np.ndarray:
