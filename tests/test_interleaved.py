@@ -17,7 +17,7 @@ from helpers import mlp, model_of
 
 import autopipe
 from autopipe.planning import interleaved
-from autopipe.planning._chain import Chains
+from autopipe.planning._chain import Chains, cheapest_ring_cuts
 from autopipe.planning.cost import StageLanes
 from autopipe.distributed.pipeline import DistributedError, RunSettings
 from autopipe.model.fingerprint import model_fingerprint
@@ -110,7 +110,7 @@ def test_lower_bounds_never_exceed_the_simulated_time() -> None:
         top = min(devices, layers // 2)
         for m in candidate_chunks(profile.batch_size, profile.batch_sizes):
             for mode in ("never", "except_last", "always"):
-                cuts = interleaved._cheapest(model, model.at(model.micro_batch_size(m)), top, 2)
+                cuts = cheapest_ring_cuts(model, model.at(model.micro_batch_size(m)), top, 2)
                 groups = interleaved._group_bounds(model, m, mode, top, 2, cuts)
                 for k in range(2, top + 1):
                     splits = interleaved._Splits.of(model, k, 2)

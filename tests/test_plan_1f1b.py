@@ -139,7 +139,7 @@ def test_group_bound_never_exceeds_a_simulated_1f1b_time() -> None:
             stages = k * factor
             if stages > layers or k == 1 < factor:  # no split, or no such group in the search
                 continue
-            bound = one_f_one_b._bound(model, chunks, mode, k, stages)
+            bound = one_f_one_b._bound(model, chunks, mode, k, one_f_one_b._cuts(model, chunks, k, factor))
             if factor == 1:
                 bound = max(bound, one_f_one_b._staged(model, chunks, mode, k))
             for cuts in itertools.combinations(range(1, layers), stages - 1):
@@ -159,5 +159,6 @@ def test_group_bound_is_near_the_best_split(mode: str) -> None:
     for k, chunks in itertools.product((1, 2, 3, 4), (2, 4, 8)):
         best = min(evaluate(model, (0, *cuts, 12), chunks, mode, "1f1b").iteration_ms
                    for cuts in itertools.combinations(range(1, 12), k - 1))
-        bound = max(one_f_one_b._bound(model, chunks, mode, k, k), one_f_one_b._staged(model, chunks, mode, k))
+        bound = max(one_f_one_b._bound(model, chunks, mode, k, one_f_one_b._cuts(model, chunks, k, 1)),
+                    one_f_one_b._staged(model, chunks, mode, k))
         assert 0.85 * best <= bound <= best * (1 + 1e-9), (k, chunks)

@@ -39,13 +39,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ._arrays import RangeMin
+from ._arrays import RangeMin, uniform
 from ._budget import Budget
 from .candidates import least_largest
 from .cost import CostModel, SizeCosts, recomputations
 from .plans import placement
 
-__all__ = ["Chains", "cheapest_cuts", "copies_between", "cut_least", "stage_cuts"]
+__all__ = ["Chains", "cheapest_ring_cuts", "copies_between", "stage_cuts"]
 
 #: caps of the first grid (each a row of every DP step: they cost in proportion)
 CAPS = 12
@@ -302,27 +302,35 @@ def stage_cuts(model: CostModel, costs: SizeCosts, interleave: int, devices: int
     return cuts
 
 
-def cheapest_cuts(model: CostModel, costs: SizeCosts) -> np.ndarray:
-    """At each ``k = 0 … L-1``, the sum of the ``k`` least copies of :func:`cut_least` over the
-    cut positions ``1 … L-1``: what one micro-batch's main input at least costs to cross
-    ``k + 1`` stages."""
-    return np.concatenate(([0.0], np.cumsum(np.sort(cut_least(model, costs)[1:-1]))))
-
-
-def cut_least(model: CostModel, costs: SizeCosts) -> np.ndarray:
-    """At each position ``0 … L``, the least copy of the main input there between any two
-    devices (and of its gradient back: the same pairs): the least latency plus the bytes at
-    the least ms per byte."""
-    count = len(model.devices)
-    if count < 2:
-        return np.zeros(len(costs.input_bytes) + 1)
-    off = ~np.eye(count, dtype=bool)
-    nbytes = np.append(costs.input_bytes, 0.0)
-    return np.where(nbytes > 0, float(np.min(model.latency[off])) + nbytes * float(np.min(model.per_byte[off])), 0.0)
-
-
 def copies_between(model: CostModel, costs: SizeCosts, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """``[i, a]``: the copy of the main input at position ``a`` (0 … L) from device ``src[i]``
     to ``dst[i]`` (nothing where no bytes cross)."""
     nbytes = np.append(costs.input_bytes, 0.0)
     return np.where(nbytes > 0, model.latency[src, dst][:, None] + nbytes * model.per_byte[src, dst][:, None], 0.0)
+
+
+def cheapest_ring_cuts(model: CostModel, costs: SizeCosts, devices: int, interleave: int) -> np.ndarray:
+    """``[phase, k - 2, ·]`` for the forward and backward phase and ``k = 2 … devices``: the
+    least sum of the copies at the ``k · interleave - 1`` cuts of a round-robin split over ``k``
+    devices, and the least largest of them.  Cuts lie at distinct positions, each paying at
+    least the least copy there of its ring's pairs ``(i, i+1)`` and ``(k-1, 0)`` (with one copy
+    fit for every pair, that copy)."""
+    first, later = np.zeros(devices - 1, dtype=np.intp), np.arange(1, devices)
+    rings = (((later - 1, later), (later, first)), ((later, later - 1), (first, later)))  # copies, then gradients
+    if uniform(model.latency, model.per_byte):
+        rings = tuple(((first[:1], later[:1]), (first[:1], later[:1])) for _ in range(2))
+    out = np.zeros((2, devices - 1, 2))
+    counts = np.arange(2, devices + 1) * interleave - 1
+    for phase, (chain, closing) in enumerate(rings):
+        # row k - 2: the least copy at each cut position over the ring of k devices (one row for all)
+        least = np.minimum(np.minimum.accumulate(copies_between(model, costs, *chain)[:, 1:-1], axis=0),
+                           copies_between(model, costs, *closing)[:, 1:-1])
+        width = min(int(counts[-1]), least.shape[1])
+        if not width:
+            continue
+        smallest = np.sort(np.partition(least, width - 1, axis=1)[:, :width], axis=1)
+        smallest = np.broadcast_to(smallest, (devices - 1, width))
+        taken, rows = np.minimum(counts, width) - 1, np.arange(devices - 1)
+        out[phase, :, 0] = np.cumsum(smallest, axis=1)[rows, taken]
+        out[phase, :, 1] = smallest[rows, taken]  # with fewer positions than cuts no split exists
+    return out

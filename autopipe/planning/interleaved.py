@@ -49,11 +49,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import CostModel, SizeCosts, recomputations
+from .cost import CostModel, recomputations
 from .plans import placement
-from ._arrays import uniform
 from ._budget import Budget, Outcome
-from ._chain import Chains, copies_between
+from ._chain import Chains, cheapest_ring_cuts
 from ._minmax import foreseen, min_max_split
 from .candidates import Choice, better, greedy_split, least_largest
 from .._vocab import Schedule
@@ -140,7 +139,7 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     out, the bound of what is left (the next split's, or the next group's) is the outcome's."""
     budget = Budget(None) if budget is None else budget
     devices = min(len(limits), model.layers // interleave)
-    cuts = {chunks: _cheapest(model, model.at(model.micro_batch_size(chunks)), devices, interleave)
+    cuts = {chunks: cheapest_ring_cuts(model, model.at(model.micro_batch_size(chunks)), devices, interleave)
             for chunks in candidates}
     cheap = {(chunks, mode, k): float(bound) for chunks in candidates for mode in modes
              for k, bound in enumerate(_group_bounds(model, chunks, mode, devices, interleave, cuts[chunks]), start=2)}
@@ -288,9 +287,9 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
     """A lower bound on every split of ``k`` devices × ``interleave`` stages, for each ``k =
     2 … devices``: per phase the larger of all its work over the devices' total speed and the
     chain: one micro-batch through every stage (``Σ F_s/v_s ≥ F/v_max``) and the ``n - 1``
-    cheapest cuts (``cuts``: :func:`_cheapest` at this micro-batch size), plus ``m - 1`` on the
-    slowest lane: a stage's, at least the average of the ``n`` stages' and the largest layer at
-    the top speed, or a cut's copy."""
+    cheapest cuts (``cuts``: :func:`~autopipe.planning._chain.cheapest_ring_cuts` at this
+    micro-batch size), plus ``m - 1`` on the slowest lane: a stage's, at least the average of
+    the ``n`` stages' and the largest layer at the top speed, or a cut's copy."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     recomputed = recomputations(mode, chunks)
@@ -303,33 +302,6 @@ def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interl
                        forward / top + cuts[0, :, 0] + (chunks - 1) * np.maximum(slowest[0], cuts[0, :, 1]))
             + np.maximum((chunks * backward + recomputed * forward) / spread,
                          first / top + cuts[1, :, 0] + (chunks - 1) * np.maximum(slowest[1], cuts[1, :, 1])))
-
-
-def _cheapest(model: CostModel, costs: SizeCosts, devices: int, interleave: int) -> np.ndarray:
-    """``[phase, k - 2, ·]`` for the forward and backward phase and ``k = 2 … devices``: the
-    least sum of the copies at the ``k · interleave - 1`` cuts of a round-robin split over ``k``
-    devices, and the least largest of them.  Cuts lie at distinct positions, each paying at
-    least the least copy there of its ring's pairs ``(i, i+1)`` and ``(k-1, 0)`` (with one copy
-    fit for every pair, that copy)."""
-    first, later = np.zeros(devices - 1, dtype=np.intp), np.arange(1, devices)
-    rings = (((later - 1, later), (later, first)), ((later, later - 1), (first, later)))  # copies, then gradients
-    if uniform(model.latency, model.per_byte):
-        rings = tuple(((first[:1], later[:1]), (first[:1], later[:1])) for _ in range(2))
-    out = np.zeros((2, devices - 1, 2))
-    counts = np.arange(2, devices + 1) * interleave - 1
-    for phase, (chain, closing) in enumerate(rings):
-        # row k - 2: the least copy at each cut position over the ring of k devices (one row for all)
-        least = np.minimum(np.minimum.accumulate(copies_between(model, costs, *chain)[:, 1:-1], axis=0),
-                           copies_between(model, costs, *closing)[:, 1:-1])
-        width = min(int(counts[-1]), least.shape[1])
-        if not width:
-            continue
-        smallest = np.sort(np.partition(least, width - 1, axis=1)[:, :width], axis=1)
-        smallest = np.broadcast_to(smallest, (devices - 1, width))
-        taken, rows = np.minimum(counts, width) - 1, np.arange(devices - 1)
-        out[phase, :, 0] = np.cumsum(smallest, axis=1)[rows, taken]
-        out[phase, :, 1] = smallest[rows, taken]  # with fewer positions than cuts no split exists
-    return out
 
 
 def _lower_bounds(model: CostModel, splits: _Splits, chunks: int, mode: str, interleave: int) -> np.ndarray:

@@ -36,7 +36,7 @@ from ._budget import Budget, Outcome
 from .candidates import Choice, better, least_feasible
 from .cost import CostModel, recomputations
 from ._minmax import foreseen, min_max_split
-from ._chain import cheapest_cuts
+from ._chain import cheapest_ring_cuts
 from .interleaved import Group
 from .simulate import evaluate
 
@@ -55,9 +55,10 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     split the DP picks need not be the fastest of its group)."""
     # (bound, chunks, mode, k, factor, whether the bound is tightened by _staged yet), least first
     groups = [(float(bound), chunks, mode, int(k), factor, factor > 1)
-              for chunks in candidates for mode in modes for factor in interleaves
+              for chunks in candidates for factor in interleaves
               for ks in [np.arange(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
-              for k, bound in zip(ks, _bound(model, chunks, mode, ks, ks * factor))]
+              for cuts in [_cuts(model, chunks, int(ks[-1]), factor)] for mode in modes
+              for k, bound in zip(ks, _bound(model, chunks, mode, ks, cuts))]
     heapq.heapify(groups)
     spent, found, searched = 0, best, math.inf  # searched: the least bound of the groups taken out
     per_cell, skipped = 0.0, False  # the most seconds per stage and squared layer a group took so far
@@ -98,19 +99,29 @@ def _group(model: CostModel, chunks: int, mode: str, k: int, factor: int, limits
     return better(found, Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b"))
 
 
-def _bound(model: CostModel, chunks: int, mode: str, k: np.ndarray | int, stages: np.ndarray | int) -> np.ndarray:
-    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches into ``stages``
-    stages over devices ``0..k-1`` (each an array, or one count): all work over their total
-    speed, or one micro-batch's forward and backward through the chain at the top speed with
-    the ``stages - 1`` cheapest cuts copied both ways (stages next to each other run on
-    different devices)."""
+def _bound(model: CostModel, chunks: int, mode: str, k: np.ndarray | int, cuts: np.ndarray) -> np.ndarray:
+    """A lower bound on the 1F1B time of any split of ``chunks`` micro-batches over devices
+    ``0..k-1`` (an array, or one count): all work over their total speed, or one micro-batch's
+    forward and backward through the chain at the top speed with the copies of the cuts both
+    ways (``cuts[k]``, :func:`_cuts`)."""
     costs = model.at(model.micro_batch_size(chunks))
     forward, backward = float(costs.forward[-1]), float(costs.backward[-1])
     work = chunks * (forward + backward) + recomputations(mode, chunks) * forward
     index = np.asarray(k) - 1
     spread, top = np.cumsum(model.speeds)[index], np.maximum.accumulate(model.speeds)[index]
-    cuts = 2 * cheapest_cuts(model, costs)[np.asarray(stages) - 1]
-    return np.maximum(work / spread, (forward + backward) / top + cuts)
+    return np.maximum(work / spread, (forward + backward) / top + cuts[np.asarray(k)])
+
+
+def _cuts(model: CostModel, chunks: int, devices: int, factor: int) -> np.ndarray:
+    """``[k]``: the least copies, forward and back, of the ``k · factor - 1`` cuts of a split over
+    ``k = 0 … devices`` devices, ``factor`` stages each round-robin (the cut after stage ``s``
+    joins devices ``s % k`` and ``(s + 1) % k``, :func:`~autopipe.planning._chain.cheapest_ring_cuts`;
+    0 with one device)."""
+    cuts = np.zeros(devices + 1)
+    if devices >= 2:
+        ring = cheapest_ring_cuts(model, model.at(model.micro_batch_size(chunks)), devices, factor)
+        cuts[2:] = ring[0, :, 0] + ring[1, :, 0]
+    return cuts
 
 
 def _staged(model: CostModel, chunks: int, mode: str, k: int) -> float:
