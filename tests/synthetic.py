@@ -7,7 +7,7 @@ from typing import Sequence
 from autopipe._jsonio import digest
 from autopipe.profiling.profiles import CopyFit, LayerProfile, Profile, Stat
 
-__all__ = ["make_profile", "random_profile", "scale", "small_hard"]
+__all__ = ["make_profile", "random_profile", "scale", "small_chain", "small_hard"]
 
 Copies = tuple[float, float] | dict[tuple[int, int], tuple[float, float]]
 
@@ -112,9 +112,11 @@ def small_hard(rng: random.Random, count: int = 10) -> list[tuple[Profile, list[
     """``count`` random chains of at most 12 layers on at most 4 devices, with per-pair copies,
     1-3 skips and device speeds of 1, 1.5 or 2: the small hard cases the planner must solve
     exactly (profile, speeds)."""
-    cases = []
-    for _ in range(count):
-        layers, devices = rng.randint(2, 12), rng.randint(2, 4)
-        profile = random_profile(rng, layers, devices, skips=rng.randint(1, 3), per_pair=True)
-        cases.append((profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)]))
-    return cases
+    return [small_chain(rng, least_skips=1) for _ in range(count)]
+
+
+def small_chain(rng: random.Random, least_skips: int) -> tuple[Profile, list[float]]:
+    """One chain of :func:`small_hard`, with ``least_skips`` to 3 skips."""
+    layers, devices = rng.randint(2, 12), rng.randint(2, 4)
+    profile = random_profile(rng, layers, devices, skips=rng.randint(least_skips, 3), per_pair=True)
+    return profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)]

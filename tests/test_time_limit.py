@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from synthetic import make_profile, random_profile, small_hard
+from synthetic import make_profile, random_profile, small_chain, small_hard
 from helpers import StopAfter, brute_force, model_of
 
 from autopipe.cli import main
@@ -19,13 +19,13 @@ from autopipe.planning.solver import candidate_chunks, plan, solve_within
 
 
 def instance(rng: random.Random):
-    """Random ≤ 12 layers × 4 devices: per-pair copies with skips, mixed speeds 1/1.5/2."""
-    layers, devices = rng.randint(2, 12), rng.randint(2, 4)
-    profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=True)
-    model = model_of(profile, [rng.choice([1.0, 1.5, 2.0]) for _ in range(devices)])
-    limits = np.full(devices, math.inf)
+    """Random ≤ 12 layers × 4 devices: per-pair copies with 0-3 skips, mixed speeds 1/1.5/2,
+    a memory limit half the time."""
+    profile, speeds = small_chain(rng, least_skips=0)
+    model = model_of(profile, speeds)
+    limits = np.full(len(speeds), math.inf)
     if rng.random() < 0.5:
-        limits[:] = model.evaluate((0, layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
+        limits[:] = model.evaluate((0, model.layers), 1, "never").peak_memory * rng.uniform(0.3, 1.0)
     return model, candidate_chunks(profile.batch_size, profile.batch_sizes), limits
 
 
