@@ -178,7 +178,7 @@ def least_largest(prefix: np.ndarray, speeds: np.ndarray, tolerance: float) -> t
 
 
 def least_feasible(low: float, high: float, tolerance: float,
-           feasible: Callable[[np.ndarray], np.ndarray]) -> tuple[float, float]:
+                   feasible: Callable[[np.ndarray], np.ndarray]) -> tuple[float, float]:
     """Bisection on a value whose feasibility only grows with it, 255 values a round
     (``feasible`` answers for an array of them): ``(low, high)`` narrowed to within
     ``tolerance · high``, ``low`` never feasible (unless it was given so) and ``high`` feasible

@@ -19,11 +19,10 @@ average stage's, the largest layer or the ``n - 1``-th cheapest cut; the cut aft
 joins devices ``s % k`` and ``(s + 1) % k``, so only those pairs' copies count).  The groups
 that may beat the best time found get a tighter one, their least chain time
 (:class:`~autopipe.planning._chain.Chains`: which cuts fall where copies are cheap and how
-large a lane that makes), all device counts of a
-``(chunks, mode)`` at once, in order of their least cheap bound; the split that gives the
-least chain time of each ``(chunks, mode)``'s best group is simulated, so that the groups
-after it are cut off by a better time.  Then the groups in order of bound, until it reaches
-the best time:
+large a lane that makes), all device counts of a ``(chunks, mode)`` at once, in order of
+their least cheap bound; the split that gives the least chain time of each ``(chunks,
+mode)``'s best group is simulated, so that the groups after it are cut off by a better time.
+Then the groups in order of bound, until it reaches the best time:
 
 * with at most :data:`EXACT` splits, when listing them fits the time left, every split in
   order of its own bound (per phase the larger of the busiest device, ``m · Σ`` of its stages'

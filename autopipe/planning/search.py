@@ -225,8 +225,9 @@ class Search:
         state, stops = self._windows(stage, starts)
         blocks = []
         for lo in range(0, max(len(stops), 1), _RATED):  # a block at a time: the time is checked between
-            with self._rated("moves", len(stops[lo:lo + _RATED])):
-                blocks.append(self._priced(stage, starts, keys, state[lo:lo + _RATED], stops[lo:lo + _RATED]))
+            rows = slice(lo, lo + _RATED)
+            with self._rated("moves", len(stops[rows])):
+                blocks.append(self._priced(stage, starts, keys, state[rows], stops[rows]))
             self._check_size(sum(len(block.stop) for block in blocks))  # committed skips multiply the rows
         return _Moves.joined(blocks)
 
