@@ -41,7 +41,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -72,6 +72,10 @@ _PER_ROW = 3e-7
 # priced in blocks of this many rows, the time checked between them: a rate learned on other
 # moves can be a third of theirs (memory-limited moves at 300 layers x 4 devices).
 _RATED = 100_000
+# What a step is foreseen to take, in its kind's slowest seconds per row so far: the rate varies
+# with the labels per state, whose dominance tests grow as their square (at 400 layers x 32
+# devices a stage of 3.2M label-move pairs took 1.7 times the rate of the one before).
+_SLACK = 2.0
 
 
 class _OutOfTime(Exception):
@@ -172,10 +176,11 @@ class Search:
 
     @contextmanager
     def _rated(self, kind: str, rows: int) -> Iterator[None]:
-        """Run a step over ``rows`` rows only if, at the most seconds per row of its ``kind`` so
-        far, it is foreseen to end within the time limit (else stop as out of time); time it."""
+        """Run a step over ``rows`` rows only if, at :data:`_SLACK` times the most seconds per row
+        of its ``kind`` so far, it is foreseen to end within the time limit (else stop as out of
+        time); time it."""
         rate = self.rates.get(kind, _PER_ROW)
-        self._check_time(rows * rate)
+        self._check_time(rows * rate * _SLACK)
         start = time.perf_counter()
         yield
         if rows >= _RATED:
@@ -270,7 +275,7 @@ class Search:
         counts = np.maximum(last - starts, 0)
         total = int(counts.sum())
         self._check_size(total)
-        self._check_time(total * self.rates.get("moves", _PER_ROW))
+        self._check_time(total * self.rates.get("moves", _PER_ROW) * _SLACK)
         state = np.repeat(np.arange(len(starts)), counts)
         return state, starts[state] + 1 + ragged_arange(counts)
 
@@ -307,13 +312,15 @@ class Search:
         codes, by_start = _distinct(starts[moves.state] * span + moves.stop)
         count, copy_grad, sent_id, sent = self._sendings(stage, codes // span, codes % span)
         ways = np.where(kept_id[by_key] >= 0, count[by_start], 0)
-        self._check_size(int(ways.sum()))
-        row = np.repeat(np.arange(len(ways)), ways)
-        choice = np.repeat(np.cumsum(count)[by_start] - count[by_start], ways) + ragged_arange(ways)
-        taken = moves.take(row)
-        return replace(taken, copy_in=taken.copy_in + copy_in[by_key[row]],
-                       copy_grad=taken.copy_grad + copy_grad[choice],
-                       key=self._keys_after(kept, sent, kept_id[by_key[row]], sent_id[choice]))
+        total = int(ways.sum())
+        self._check_size(total)
+        with self._rated("commits", total):  # the ways multiply the rows: foreseen on their own
+            row = np.repeat(np.arange(len(ways)), ways)
+            choice = np.repeat(np.cumsum(count)[by_start] - count[by_start], ways) + ragged_arange(ways)
+            taken = moves.take(row)
+            return replace(taken, copy_in=taken.copy_in + copy_in[by_key[row]],
+                           copy_grad=taken.copy_grad + copy_grad[choice],
+                           key=self._keys_after(kept, sent, kept_id[by_key[row]], sent_id[choice]))
 
     def _receipts(self, stage: int, keys: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[_Key]]:
         """Per ``(key, stop)``: the copies in (:meth:`_received`) and the index of the
@@ -350,7 +357,10 @@ class Search:
         """The index in :attr:`keys` of each ``kept[kept_id[i]]`` joined with ``sent[sent_id[i]]``."""
         width = max(len(sent), 1)
         codes, index = _distinct(kept_id * width + sent_id)
-        ids = [self._key_id(tuple(sorted(kept[code // width] + sent[code % width]))) for code in codes.tolist()]
+        ids = []
+        for step, code in enumerate(codes.tolist()):
+            self._tick(step)
+            ids.append(self._key_id(tuple(sorted(kept[code // width] + sent[code % width]))))
         return np.array(ids, dtype=int).reshape(-1)[index]
 
     def _tick(self, index: int) -> None:
@@ -490,8 +500,7 @@ class Search:
         least = (labels.total + self.candidate.copy_forward[stage, labels.start]
                  + self.completions.lower_bound(stage + 1, labels.start, labels.x, labels.peak))
         labels = labels.take(np.flatnonzero(least < self.best))
-        self._check_time()
-        labels = labels.take(np.flatnonzero(~_dominated(labels, self.m)))
+        labels = labels.take(np.flatnonzero(~_dominated(labels, self.m, self._check_time)))
         self.trace.append((labels.start, labels.ref))
         return replace(labels, ref=np.arange(len(labels.x)))
 
@@ -531,11 +540,12 @@ def _led(labels: _Labels, chunks: int) -> np.ndarray:
     return led
 
 
-def _dominated(labels: _Labels, chunks: int) -> np.ndarray:
+def _dominated(labels: _Labels, chunks: int, check_time: Callable[[], None]) -> np.ndarray:
     """Which labels an earlier label of their state dominates, comparing every pair,
-    :data:`_PAIRS` at a time.  Sorted within a state by the time if nothing followed, then the
-    sum: a dominating label has neither larger, so one after ``b`` that dominates it equals it
-    (and the copy before ``b`` dominates it too)."""
+    :data:`_PAIRS` at a time, ``check_time`` called before each batch (the pairs grow as the
+    square of a state's labels: seconds of them at 400 layers x 32 devices).  Sorted within a
+    state by the time if nothing followed, then the sum: a dominating label has neither larger,
+    so one after ``b`` that dominates it equals it (and the copy before ``b`` dominates it too)."""
     state = states(labels.start, labels.key)[0]
     count = len(state)
     first = np.searchsorted(state, state, side="left")
@@ -544,6 +554,7 @@ def _dominated(labels: _Labels, chunks: int) -> np.ndarray:
     dominated = np.zeros(count, dtype=bool)
     lo = 0
     while lo < count:
+        check_time()
         hi = max(int(np.searchsorted(ends, ends[lo] - earlier[lo] + _PAIRS, side="right")), lo + 1)
         b = np.repeat(np.arange(lo, hi), earlier[lo:hi])
         a = np.repeat(first[lo:hi], earlier[lo:hi]) + ragged_arange(earlier[lo:hi])
