@@ -114,6 +114,11 @@ def test_missing_file(tmp_path: Path) -> None:
     (lambda d: d["layers"][1]["forward"]["4"].update(median_ms=None), "layers[1].forward.4.median_ms",
      "finite number"),
     (lambda d: d["layers"][1]["forward"]["4"].update(min_ms=99.0), "layers[1].forward.4", "min_ms <= median_ms"),
+    (lambda d: d["layers"][1]["forward"]["4"].update(min_ms=-1.0), "layers[1].forward.4.min_ms", "at least 0"),
+    (lambda d: d["layers"][1]["backward"]["2"].update(max_ms=float("inf")), "layers[1].backward.2.max_ms",
+     "finite number"),
+    (lambda d: d["layers"][0]["forward"]["2"].update(repeats=True), "layers[0].forward.2.repeats",
+     "expected an integer"),
     (lambda d: d["layers"][1]["backward"].pop("2"), "layers[1].backward", "expected the profile's batch_sizes"),
     (lambda d: d["layers"][3]["forward"].update({"x": {}}), "layers[3].forward", "positive integers, found 'x'"),
     (lambda d: d["layers"][1].update(stash_bytes={}), "layers[1].stash_bytes", "expected the layer's stash"),
@@ -127,6 +132,15 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_bad_field_is_named(saved_file: Path, change: Callable[[dict[str, Any]], None], field: str,
                             problem: str) -> None:
     expect_error(edit(saved_file, change), f"field '{field}'", problem)
+
+
+def test_times_written_as_integers_are_read_as_floats(measured: Profile, saved_file: Path) -> None:
+    """A file written by other tools may hold ``2`` for ``2.0``: the same profile."""
+    def whole(document: dict[str, Any]) -> None:
+        document["layers"][0]["forward"]["2"] = {"median_ms": 2, "min_ms": 1, "max_ms": 3, "repeats": 4}
+
+    stat = Profile.load(edit(saved_file, whole)).layers[0].forward[2]
+    assert stat == Stat(2.0, 1.0, 3.0, 4) and type(stat.median_ms) is float
 
 
 def test_stat_spread() -> None:

@@ -7,6 +7,7 @@ backward, which need not be linear).  The cost model reads only this.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,11 @@ class Stat:
     @staticmethod
     def from_json(f: Fields) -> Stat:
         value = f.value
-        if (isinstance(value, dict) and all(_is_time(value.get(key)) for key in _STAT_TIMES)
-                and _is_count(value.get("repeats"))
-                and value["min_ms"] <= value["median_ms"] <= value["max_ms"]):  # well formed: read it at once
-            return Stat(float(value["median_ms"]), float(value["min_ms"]), float(value["max_ms"]), value["repeats"])
+        if type(value) is dict:  # well formed (floats in order, a count), as files hold them: read it at once
+            median, low, high, repeats = (value.get(key) for key in _STAT_FIELDS)
+            if (type(median) is type(low) is type(high) is float and type(repeats) is int
+                    and 0.0 <= low <= median <= high < math.inf and repeats >= 0):
+                return Stat(median, low, high, repeats)
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -157,12 +159,7 @@ def _flag(f: Fields, key: str) -> bool | None:
     return f.typed(key, lambda v: isinstance(v, bool), "true or false") if f.has(key) else None
 
 
-_STAT_TIMES = ("median_ms", "min_ms", "max_ms")
-
-
-def _is_time(value: Any) -> bool:
-    """A finite number of milliseconds, at least 0."""
-    return is_finite(value) and value >= 0
+_STAT_FIELDS = ("median_ms", "min_ms", "max_ms", "repeats")
 
 
 def _is_count(value: Any) -> bool:
@@ -175,10 +172,11 @@ def _bad(f: Fields) -> Any:
 
 def _by_batch(f: Fields, read: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
-    for key in f.keys():
+    f.keys()  # an object, or the error that says so
+    for key, value in f.value.items():
         if not key.isdigit() or int(key) < 1:
             raise f.error(f"micro-batch size keys must be positive integers, found '{key}'")
-        out[int(key)] = read(f.get(key))
+        out[int(key)] = read(Fields(value, f.source, parent=f, key=key))
     return out
 
 
