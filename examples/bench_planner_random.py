@@ -6,7 +6,8 @@ Run: ``.venv/bin/python examples/bench_planner_random.py [--count N] [--seed S] 
 ``S … S+N-1``): 6 to 300 layers on 2 to 32 devices, one copy fit or one per device pair, 0 to
 30 skips, equal or mixed speeds (1, 1.5, 2), no memory limit or 2, 5 or 20 MB per device, each
 checkpoint choice, ``interleave`` 1, 2 or ``"auto"``, schedule ``"gpipe"``, ``"1f1b"`` or
-``"auto"`` and sometimes ``placement="search"``.  Each call is timed end to end.  It prints, per
+``"auto"`` and sometimes ``placement="search"``; ``--fixed-chunks`` also gives each a micro-batch
+count (from its own random stream: the instances stay the same).  Each call is timed end to end.  It prints, per
 kind of search, how many plans were found, how many within a gap of 2%, the median and largest
 gap, and the slowest call as a share of the limit; then the calls that took more than 10% over
 their limit (with their seed, to rerun one) and those that raised anything but the planner's
@@ -30,8 +31,9 @@ from autopipe.errors import PlanningError  # noqa: E402
 from autopipe.planning.solver import plan  # noqa: E402
 
 
-def instance(seed: int) -> tuple[Any, dict[str, Any]]:
-    """The profile and ``plan()`` options of one random instance."""
+def instance(seed: int, fixed_chunks: bool = False) -> tuple[Any, dict[str, Any]]:
+    """The profile and ``plan()`` options of one random instance (with ``fixed_chunks``, also
+    a micro-batch count, drawn after the rest)."""
     rng = random.Random(seed)
     layers, devices = rng.choice([6, 20, 60, 150, 300]), rng.choice([2, 4, 8, 16, 32])
     profile = random_profile(rng, layers, devices, per_pair=rng.random() < 0.6,
@@ -47,6 +49,8 @@ def instance(seed: int) -> tuple[Any, dict[str, Any]]:
     options["checkpoint"] = rng.choice(["auto", "never", "always", "except_last"])
     if rng.random() < 0.2 and devices <= 8:
         options["placement"] = "search"
+    if fixed_chunks:
+        options["chunks"] = random.Random(-1 - seed).choice([2, 4, 8, 16, 32])
     return profile, options
 
 
@@ -62,12 +66,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=1.0)
+    parser.add_argument("--fixed-chunks", action="store_true", help="also fix each instance's micro-batch count")
     args = parser.parse_args()
     gaps: dict[str, list[float]] = {}
     slowest: dict[str, float] = {}
     over, failed, refused = [], [], 0
     for seed in range(args.seed, args.seed + args.count):
-        profile, options = instance(seed)
+        profile, options = instance(seed, args.fixed_chunks)
         start = time.perf_counter()
         try:
             chosen = plan(profile, time_limit=args.time_limit, **options)
@@ -86,7 +91,8 @@ def main() -> None:
         if chosen is not None:
             gaps.setdefault(group, []).append(chosen.predicted.gap or 0.0)
     print(f"{args.count} random instances (seeds {args.seed}-{args.seed + args.count - 1}), "
-          f"time_limit={args.time_limit} s; {refused} refused with a PlanningError")
+          f"time_limit={args.time_limit} s{', chunks fixed' if args.fixed_chunks else ''}; "
+          f"{refused} refused with a PlanningError")
     for group in ("fill-drain", "fill-drain + interleaved", "with 1F1B"):
         found = sorted(gaps.get(group, []))
         if found:
