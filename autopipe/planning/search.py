@@ -256,7 +256,6 @@ class Search:
         skipped = forward if self.mode == "except_last" else np.zeros(len(stops))
         moves = _Moves(state, stops, copy_in, forward, back, skipped, copy_grad, np.zeros(len(stops), dtype=int))
         if self.keyed:
-            self._check_time()
             return self._commit(stage, starts, keys, moves)
         self._add_skips(stage, start, stops, copy_in, copy_grad)
         return moves
