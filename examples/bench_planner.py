@@ -1,9 +1,9 @@
 """Planning time and proven gap on synthetic chains (goal: every case under 1 s, gap ≤ 2%).
 
 Run: ``.venv/bin/python examples/bench_planner.py [--time-limit SECONDS] [--cases NAMES]
-[LAYERSxDEVICES ...]``.  Each instance is a random chain (tests/synthetic.py: uneven layer
-times, batch 64, profiled sizes 1..64) planned with checkpoint="auto", the micro-batch count
-chosen and ``plan(..., time_limit=...)``.  Cases:
+[--chunks M,...] [LAYERSxDEVICES ...]``.  Each instance is a random chain (tests/synthetic.py:
+uneven layer times, batch 64, profiled sizes 1..64) planned with checkpoint="auto", the
+micro-batch count chosen and ``plan(..., time_limit=...)``.  Cases:
 
 * ``equal``: one copy fit for every device pair, equal speeds (the original benchmark);
 * ``pairs``: a copy fit per device pair and L/20 skips (at least 2);
@@ -16,6 +16,9 @@ chosen and ``plan(..., time_limit=...)``.  Cases:
 Each line prints the wall time of ``plan()`` end to end, the plan and its gap to the proven lower
 bound (0: optimal for the cost model).  ``--placement search`` also searches which device each
 stage runs on (a few orders at these sizes; the gap then covers the orders searched).
+``--chunks 5,11`` plans each case once per micro-batch count given (``plan(..., chunks=m)``)
+instead of choosing it: the exact search then gets most of the time, which is where a step
+could run past the limit.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ DEFAULT = ["100x8", "400x32", "1000x64"]
 CASES = ["equal", "pairs", "speeds", "interleaved", "small"]
 
 
-def bench(case: str, layers: int, devices: int, time_limit: float | None, placement: str) -> str:
+def bench(case: str, layers: int, devices: int, time_limit: float | None, placement: str,
+          chunks: int | None = None) -> str:
     rng = random.Random(layers * 1000 + devices)
     pairs = case == "pairs"
     profile = random_profile(rng, layers, devices, per_pair=pairs, skips=max(2, layers // 20) if pairs else 0,
@@ -43,7 +47,7 @@ def bench(case: str, layers: int, devices: int, time_limit: float | None, placem
     profile.batch_size = 64
     speeds = [(1.0, 1.5, 2.0)[d % 3] for d in range(devices)] if case == "speeds" else None
     start = time.perf_counter()
-    chosen = plan(profile, speeds=speeds, time_limit=time_limit, placement=placement,
+    chosen = plan(profile, speeds=speeds, time_limit=time_limit, placement=placement, chunks=chunks,
                   interleave=2 if case == "interleaved" else 1)
     seconds = time.perf_counter() - start
     gap = chosen.predicted.gap or 0.0
@@ -68,14 +72,17 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     parser.add_argument("--placement", default="given", choices=["given", "search"],
                         help="plan()'s placement: also search which device each stage runs on")
+    parser.add_argument("--chunks", default="", help="comma-separated micro-batch counts to fix, one run each")
     args = parser.parse_args()
+    counts = [int(m) for m in args.chunks.split(",") if m] or [None]
     for case in args.cases.split(","):
         if case == "small":
             print(bench_small(args.time_limit or None), flush=True)
             continue
         for size in args.sizes:
             layers, devices = (int(v) for v in size.lower().split("x"))
-            print(bench(case, layers, devices, args.time_limit or None, args.placement), flush=True)
+            for chunks in counts:
+                print(bench(case, layers, devices, args.time_limit or None, args.placement, chunks), flush=True)
     print("goal: every case under 1 s with gap <= 2%")
 
 
