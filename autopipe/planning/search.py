@@ -74,7 +74,7 @@ _PER_ROW = 3e-7
 _RATED = 100_000
 # What a step is foreseen to take, in its kind's slowest seconds per row so far: the rate varies
 # with the labels per state, whose dominance tests grow as their square (at 400 layers x 32
-# devices a stage of 3.2M label-move pairs took 1.7 times the rate of the one before).
+# devices a stage of 3.2M label-move pairs took at least 1.7 times the rate of the one before).
 _SLACK = 2.0
 
 
