@@ -103,6 +103,11 @@ class Candidate:
         its gradient back (:func:`_receive`)."""
         return self.sized.receive
 
+    @property
+    def pays_skips(self) -> bool:
+        """Whether some skip costs a copy from some device to another."""
+        return self.sized.pays_skips
+
     def caps(self, best: float, least_sum: float) -> tuple[float, float]:
         """Largest forward and backward lane a plan better than ``best`` can have when its lane
         sum is at least ``least_sum``: ``best > S + (m-1)·X + w·M`` with each maximum at least
@@ -135,6 +140,11 @@ class _Sized:
     def receive(self) -> np.ndarray:
         """:func:`_receive` at this size."""
         return _receive(self.model, self.costs, self.devices)
+
+    @cached_property
+    def pays_skips(self) -> bool:
+        """Whether receiving some skip costs anything at this size."""
+        return bool(np.any(np.isfinite(self.receive) & (self.receive > 0)))
 
 
 def filled(work: float, speeds: np.ndarray, floor: float, weight: float) -> np.ndarray:

@@ -32,7 +32,7 @@ from ._infeasible import infeasible, smallest_memory, unfound
 from ._options import Options, candidate_chunks, device_names, memory_limits, parse_bytes
 from .completion import Completions, grid_levels
 from .refinement import Cells, refine
-from .cost import CostModel
+from .cost import CostModel, Evaluation
 from .plans import Plan
 from .candidates import Candidate, Choice, better, greedy_split, least_largest
 from .search import Search
@@ -198,7 +198,7 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     leads: list[_Lead] = []
 
     def scout(candidate: Candidate, best: Choice | None, potentials: np.ndarray) -> tuple[Cells, Choice | None]:
-        leads.append(_scout(model, candidate, limits, best, potentials))
+        leads.append(_scout(model, candidate, limits, best, potentials, _guess(model, pairs, candidate, best)))
         return leads[-1].cells, leads[-1].plan
 
     def price(candidate: Candidate, splits: Sequence[tuple[int, ...]]) -> Choice | None:
@@ -242,15 +242,33 @@ def _seed(model: CostModel, candidate: Candidate, limits: np.ndarray) -> Choice 
 
 
 def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
-           potentials: np.ndarray) -> _Lead:
-    """A coarse grid of caps for ``candidate`` (skips charged with ``potentials``): cheap, and
-    its bound and plans decide the order of the exact searches and cut most of them off."""
-    completions = Completions.grid(candidate, model.speeds[: len(limits)],
-                                   *_levels(model, candidate, limits, best, None, candidate.work), skips=True,
+           potentials: np.ndarray, guess: tuple[float, float] | None = None) -> _Lead:
+    """A first grid of caps for ``candidate`` (skips charged with ``potentials``), coarse or
+    around the ``guess`` of its lanes (:func:`_guess`): cheap, and its bound and plans decide
+    the order of the exact searches and cut most of them off."""
+    levels = _levels(model, candidate, limits, best, guess, candidate.work, guessed=guess is not None)
+    completions = Completions.grid(candidate, model.speeds[: len(limits)], *levels, skips=True,
                                    potentials=potentials)
     loose = bool(model.chain.skips) or candidate.effective == "except_last" or bool(np.any(np.isfinite(limits)))
     return _Lead(candidate, Cells.of(completions, loose), completions.floor,
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
+
+
+def _guess(model: CostModel, candidates: Sequence[Candidate], candidate: Candidate,
+           best: Choice | None) -> tuple[float, float] | None:
+    """Where ``candidate``'s best lanes likely lie: the largest forward and backward lanes of
+    ``best``, scaled by the ratio of the two micro-batch counts' least possible lanes (their
+    floors).  Its first grid then has levels around them, where the coarse grid's start at the
+    floors, which lie below the lanes of the best plans when speeds differ.  ``None`` where
+    ``best`` is not a fill-drain plan of ``candidates`` or ``candidate`` pays for skips (there
+    a cell costs several times as much, and the coarse grid did better)."""
+    if best is None or best.interleave != 1 or best.schedule != "gpipe" or candidate.pays_skips:
+        return None
+    source = next((c for c in candidates if (c.chunks, c.mode) == (best.chunks, best.mode)), None)
+    if source is None:
+        return None
+    lanes = _largest_lanes(model.evaluate(best.bounds, best.chunks, best.mode))
+    return (lanes[0] * candidate.floors[0] / source.floors[0], lanes[1] * candidate.floors[1] / source.floors[1])
 
 
 @dataclass(frozen=True)
@@ -312,11 +330,13 @@ def _search(model: CostModel, grid: _Refined, limits: np.ndarray, best: Choice |
 
 
 def _levels(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Choice | None,
-            lanes: tuple[float, float] | None, least_sum: float) -> tuple[np.ndarray, np.ndarray]:
+            lanes: tuple[float, float] | None, least_sum: float,
+            guessed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The levels of a grid of caps up to the largest lanes a plan better than ``best`` can
-    have, given that its lane sum is at least ``least_sum`` (coarse, or around ``lanes``)."""
+    have, given that its lane sum is at least ``least_sum`` (coarse, or around ``lanes``, a few
+    if they are ``guessed``)."""
     caps = candidate.caps(math.inf if best is None else best.iteration_ms, least_sum)
-    return grid_levels(candidate, len(limits), caps, lanes)
+    return grid_levels(candidate, len(limits), caps, lanes, guessed)
 
 
 def _best_plan(model: CostModel, candidate: Candidate, limits: np.ndarray,
@@ -332,6 +352,10 @@ def _best_plan(model: CostModel, candidate: Candidate, limits: np.ndarray,
     if found is None:
         return None, None
     bounds, evaluation = found
-    lanes = (max(max(s.forward, s.copy_in) for s in evaluation.stages),
-             max(max(s.backward + s.recompute, s.copy_grad) for s in evaluation.stages))
-    return Choice(bounds, candidate.chunks, candidate.mode, evaluation.iteration_ms), lanes
+    return Choice(bounds, candidate.chunks, candidate.mode, evaluation.iteration_ms), _largest_lanes(evaluation)
+
+
+def _largest_lanes(evaluation: Evaluation) -> tuple[float, float]:
+    """A plan's largest forward lane (compute or copy) and largest backward lane."""
+    return (max(max(s.forward, s.copy_in) for s in evaluation.stages),
+            max(max(s.backward + s.recompute, s.copy_grad) for s in evaluation.stages))
