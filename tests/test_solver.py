@@ -413,14 +413,16 @@ def test_candidates_built_together_equal_those_built_alone():
 
 
 def test_a_first_grid_is_placed_around_the_best_plans_lanes_scaled_to_its_micro_batch_count() -> None:
-    """Without skips to pay for, a micro-batch count's first grid of lane caps lies around the
-    largest lanes of the best plan so far, scaled by the ratio of the two counts' least possible
-    lanes (``solver._guess``): the best plan's own count gets its lanes exactly.  With skips that
-    cost a copy, or a best plan of another schedule, the grid stays coarse (no guess)."""
+    """With mixed speeds and no skips to pay for, a micro-batch count's first grid of lane caps
+    lies around the largest lanes of the best plan so far, scaled by the ratio of the two counts'
+    least possible lanes (``solver._guess``): the best plan's own count gets its lanes exactly.
+    With equal speeds, skips that cost a copy, or a best plan of another schedule, the grid
+    stays coarse (no guess)."""
     from autopipe.planning import solver
     from autopipe.planning.candidates import Candidate, Choice
 
-    model = model_of(random_profile(random.Random(5), 12, 3, per_pair=False), [1.0, 1.5, 2.0])
+    speeds = np.array([1.0, 1.5, 2.0])
+    model = model_of(random_profile(random.Random(5), 12, 3, per_pair=False), speeds)
     candidates = Candidate.all(model, [2, 4, 8], ["never", "always"], 3)
     source, other = candidates[0], candidates[-1]  # 2 micro-batches never, 8 always
     bounds = (0, 4, 9, 12)
@@ -428,12 +430,13 @@ def test_a_first_grid_is_placed_around_the_best_plans_lanes_scaled_to_its_micro_
     lanes = (max(max(s.forward, s.copy_in) for s in stages),
              max(max(s.backward + s.recompute, s.copy_grad) for s in stages))
     best = Choice(bounds, source.chunks, source.mode, 1.0)
-    assert solver._guess(model, candidates, source, best) == pytest.approx(lanes, rel=1e-12)
+    assert solver._guess(model, speeds, candidates, source, best) == pytest.approx(lanes, rel=1e-12)
     scaled = tuple(lane * mine / theirs for lane, mine, theirs in zip(lanes, other.floors, source.floors))
-    assert solver._guess(model, candidates, other, best) == pytest.approx(scaled, rel=1e-12)
-    assert solver._guess(model, candidates, other, Choice(bounds, 2, "never", 1.0, interleave=2)) is None
+    assert solver._guess(model, speeds, candidates, other, best) == pytest.approx(scaled, rel=1e-12)
+    assert solver._guess(model, speeds, candidates, other, Choice(bounds, 2, "never", 1.0, interleave=2)) is None
+    assert solver._guess(model, np.ones(3), candidates, other, best) is None
 
     skipped = model_of(make_profile([1.0] * 6, devices=3, skips=[("s", 0, 4, 1000)], copies=(1.0, 1e-3)), [1.0] * 3)
     with_skip = Candidate.all(skipped, [2], ["never"], 3)
     assert with_skip[0].pays_skips
-    assert solver._guess(skipped, with_skip, with_skip[0], Choice((0, 2, 4, 6), 2, "never", 1.0)) is None
+    assert solver._guess(skipped, speeds, with_skip, with_skip[0], Choice((0, 2, 4, 6), 2, "never", 1.0)) is None

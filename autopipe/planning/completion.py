@@ -50,7 +50,8 @@ _AROUND = np.array([0.0, -1 / 32, 1 / 32, 1 / 4, -1 / 16, 1 / 16, -1 / 64, 1 / 6
 _BUDGET = 8_000_000
 # Levels a lane of the coarse grid, before a plan is known.
 _COARSE = 4
-# Levels a lane of a first grid around lanes guessed from another micro-batch count's plan: at
+# Levels a lane of a first grid around lanes guessed from another micro-batch count's plan (mixed
+# speeds, no skips to pay for; autopipe.planning.solver._guess): at
 # 1,000 layers x 64 devices of speeds 1, 1.5 and 2 the bound came within 2% of the plan after 14-17
 # refinement steps where the coarse grid took 45 (4 levels: 37; 5 levels fell short of 6).
 _GUESSED = 6

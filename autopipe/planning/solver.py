@@ -198,7 +198,8 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     leads: list[_Lead] = []
 
     def scout(candidate: Candidate, best: Choice | None, potentials: np.ndarray) -> tuple[Cells, Choice | None]:
-        leads.append(_scout(model, candidate, limits, best, potentials, _guess(model, pairs, candidate, best)))
+        guess = _guess(model, model.speeds[: len(limits)], pairs, candidate, best)
+        leads.append(_scout(model, candidate, limits, best, potentials, guess))
         return leads[-1].cells, leads[-1].plan
 
     def price(candidate: Candidate, splits: Sequence[tuple[int, ...]]) -> Choice | None:
@@ -254,15 +255,17 @@ def _scout(model: CostModel, candidate: Candidate, limits: np.ndarray, best: Cho
                  *_best_plan(model, candidate, limits, completions.plans(_PLANS)))
 
 
-def _guess(model: CostModel, candidates: Sequence[Candidate], candidate: Candidate,
+def _guess(model: CostModel, speeds: np.ndarray, candidates: Sequence[Candidate], candidate: Candidate,
            best: Choice | None) -> tuple[float, float] | None:
     """Where ``candidate``'s best lanes likely lie: the largest forward and backward lanes of
     ``best``, scaled by the ratio of the two micro-batch counts' least possible lanes (their
-    floors).  Its first grid then has levels around them, where the coarse grid's start at the
-    floors, which lie below the lanes of the best plans when speeds differ.  ``None`` where
-    ``best`` is not a fill-drain plan of ``candidates`` or ``candidate`` pays for skips (there
-    a cell costs several times as much, and the coarse grid did better)."""
-    if best is None or best.interleave != 1 or best.schedule != "gpipe" or candidate.pays_skips:
+    floors).  Where ``speeds`` differ its first grid has levels around them, as the coarse grid's
+    start at the floors, which lie below the lanes of the best plans there: moving work to
+    faster devices shortens the lane sum and lengthens the largest lanes (with equal speeds
+    the coarse grid is as good, and cheaper).  ``None`` where ``best`` is not a fill-drain plan
+    of ``candidates`` or ``candidate`` pays for skips (there a cell costs several times as
+    much, and the coarse grid did better)."""
+    if best is None or best.interleave != 1 or best.schedule != "gpipe" or candidate.pays_skips or np.ptp(speeds) == 0:
         return None
     source = next((c for c in candidates if (c.chunks, c.mode) == (best.chunks, best.mode)), None)
     if source is None:
