@@ -104,3 +104,19 @@ def test_1f1b_respects_every_dependency(mode):
                           if e.lane == "compute" and where[e.stage] == device)
             assert all(a[1] <= b[0] + 1e-9 for a, b in zip(busy, busy[1:]))
             assert simulation.iteration_ms >= sum(end - start for start, end in busy) - 1e-9
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pricing_a_split_keeps_no_timeline_and_gives_the_same_times(schedule):
+    """The searches price splits without the events (``timeline=False``): the same phase
+    lengths, for stages sharing devices under either turn rule too."""
+    rng = random.Random(schedule)
+    for _ in range(100):
+        chunks, count = rng.randint(1, 8), 2 * rng.randint(1, 4)
+        stages = random_stages(rng, count, chunks, "never")
+        placement = [s % (count // 2) for s in range(count)] if rng.random() < 0.5 else None
+        turns = rng.choice(["depth_first", "breadth_first"])
+        full = simulate(stages, chunks, "never", placement, schedule, turns)
+        priced = simulate(stages, chunks, "never", placement, schedule, turns, timeline=False)
+        assert priced.events == [] and (priced.forward_ms, priced.backward_ms) == (full.forward_ms, full.backward_ms)
+        assert full.events or full.iteration_ms == 0

@@ -86,7 +86,8 @@ def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, inter
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
         return math.inf, TURN_RULES[0]
-    times = [(simulate(lanes, chunks, mode, where, schedule, rule).iteration_ms, rule) for rule in TURN_RULES]
+    times = [(simulate(lanes, chunks, mode, where, schedule, rule, timeline=False).iteration_ms, rule)
+             for rule in TURN_RULES]
     return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
 
 
