@@ -436,6 +436,13 @@ def test_a_first_grid_is_placed_around_the_best_plans_lanes_scaled_to_its_micro_
     assert solver._guess(model, speeds, candidates, other, Choice(bounds, 2, "never", 1.0, interleave=2)) is None
     assert solver._guess(model, np.ones(3), candidates, other, best) is None
 
+    idle = model_of(make_profile([0.0] * 6, [1.0] * 6, devices=3), speeds)  # no forward work: a floor of 0
+    idle_candidates = Candidate.all(idle, [2], ["never"], 3)
+    assert idle_candidates[0].floors[0] == 0
+    idle_best = Choice((0, 2, 4, 6), 2, "never", 1.0)
+    assert solver._guess(idle, speeds, idle_candidates, idle_candidates[0], idle_best) is None
+    assert plan(make_profile([0.0] * 6, [1.0] * 6, devices=3), speeds=speeds, interleave=1).predicted.gap == 0
+
     skipped = model_of(make_profile([1.0] * 6, devices=3, skips=[("s", 0, 4, 1000)], copies=(1.0, 1e-3)), [1.0] * 3)
     with_skip = Candidate.all(skipped, [2], ["never"], 3)
     assert with_skip[0].pays_skips

@@ -263,12 +263,12 @@ def _guess(model: CostModel, speeds: np.ndarray, candidates: Sequence[Candidate]
     start at the floors, which lie below the lanes of the best plans there: moving work to
     faster devices shortens the lane sum and lengthens the largest lanes (with equal speeds
     the coarse grid is as good, and cheaper).  ``None`` where ``best`` is not a fill-drain plan
-    of ``candidates`` or ``candidate`` pays for skips (there a cell costs several times as
-    much, and the coarse grid did better)."""
+    of ``candidates`` (or one with a lane of no work) or ``candidate`` pays for skips (there a
+    cell costs several times as much, and the coarse grid did better)."""
     if best is None or best.interleave != 1 or best.schedule != "gpipe" or candidate.pays_skips or np.ptp(speeds) == 0:
         return None
     source = next((c for c in candidates if (c.chunks, c.mode) == (best.chunks, best.mode)), None)
-    if source is None:
+    if source is None or min(source.floors) <= 0:
         return None
     lanes = _largest_lanes(model.evaluate(best.bounds, best.chunks, best.mode))
     return (lanes[0] * candidate.floors[0] / source.floors[0], lanes[1] * candidate.floors[1] / source.floors[1])
