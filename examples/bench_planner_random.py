@@ -7,11 +7,11 @@ Run: ``.venv/bin/python examples/bench_planner_random.py [--count N] [--seed S] 
 30 skips, equal or mixed speeds (1, 1.5, 2), no memory limit or 2, 5 or 20 MB per device, each
 checkpoint choice, ``interleave`` 1, 2 or ``"auto"``, schedule ``"gpipe"``, ``"1f1b"`` or
 ``"auto"`` and sometimes ``placement="search"``; ``--fixed-chunks`` also gives each a micro-batch
-count (from its own random stream: the instances stay the same).  Each call is timed end to end.  It prints, per
-kind of search, how many plans were found, how many within a gap of 2%, the median and largest
-gap, and the slowest call as a share of the limit; then the calls that took more than 10% over
-their limit (with their seed, to rerun one) and those that raised anything but the planner's
-documented errors.
+count (from its own random stream: the instances stay the same).  Each call is timed end to
+end.  It prints, per kind of search, how many plans were found, how many within a gap of 2%,
+the median and largest gap, and the slowest call as a share of the limit; then the calls that
+took more than 10% over their limit (with their seed, to rerun one) and those that raised
+anything but the planner's documented errors.
 """
 from __future__ import annotations
 

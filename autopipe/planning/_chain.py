@@ -287,9 +287,7 @@ def stage_cuts(model: CostModel, costs: SizeCosts, interleave: int, devices: int
     stages (it joins devices ``(s-1) % k`` and ``s % k``): the least latency of those pairs, both
     ways, plus the bytes at their least ms per byte; 0 into stage 0 and at the ends."""
     stages = devices * interleave
-    nbytes = np.append(costs.input_bytes, 0.0)
-    nbytes[0] = 0.0
-    cuts = np.zeros((max(stages, 1), len(nbytes)))
+    cuts = np.zeros((max(stages, 1), len(costs.input_bytes) + 1))
     if devices < 2:
         return cuts
     into = np.arange(1, stages)[:, None]
@@ -298,15 +296,22 @@ def stage_cuts(model: CostModel, costs: SizeCosts, interleave: int, devices: int
     apart = counts * interleave > into  # splits over that many devices have such a stage
     latency, per_byte = (np.min(np.where(apart, table[before, after] + table[after, before], math.inf), axis=1)
                          for table in (model.latency, model.per_byte))
-    cuts[1:] = np.where(nbytes > 0, latency[:, None] + nbytes * per_byte[:, None], 0.0)
+    cuts[1:] = _input_copies(costs, latency, per_byte)
+    cuts[:, 0] = 0.0  # the batch's input is not a cut
     return cuts
 
 
 def copies_between(model: CostModel, costs: SizeCosts, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """``[i, a]``: the copy of the main input at position ``a`` (0 … L) from device ``src[i]``
     to ``dst[i]`` (nothing where no bytes cross)."""
+    return _input_copies(costs, model.latency[src, dst], model.per_byte[src, dst])
+
+
+def _input_copies(costs: SizeCosts, latency: np.ndarray, per_byte: np.ndarray) -> np.ndarray:
+    """``[i, a]``: the main input at position ``a`` (0 … L) copied at ``latency[i]`` plus its
+    bytes at ``per_byte[i]`` (nothing where no bytes cross)."""
     nbytes = np.append(costs.input_bytes, 0.0)
-    return np.where(nbytes > 0, model.latency[src, dst][:, None] + nbytes * model.per_byte[src, dst][:, None], 0.0)
+    return np.where(nbytes > 0, latency[:, None] + nbytes * per_byte[:, None], 0.0)
 
 
 def cheapest_ring_cuts(model: CostModel, costs: SizeCosts, devices: int, interleave: int) -> np.ndarray:

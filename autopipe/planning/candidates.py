@@ -83,9 +83,9 @@ class Candidate:
         sized = _Sized.of(model, chunks, devices) if sized is None else sized
         costs, copy_forward, copy_back = sized.costs, sized.copy_forward, sized.copy_back
         effective = effective_mode(mode, chunks)
-        back = costs.backward + (0.0 if effective == "never" else 1.0) * costs.forward
+        back, back_floor = sized.back(effective != "never")
         speeds = model.speeds[:devices]
-        floors = sized.floor, sized.back_floor(back, effective != "never")
+        floors = sized.floor, back_floor
         weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
         count = min(devices, model.layers)
         lower_bound = np.min((filled(float(costs.forward[-1]), speeds, floors[0], weights[0])
@@ -130,14 +130,15 @@ class _Sized:
         self.floor = least_largest(costs.forward, model.speeds[:devices], 1e-3)[0]
         cut = np.min(self.copy_forward[:-1] + self.copy_back[:-1], axis=0, initial=math.inf)
         self.cheapest = np.concatenate(([0.0], np.cumsum(np.sort(cut[1:-1]))))
-        self._back_floors: dict[bool, float] = {}
+        self._backs: dict[bool, tuple[np.ndarray, float]] = {}
 
-    def back_floor(self, back: np.ndarray, recomputed: bool) -> float:
-        """The least possible largest backward lane ``back`` (prefix sums), with or without
-        recomputation (two values per size: ``except_last`` and ``always`` share one)."""
-        if recomputed not in self._back_floors:
-            self._back_floors[recomputed] = least_largest(back, self.model.speeds[:self.devices], 1e-3)[0]
-        return self._back_floors[recomputed]
+    def back(self, recomputed: bool) -> tuple[np.ndarray, float]:
+        """The prefix sums of the backward lane, with or without recomputation, and its least
+        possible largest value (two per size: ``except_last`` and ``always`` share one)."""
+        if recomputed not in self._backs:
+            back = self.costs.backward + (1.0 if recomputed else 0.0) * self.costs.forward
+            self._backs[recomputed] = back, least_largest(back, self.model.speeds[:self.devices], 1e-3)[0]
+        return self._backs[recomputed]
 
     @staticmethod
     def of(model: CostModel, chunks: int, devices: int) -> _Sized:

@@ -278,8 +278,10 @@ def grid_levels(candidate: Candidate, devices: int, caps: tuple[float, float],
     with as many levels as :data:`_BUDGET` allows (:data:`_GUESSED` if the lanes are
     ``guessed``); a lane whose weight is 0 gets only its cap."""
     count = max(int(math.sqrt(_BUDGET / ((devices + 6) * len(candidate.back)))), 1)
-    if lanes is None or guessed:
-        count = min(count, _COARSE if lanes is None else _GUESSED)
+    if lanes is None:
+        count = min(count, _COARSE)
+    elif guessed:
+        count = min(count, _GUESSED)
     x, y = (_levels(floor, cap, lane, weight, count)
             for floor, cap, lane, weight in zip(candidate.floors, caps, lanes or (None, None), candidate.weights))
     return x, y
