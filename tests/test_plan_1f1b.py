@@ -17,7 +17,7 @@ from autopipe.cli import main
 from autopipe.planning.cost import CostModel
 from autopipe.planning.plans import Plan
 from autopipe.planning.simulate import evaluate, simulate_plan
-from autopipe.planning.solver import PlanningError, plan
+from autopipe.planning.solver import PlanningError, candidate_chunks, plan
 
 
 def eight_layers(devices: int = 4):
@@ -162,3 +162,36 @@ def test_group_bound_is_near_the_best_split(mode: str) -> None:
         bound = max(one_f_one_b._bound(model, chunks, mode, k, one_f_one_b._cuts(model, chunks, k, 1)),
                     one_f_one_b._staged(model, chunks, mode, k))
         assert 0.85 * best <= bound <= best * (1 + 1e-9), (k, chunks)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_1f1b_plan_is_no_slower_than_the_fill_drain_split_run_under_1f1b(seed: int) -> None:
+    """Per-pair copies and skips: the groups' min-max splits leave copies out, the fill-drain
+    search prices them, so its split run under 1F1B (at any micro-batch count and mode) is a
+    plan the 1F1B search must match; with ``"auto"`` too."""
+    rng = random.Random(seed)
+    profile = random_profile(rng, 40, 6, per_pair=True, skips=4, sizes=(1, 2, 4, 8, 16, 32))
+    profile.batch_size = 32
+    model = CostModel(profile, profile.devices, [1.0] * 6, 32, "momentum")
+    split = plan(profile, schedule="gpipe", interleave=1, time_limit=None)
+    bounds = (0, *itertools.accumulate(split.balance))
+    under_1f1b = min(evaluate(model, bounds, m, mode, "1f1b").iteration_ms
+                     for m in candidate_chunks(32, profile.batch_sizes) for mode in ("never", "except_last", "always"))
+    for schedule, known in (("1f1b", under_1f1b), ("auto", min(under_1f1b, split.predicted.iteration_ms))):
+        chosen = plan(profile, schedule=schedule, interleave=1, time_limit=None)
+        assert chosen.predicted.iteration_ms <= known * (1 + 1e-9)
+        assert chosen.predicted.iteration_ms == pytest.approx(simulate_plan(chosen).iteration_ms)
+
+
+def test_group_bound_counts_the_copies_the_first_micro_batch_crosses() -> None:
+    """Two layers of 1 ms forward and 2 ms backward per sample on two devices, 8 micro-batches
+    of one sample: the second stage waits for micro-batch 0 through the first (3 ms) and its
+    copies there and back (0.5 ms + 100 bytes at 1 µs, each way: 1.2 ms), then runs its 24 ms."""
+    from autopipe.planning import one_f_one_b
+
+    profile = make_profile([8.0, 8.0], [16.0, 16.0], sizes=(1, 2, 4, 8), linear=True, devices=2,
+                           output_bytes=100, copies=(0.5, 0.001))
+    model = CostModel(profile, ["cpu"] * 2, [1.0] * 2, 8, 2.0)
+    bound = one_f_one_b._staged(model, 8, "never", 2)
+    assert bound == pytest.approx(3.0 + 1.2 + 24.0, rel=1e-6)
+    assert bound <= evaluate(model, (0, 1, 2), 8, "never", "1f1b").iteration_ms

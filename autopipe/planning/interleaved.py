@@ -86,8 +86,10 @@ def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, inter
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
         return math.inf, TURN_RULES[0]
+    # the rule only orders stages that share a device: with one stage per device one run tells
+    rules = TURN_RULES if len(set(where)) < len(where) else TURN_RULES[:1]
     times = [(simulate(lanes, chunks, mode, where, schedule, rule, timeline=False).iteration_ms, rule)
-             for rule in TURN_RULES]
+             for rule in rules]
     return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
 
 

@@ -156,16 +156,21 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     """Every search the options ask for (fill-drain, interleaved, 1F1B) on devices in
     ``model``'s order: the best plan found faster than ``incumbent`` (``None`` if none is) and
     a lower bound on every plan searched."""
-    choice, lower = incumbent, math.inf
+    choice, lower, seeds = incumbent, math.inf, []
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
             outcome = solve_within(model, options.candidates, options.modes, limits, budget, choice)
+            seeds += [] if outcome.choice is None else [outcome.choice.bounds]
         else:
             outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     if "1f1b" in options.schedules:
+        if "gpipe" not in options.schedules and 1 in options.interleaves:
+            # the best fill-drain split seeds the 1F1B search, found in half the time left
+            seed = solve_within(model, options.candidates, options.modes, limits, budget.share(2)).choice
+            seeds += [] if seed is None else [seed.bounds]
         outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
-                                     options.interleaves)
+                                     options.interleaves, seeds)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     return None if choice is incumbent else choice, lower
 
