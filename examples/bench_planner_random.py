@@ -12,10 +12,15 @@ end.  It prints, per kind of search, how many plans were found, how many within 
 the median and largest gap, and the slowest call as a share of the limit; then the calls that
 took more than 10% over their limit (with their seed, to rerun one) and those that raised
 anything but the planner's documented errors.
+
+To compare two versions of the planner, ``--save FILE`` writes each plan's predicted time and
+bound by seed (JSON), and a run of the other version with ``--against FILE`` prints, per kind,
+on how many instances its plan takes less or more time than the saved one, and the ratios.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -67,7 +72,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=1.0)
     parser.add_argument("--fixed-chunks", action="store_true", help="also fix each instance's micro-batch count")
+    parser.add_argument("--save", help="write each plan's predicted time and bound by seed to this JSON file")
+    parser.add_argument("--against", help="compare the plans' times with those --save wrote to this file")
     args = parser.parse_args()
+    times: dict[str, tuple[str, float, float]] = {}  # by seed: kind, predicted ms, lower bound ms
     gaps: dict[str, list[float]] = {}
     slowest: dict[str, float] = {}
     over, failed, refused = [], [], 0
@@ -90,6 +98,7 @@ def main() -> None:
                         f"{options})")
         if chosen is not None:
             gaps.setdefault(group, []).append(chosen.predicted.gap or 0.0)
+            times[str(seed)] = (group, chosen.predicted.iteration_ms, float(chosen.predicted.lower_bound_ms))
     print(f"{args.count} random instances (seeds {args.seed}-{args.seed + args.count - 1}), "
           f"time_limit={args.time_limit} s{', chunks fixed' if args.fixed_chunks else ''}; "
           f"{refused} refused with a PlanningError")
@@ -105,6 +114,26 @@ def main() -> None:
     print(f"calls that failed otherwise: {len(failed)}")
     for line in failed:
         print("  " + line)
+    if args.save:
+        Path(args.save).write_text(json.dumps(times))
+    if args.against:
+        compare(times, json.loads(Path(args.against).read_text()))
+
+
+def compare(times: dict[str, tuple[str, float, float]], saved: dict[str, list]) -> None:
+    """Per kind, the instances planned by both runs whose plan takes less (or more) time in this
+    one, by more than 0.1%, and the ratios of plan times and of bounds (this run's over the saved)."""
+    print(f"against the saved plans ({len(saved)}):")
+    for group in ("fill-drain", "fill-drain + interleaved", "with 1F1B"):
+        both = [(times[seed], saved[seed]) for seed in times if seed in saved and times[seed][0] == group]
+        if not both:
+            continue
+        ratios = sorted(mine[1] / theirs[1] for mine, theirs in both)
+        bounds = [mine[2] / theirs[2] for mine, theirs in both if theirs[2] > 0]
+        print(f"{group:>25}: {len(both):3} plans, {sum(r < 0.999 for r in ratios):3} take less time, "
+              f"{sum(r > 1.001 for r in ratios):3} more; time ratio {ratios[0]:.3f}-{ratios[-1]:.3f} "
+              f"(median {statistics.median(ratios):.3f}); bound higher on {sum(b > 1.001 for b in bounds)}, "
+              f"lower on {sum(b < 0.999 for b in bounds)}")
 
 
 if __name__ == "__main__":
