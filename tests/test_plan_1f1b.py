@@ -147,11 +147,13 @@ def test_group_bound_never_exceeds_a_simulated_1f1b_time() -> None:
                 assert bound <= ms * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("mode", ["never", "always"])
-def test_group_bound_is_near_the_best_split(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "within"), [("never", 0.96), ("always", 0.85)])
+def test_group_bound_is_near_the_best_split(mode: str, within: float) -> None:
     """Equal layers, equal speeds, free copies: the group bound of one stage per device lies
-    within 15% of the best split's simulated 1F1B time (brute force), where work over the
-    devices and one micro-batch's chain alone lie up to 42% below it."""
+    within 4% of the best split's simulated 1F1B time (brute force) without checkpointing and
+    within 15% with, where work over the devices and one micro-batch's chain alone lie up to 42%
+    below it (the first backward's wait for micro-batch 0 through the later stages raised the
+    first from 12.5%)."""
     from autopipe.planning import one_f_one_b
 
     profile = make_profile([1.0] * 12, sizes=(1, 2, 4, 8), linear=True, devices=4)
@@ -161,7 +163,7 @@ def test_group_bound_is_near_the_best_split(mode: str) -> None:
                    for cuts in itertools.combinations(range(1, 12), k - 1))
         bound = max(one_f_one_b._bound(model, chunks, mode, k, one_f_one_b._cuts(model, chunks, k, 1)),
                     one_f_one_b._staged(model, chunks, mode, k))
-        assert 0.85 * best <= bound <= best * (1 + 1e-9), (k, chunks)
+        assert within * best <= bound <= best * (1 + 1e-9), (k, chunks)
 
 
 @pytest.mark.parametrize("seed", range(3))
