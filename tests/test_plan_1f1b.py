@@ -197,3 +197,27 @@ def test_group_bound_counts_the_copies_the_first_micro_batch_crosses() -> None:
     bound = one_f_one_b._staged(model, 8, "never", 2)
     assert bound == pytest.approx(3.0 + 1.2 + 24.0, rel=1e-6)
     assert bound <= evaluate(model, (0, 1, 2), 8, "never", "1f1b").iteration_ms
+
+
+def test_groups_past_the_dp_cap_are_left_and_smaller_ones_still_searched(monkeypatch) -> None:
+    """Interleaved 1F1B on 4 devices of 8 layers: the DP of ``k`` devices costs ``k · 2 · 36``
+    cells; with a cap of 150 only ``k = 2`` fits.  The groups of least bound (more devices)
+    are left unsearched with their bounds, and the plan comes from ``k = 2`` instead of none
+    (which read as no plan fitting the memory limits, with none given)."""
+    from autopipe.planning import one_f_one_b
+
+    monkeypatch.setattr(one_f_one_b, "CELLS", 150)
+    chosen = plan(eight_layers(), schedule="1f1b", interleave=2, time_limit=None)
+    assert chosen.schedule == "1f1b" and chosen.interleave == 2 and chosen.device_count == 2
+    assert chosen.predicted.lower_bound_ms <= chosen.predicted.iteration_ms
+    assert chosen.predicted.iteration_ms == pytest.approx(simulate_plan(chosen).iteration_ms)
+
+
+def test_no_1f1b_plan_within_the_cap_and_no_memory_limit_says_so(monkeypatch) -> None:
+    """Where the 1F1B search may take no DP at all, the error names the search's cap, not
+    memory limits that were never given."""
+    from autopipe.planning import one_f_one_b
+
+    monkeypatch.setattr(one_f_one_b, "CELLS", 0)
+    with pytest.raises(PlanningError, match="within the 1F1B search's cap on its work; plan with schedule='gpipe'"):
+        plan(eight_layers(), schedule="1f1b", interleave=2, time_limit=None)

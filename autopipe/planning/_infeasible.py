@@ -36,6 +36,9 @@ def unfound(options: Options, time_limit: float | None) -> str:
     """Why no plan was found before the time ran out: where memory limits are given, they may
     be what no plan fits (naming the smallest that would takes longer than the search)."""
     if np.all(np.isinf(options.limits)):
+        if time_limit is None:  # only the 1F1B search's cap on its DP work stops it then
+            return ("no plan was found within the 1F1B search's cap on its work; plan with schedule='gpipe' "
+                    "(its search always finds one) or schedule='auto'")
         return f"no plan was found within time_limit={time_limit} s; allow more time (time_limit=None: no limit)"
     return (f"no plan that fits the memory limits ({_limits(options)}) was found within time_limit={time_limit} s; "
             "they may be too small for any plan: raise memory_limit, or allow more time (with time_limit=None "

@@ -24,7 +24,8 @@ min-max split of its ``k · interleave`` stages and a descent on the simulated t
 (:class:`autopipe.planning.interleaved.Group`), each device's stages sharing its memory.
 
 The DP over stages ``s`` and cut positions is ``O(k · L²)`` per ``(chunks, mode, k)``; at most
-:data:`CELLS` cells are spent in all, and none after the planner's time limit.  Since the split
+:data:`CELLS` cells are spent in all (a group whose DP would pass it is left unsearched, its bound
+kept, and smaller groups are still taken), and none after the planner's time limit.  Since the split
 of a group is not proven the fastest of its group, the lower bound this search proves is the
 least group bound, not its plan's time: a 1F1B plan's gap is rarely 0.
 """
@@ -74,8 +75,12 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     while groups and not (found is not None and groups[0][0] >= found.iteration_ms):
         least, chunks, mode, k, factor, tight = groups[0]
         cells = k * factor * model.layers * (model.layers + 1) // 2
-        if spent + cells > CELLS or budget is not None and budget.out():
+        if budget is not None and budget.out():
             break
+        if spent + cells > CELLS:  # more than is left of the cap: smaller groups may still fit it
+            heapq.heappop(groups)
+            searched = min(searched, least)
+            continue
         if not tight:  # worked out for the groups reached only: each costs a bisection
             heapq.heapreplace(groups, (max(least, _staged(model, chunks, mode, k)), chunks, mode, k, factor, True))
             continue

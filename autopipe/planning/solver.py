@@ -142,7 +142,8 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
         if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
             choice, order = found, candidate_order
     if choice is None:
-        raise PlanningError(unfound(options, time_limit) if budget.spent else infeasible(model, options, budget))
+        limited = budget.spent or np.all(np.isinf(options.limits))  # without limits some plan fits: the search stopped
+        raise PlanningError(unfound(options, time_limit) if limited else infeasible(model, options, budget))
     record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
               "memory_limit_reached": budget.crowded,
               "placement": placement, "placements_searched": "all" if complete and tried == len(searched) else tried,
