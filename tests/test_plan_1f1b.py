@@ -221,3 +221,20 @@ def test_no_1f1b_plan_within_the_cap_and_no_memory_limit_says_so(monkeypatch) ->
     monkeypatch.setattr(one_f_one_b, "CELLS", 0)
     with pytest.raises(PlanningError, match="within the 1F1B search's cap on its work; plan with schedule='gpipe'"):
         plan(eight_layers(), schedule="1f1b", interleave=2, time_limit=None)
+
+
+def test_under_a_memory_limit_the_group_likeliest_to_fit_is_searched_first() -> None:
+    """Most devices, micro-batches and recomputation first: a search stopped after that one
+    group (at its first time check) has a plan that fits, where otherwise it had none."""
+    from helpers import StopAfter
+
+    from autopipe.planning import one_f_one_b
+
+    model = CostModel(eight_layers(), ["cpu"] * 4, [1.0] * 4, 8, 2.0)
+    limits = np.full(4, 3000.0)
+    outcome = one_f_one_b.search(model, [1, 2, 4, 8], ["never", "except_last", "always"], limits, None, StopAfter(1))
+    assert outcome.choice is not None and outcome.choice.schedule == "1f1b"
+    chosen = outcome.choice
+    lanes = model.stage_lanes(chosen.bounds, chosen.chunks, chosen.mode, schedule="1f1b")
+    assert all(lane.memory <= 3000 for lane in lanes)
+    assert outcome.lower_bound <= chosen.iteration_ms

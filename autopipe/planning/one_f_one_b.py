@@ -8,7 +8,9 @@ simulator's.  The search is a heuristic, not exact like fill-drain's
 (:mod:`autopipe.planning.solver`).  It first prices under 1F1B the best fill-drain split, at
 every micro-batch count and mode (the fill-drain search weighs every copy, which the min-max
 split below leaves out: on 16 of the 95 1F1B instances of ``examples/bench_planner_random.py``
-the plan took less time for it, up to 39% less).  Then, for each ``(chunks, mode, k)``, taken
+the plan took less time for it, up to 39% less).  Under a memory limit, with no plan yet, the
+group likeliest to fit goes next: most devices, micro-batches and recomputation.  Then, for
+each ``(chunks, mode, k)``, taken
 in order of a lower bound on any such plan and only while that bound is under the best time found, a min-max DP
 gives the split of least largest compute lane ``(F + W + R) / v`` whose every stage fits its
 device's memory with 1F1B's in-flight count, and the simulator prices it.  The lower bound is
@@ -70,6 +72,13 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
               for k, bound in zip(ks, _bound(model, chunks, mode, ks, cuts))]
     heapq.heapify(groups)
     found = _seeded(model, seeds, candidates, modes, limits, budget, best)
+    factor = min(interleaves)
+    widest = min(len(limits), model.layers // factor)
+    if (found is None and np.any(np.isfinite(limits)) and widest >= (1 if factor == 1 else 2)
+            and (budget is None or budget.fits(foreseen(model.layers, widest * factor)))):
+        # first, the group likeliest to fit: most devices, micro-batches and recomputation
+        lightest = min(modes, key=("always", "except_last", "never").index)
+        found = _group(model, max(candidates), lightest, widest, factor, limits, budget, None)
     spent, searched = 0, math.inf  # searched: the least bound of the groups taken out
     per_cell, skipped = 0.0, False  # the most seconds per stage and squared layer a group took so far
     while groups and not (found is not None and groups[0][0] >= found.iteration_ms):
