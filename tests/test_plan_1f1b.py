@@ -195,7 +195,7 @@ def test_group_bound_counts_the_copies_the_first_micro_batch_crosses() -> None:
                            output_bytes=100, copies=(0.5, 0.001))
     model = CostModel(profile, ["cpu"] * 2, [1.0] * 2, 8, 2.0)
     bound = one_f_one_b._staged(model, 8, "never", 2)
-    assert bound == pytest.approx(3.0 + 1.2 + 24.0, rel=1e-6)
+    assert bound == pytest.approx(3.0 + 1.2 + 24.0, rel=1e-4)  # the bisection stops within 1e-4
     assert bound <= evaluate(model, (0, 1, 2), 8, "never", "1f1b").iteration_ms
 
 
