@@ -1,42 +1,40 @@
 """The planner's search for 1F1B plans: stages on devices ``0..k-1``, one per device or
 ``interleave`` per device round-robin (interleaved 1F1B).
 
-1F1B (:mod:`autopipe.planning.schedules`) holds at most ``k - s`` micro-batches on stage
-``s`` instead of all ``m``, so under a memory limit it may need no checkpointing where
-fill-drain does.  Its phases interleave and its time has no closed form: a split's time is the
+1F1B (:mod:`autopipe.planning.schedules`) holds at most ``k - s`` micro-batches on stage ``s``
+instead of all ``m``, so under a memory limit it may need no checkpointing where fill-drain
+does.  Its phases interleave and its time has no closed form: a split's time is the
 simulator's.  The search is a heuristic, not exact like fill-drain's
 (:mod:`autopipe.planning.solver`).  It first prices under 1F1B the best fill-drain split, at
 every micro-batch count and mode (the fill-drain search weighs every copy, which the min-max
-split below leaves out: on 16 of the 95 1F1B instances of ``examples/bench_planner_random.py``
+split below leaves out: on 17 of the 95 1F1B instances of ``examples/bench_planner_random.py``
 the plan took less time for it, up to 39% less).  Under a memory limit, with no plan yet, the
 group likeliest to fit goes next: most devices, micro-batches and recomputation.  Then, for
-each ``(chunks, mode, k)``, taken
-in order of a lower bound on any such plan and only while that bound is under the best time found, a min-max DP
-gives the split of least largest compute lane ``(F + W + R) / v`` whose every stage fits its
-device's memory with 1F1B's in-flight count, and the simulator prices it.  The lower bound is
-the larger of all work spread over the ``k`` devices' total speed and one micro-batch's
-forward and backward through the chain at the top speed, and with one stage per device (when
-the group is reached: it costs a bisection) the least over splits of the largest stage's work
-after and before that chain, and what it runs from its first backward on after micro-batch 0's
-round trip through the stages after it, copies of the cuts included (:func:`_staged`, within
-4% of the best split on equal layers without checkpointing, 15% with, where the others lie up
-to 42% below it); a ``(chunks, mode, k)`` whose bound
-reaches the best time is never better, so the search skips it.  An interleaved group gets the
-min-max split of its ``k · interleave`` stages and a descent on the simulated time
-(:class:`autopipe.planning.interleaved.Group`), each device's stages sharing its memory.
+each ``(chunks, mode, k)``, taken in order of a lower bound on any such plan and only while
+that bound is under the best time found, a min-max DP gives the split of least largest compute
+lane ``(F + W + R) / v`` whose every stage fits its device's memory with 1F1B's in-flight
+count, and the simulator prices it.  The lower bound is the larger of all work spread over the
+``k`` devices' total speed and one micro-batch's forward and backward through the chain at the
+top speed, and with one stage per device (when the group is reached: it costs a bisection) the
+least over splits of the largest stage's work after and before that chain, and what it runs
+from its first backward on after micro-batch 0's round trip through the stages after it, copies
+of the cuts included (:func:`_staged`, within 4% of the best split on equal layers without
+checkpointing, 15% with, where the others lie up to 42% below it); a ``(chunks, mode, k)``
+whose bound reaches the best time is never better, so the search skips it.  An interleaved
+group gets the min-max split of its ``k · interleave`` stages and a descent on the simulated
+time (:class:`autopipe.planning.interleaved.Group`), each device's stages sharing its memory.
 
 The DP over stages ``s`` and cut positions is ``O(k · L²)`` per ``(chunks, mode, k)``; at most
-:data:`CELLS` cells are spent in all (a group whose DP would pass it is left unsearched, its bound
-kept, and smaller groups are still taken), and none after the planner's time limit.  Since the split
-of a group is not proven the fastest of its group, the lower bound this search proves is the
-least group bound, not its plan's time: a 1F1B plan's gap is rarely 0.
+:data:`CELLS` cells are spent in all (a group whose DP would pass it is left unsearched, its
+bound kept, and smaller groups are still taken), and none after the planner's time limit.
+Since the split of a group is not proven the fastest of its group, the lower bound this search
+proves is the least group bound, not its plan's time: a 1F1B plan's gap is rarely 0.
 """
 from __future__ import annotations
 
 import heapq
 import math
 import time
-from contextlib import nullcontext
 from typing import Sequence
 
 import numpy as np
@@ -64,27 +62,28 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
     ``best`` and of every 1F1B plan: the least bound of the groups (searched or not, as the
     split the DP picks need not be the fastest of its group).  ``seeds``, splits found by the
     fill-drain search, are priced under 1F1B first (:func:`_seeded`)."""
+    budget = Budget(None) if budget is None else budget
     # (bound, chunks, mode, k, factor, whether the bound is tightened by _staged yet), least first
     groups = [(float(bound), chunks, mode, int(k), factor, factor > 1)
               for chunks in candidates for factor in interleaves
-              for ks in [np.arange(1 if factor == 1 else 2, min(len(limits), model.layers // factor) + 1)]
+              for ks in [_device_counts(model, len(limits), factor)]
               for cuts in [_cuts(model, chunks, int(ks[-1]), factor)] for mode in modes
               for k, bound in zip(ks, _bound(model, chunks, mode, ks, cuts))]
     heapq.heapify(groups)
     found = _seeded(model, seeds, candidates, modes, limits, budget, best)
     factor = min(interleaves)
-    widest = min(len(limits), model.layers // factor)
-    if (found is None and np.any(np.isfinite(limits)) and widest >= (1 if factor == 1 else 2)
-            and (budget is None or budget.fits(foreseen(model.layers, widest * factor)))):
+    widest = _device_counts(model, len(limits), factor)[-1:]
+    if (found is None and np.any(np.isfinite(limits)) and len(widest)
+            and budget.fits(foreseen(model.layers, int(widest[0]) * factor))):
         # first, the group likeliest to fit: most devices, micro-batches and recomputation
         lightest = min(modes, key=("always", "except_last", "never").index)
-        found = _group(model, max(candidates), lightest, widest, factor, limits, budget, None)
+        found = _group(model, max(candidates), lightest, int(widest[0]), factor, limits, budget, None)
     spent, searched = 0, math.inf  # searched: the least bound of the groups taken out
     per_cell, skipped = 0.0, False  # the most seconds per stage and squared layer a group took so far
     while groups and not (found is not None and groups[0][0] >= found.iteration_ms):
         least, chunks, mode, k, factor, tight = groups[0]
         cells = k * factor * model.layers * (model.layers + 1) // 2
-        if budget is not None and budget.out():
+        if budget.out():
             break
         if spent + cells > CELLS:  # more than is left of the cap: smaller groups may still fit it
             heapq.heappop(groups)
@@ -96,29 +95,35 @@ def search(model: CostModel, candidates: Sequence[int], modes: Sequence[str], li
         heapq.heappop(groups)
         searched = min(searched, least)
         squares = k * factor * model.layers ** 2
-        if budget is not None and not budget.fits(max(foreseen(model.layers, k * factor), per_cell * squares)):
+        if not budget.fits(max(foreseen(model.layers, k * factor), per_cell * squares)):
             skipped = True  # for time: its bound stays in searched, and the plan says the limit was reached
             continue
         spent += cells
         start = time.perf_counter()
         found = _group(model, chunks, mode, k, factor, limits, budget, found)
         per_cell = max(per_cell, (time.perf_counter() - start) / squares)
-    if budget is not None and skipped:
+    if skipped:
         budget.spent = True
     upper = math.inf if found is None else found.iteration_ms
     return Outcome(None if found is best else found, min(upper, searched, groups[0][0] if groups else math.inf))
 
 
+def _device_counts(model: CostModel, devices: int, factor: int) -> np.ndarray:
+    """The device counts of the groups of ``factor`` stages per device: from one (two where
+    stages share devices) to the devices given, each stage holding a layer at least."""
+    return np.arange(1 if factor == 1 else 2, min(devices, model.layers // factor) + 1)
+
+
 def _seeded(model: CostModel, seeds: Sequence[tuple[int, ...]], candidates: Sequence[int], modes: Sequence[str],
-            limits: np.ndarray, budget: Budget | None, found: Choice | None) -> Choice | None:
+            limits: np.ndarray, budget: Budget, found: Choice | None) -> Choice | None:
     """``found`` or a faster 1F1B plan of a split in ``seeds`` (the fill-drain search's), at
     any of ``candidates`` and ``modes`` that fits in memory."""
     for bounds in dict.fromkeys(seeds):
         for chunks in candidates:
             for mode in modes:
-                if budget is not None and budget.before("simulation"):
+                if budget.before("simulation"):
                     return found
-                with nullcontext() if budget is None else budget.step("simulation"):
+                with budget.step("simulation"):
                     ms = timed(model, bounds, chunks, mode, 1, limits, "1f1b")[0]
                 if found is None or ms < found.iteration_ms:
                     found = Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b")
