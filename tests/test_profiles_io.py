@@ -124,6 +124,11 @@ def test_missing_file(tmp_path: Path) -> None:
     (lambda d: d["layers"][1].update(stash_bytes={}), "layers[1].stash_bytes", "expected the layer's stash"),
     (lambda d: d["copies"][0]["points"].__setitem__(1, ["big", 1.0]), "copies[0].points[1]", "[bytes, ms]"),
     (lambda d: d["copies"][1].update(dst=7), "copies[1]", "device index out of range"),
+    (lambda d: d["copies"][0].update(latency_ms=-0.5), "copies[0].latency_ms", "at least 0"),
+    (lambda d: d["copies"][1].update(ms_per_byte=float("inf")), "copies[1].ms_per_byte", "finite number"),
+    (lambda d: d["copies"][0].update(src=True), "copies[0].src", "expected an integer"),
+    (lambda d: d["copies"][0]["points"].__setitem__(0, [8, True]), "copies[0].points[0]", "[bytes, ms]"),
+    (lambda d: d["layers"][2]["saved_bytes"].update({"2": True}), "layers[2].saved_bytes.2", "non-negative integer"),
     (lambda d: d.update(batch_sizes=[4, 2]), "batch_sizes", "increasing positive"),
     (lambda d: d.update(environment=[]), "environment", "expected an object"),
     (lambda d: d["model"].pop("digest"), "model.digest", "missing"),
@@ -141,6 +146,15 @@ def test_times_written_as_integers_are_read_as_floats(measured: Profile, saved_f
 
     stat = Profile.load(edit(saved_file, whole)).layers[0].forward[2]
     assert stat == Stat(2.0, 1.0, 3.0, 4) and type(stat.median_ms) is float
+
+
+def test_copy_fits_written_with_integers_are_read_as_floats(measured: Profile, saved_file: Path) -> None:
+    def whole(document: dict[str, Any]) -> None:
+        document["copies"][0].update(latency_ms=2, ms_per_byte=0, points=[[8, 3], [16, 4.5]])
+
+    fit = Profile.load(edit(saved_file, whole)).copies[0]
+    assert (fit.latency_ms, fit.ms_per_byte, fit.points) == (2.0, 0.0, [(8, 3.0), (16, 4.5)])
+    assert type(fit.latency_ms) is float and type(fit.points[0][1]) is float
 
 
 def test_stat_spread() -> None:

@@ -129,6 +129,54 @@ def test_filled_against_a_fine_search_over_caps() -> None:
         assert filled(work, speeds, floor, weight)[0] == pytest.approx(filled(work, speeds[:1], floor, weight)[0])
 
 
+class _FewFit(Budget):
+    """The last moments of a time limit: a halving of a full batch never fits, one of a few
+    cells always does (no clock, so the test does not depend on this machine's speed)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.slowest.update(halving=1.0, few=0.1)
+
+    def fits(self, expected: float) -> bool:
+        return expected < 0.5
+
+    def out(self, expected: float = 0.0) -> bool:
+        return expected >= 0.5
+
+
+def test_when_only_a_few_cells_fit_the_least_are_halved() -> None:
+    """``halves(best, 2)`` takes out the two cells of least bound only; ``refine`` with time
+    for no full halving halves a few cells at a time, and still closes on the optimum."""
+    rng = random.Random(4)
+    layers, devices = 9, 3
+    model = model_of(random_profile(rng, layers, devices, per_pair=False), [1.0, 1.5, 2.0])
+    candidate = Candidate.of(model, 4, "never", devices)
+    cells = Cells.of(Completions.grid(candidate, model.speeds, *grid_levels(candidate, devices, (math.inf,) * 2, None)),
+                     loose=False)
+    count, least_two = len(cells.bound), np.sort(cells.bound)[:2]
+    halves = cells.halves(100.0, 2)
+    assert len(halves.bounds) == 4 and sorted(halves.bounds[:2]) == list(least_two)
+    assert len(cells.bound) == count - 2 and np.all(cells.bound >= least_two[1])
+
+    optimum = min(model.evaluate(bounds, 4, "never").iteration_ms for bounds in all_splits(layers, devices))
+    found: list[Cells] = []
+
+    def scout(candidate, best, potentials):
+        grid = Completions.grid(candidate, model.speeds, *grid_levels(candidate, devices, (math.inf,) * 2, None))
+        found.append(Cells.of(grid, loose=False))
+        return found[-1], price(candidate, grid.plans(1))
+
+    def price(candidate, splits):
+        ms, bounds = min((model.evaluate(b, 4, "never").iteration_ms, b) for b in splits)
+        return Choice(tuple(bounds), 4, "never", ms)
+
+    budget = _FewFit()
+    best, waiting, _ = refine([candidate], scout, price, model.speeds, None, budget)
+    assert budget.slowest["halving"] == 1.0  # no full halving ran
+    assert optimum * (1 - 1e-3) <= min(waiting, found[0].least()) <= optimum * (1 + 1e-9)
+    assert best.iteration_ms >= optimum * (1 - 1e-9)
+
+
 def _skipped(rng: random.Random, layers: int, devices: int):
     """A random chain with per-pair copies and 1-3 skips on ``devices`` of mixed speeds, and a
     candidate of it."""

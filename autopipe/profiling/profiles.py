@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from .._jsonio import digest
 from .._jsonio import Fields, is_finite, read_json, write_json_atomic
@@ -20,6 +20,8 @@ __all__ = ["Stat", "LayerProfile", "CopyFit", "ReductionFit", "Profile", "PROFIL
 
 #: where gradients are reduced: between replicas in one process, or by a process group's all_reduce.
 REDUCTION_ENGINES = ("local", "distributed")
+
+T = TypeVar("T")
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -42,13 +44,22 @@ class Stat:
                 "repeats": self.repeats}
 
     @staticmethod
-    def from_json(f: Fields) -> Stat:
-        value = f.value
-        if type(value) is dict:  # well formed (floats in order, a count), as files hold them: read it at once
-            median, low, high, repeats = (value.get(key) for key in _STAT_FIELDS)
+    def read(value: Any) -> Stat | None:
+        """A well-formed stat (floats in order, a count), as files hold them, read at once;
+        ``None`` for anything else, which :meth:`from_json` reads field by field."""
+        if type(value) is dict:
+            get = value.get
+            median, low, high, repeats = get("median_ms"), get("min_ms"), get("max_ms"), get("repeats")
             if (type(median) is type(low) is type(high) is float and type(repeats) is int
                     and 0.0 <= low <= median <= high < math.inf and repeats >= 0):
                 return Stat(median, low, high, repeats)
+        return None
+
+    @staticmethod
+    def from_json(f: Fields) -> Stat:
+        quick = Stat.read(f.value)
+        if quick is not None:
+            return quick
         stat = Stat(f.float("median_ms", 0.0), f.float("min_ms", 0.0), f.float("max_ms", 0.0),
                     f.int("repeats", 0))
         if not stat.min_ms <= stat.median_ms <= stat.max_ms:
@@ -137,17 +148,17 @@ class LayerProfile:
         return LayerProfile(
             name=f.str("name"),
             type=f.str("type"),
-            forward=_by_batch(f.get("forward"), Stat.from_json),
-            backward=_by_batch(f.get("backward"), Stat.from_json),
+            forward=_by_batch(f.get("forward"), Stat.from_json, Stat.read),
+            backward=_by_batch(f.get("backward"), Stat.from_json, Stat.read),
             output_bytes=f.int("output_bytes", 0),
-            saved_bytes=_by_batch(f.get("saved_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v)),
+            saved_bytes=_by_batch(f.get("saved_bytes"), _bad, _count),
             param_bytes=f.int("param_bytes", 0),
             buffer_bytes=f.int("buffer_bytes", 0),
             param_count=f.int("param_count", 0),
             stash=f.str_list("stash"),
             pop=f.str_list("pop"),
             stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
-            workspace_bytes=(_by_batch(f.get("workspace_bytes"), lambda v: v.value if _is_count(v.value) else _bad(v))
+            workspace_bytes=(_by_batch(f.get("workspace_bytes"), _bad, _count)
                              if f.has("workspace_bytes") else {}),
             output_saved=_flag(f, "output_saved"),
             aliases_input=_flag(f, "aliases_input"),
@@ -159,24 +170,29 @@ def _flag(f: Fields, key: str) -> bool | None:
     return f.typed(key, lambda v: isinstance(v, bool), "true or false") if f.has(key) else None
 
 
-_STAT_FIELDS = ("median_ms", "min_ms", "max_ms", "repeats")
-
-
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count(value: Any) -> int | None:
+    """``value`` if it is a non-negative integer, else ``None``."""
+    return value if _is_count(value) else None
 
 
 def _bad(f: Fields) -> Any:
     raise f.error("expected a non-negative integer")
 
 
-def _by_batch(f: Fields, read: Any) -> dict[int, Any]:
-    out: dict[int, Any] = {}
+def _by_batch(f: Fields, read: Callable[[Fields], T], quick: Callable[[Any], T | None]) -> dict[int, T]:
+    """A table by micro-batch size: each value as ``quick`` reads it, or where that gives
+    ``None`` as ``read`` does (which raises the error that names the field)."""
+    out: dict[int, T] = {}
     f.keys()  # an object, or the error that says so
     for key, value in f.value.items():
         if not key.isdigit() or int(key) < 1:
             raise f.error(f"micro-batch size keys must be positive integers, found '{key}'")
-        out[int(key)] = read(Fields(value, f.source, parent=f, key=key))
+        found = quick(value)
+        out[int(key)] = read(Fields(value, f.source, parent=f, key=key)) if found is None else found
     return out
 
 
@@ -196,7 +212,27 @@ class CopyFit:
                 "ms_per_byte": self.ms_per_byte, "points": [list(p) for p in self.points]}
 
     @staticmethod
+    def read(value: Any) -> CopyFit | None:
+        """A well-formed fit (device indices, finite non-negative floats, ``[bytes, ms]``
+        points), as files hold them, read at once; ``None`` for anything else, which
+        :meth:`from_json` reads field by field."""
+        if type(value) is not dict:
+            return None
+        get = value.get
+        src, dst, points = get("src"), get("dst"), get("points")
+        latency, per_byte = get("latency_ms"), get("ms_per_byte")
+        if (type(src) is type(dst) is int and src >= 0 and dst >= 0 and type(latency) is type(per_byte) is float
+                and 0.0 <= latency < math.inf and 0.0 <= per_byte < math.inf and type(points) is list
+                and all(type(p) is list and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                        and type(p[1]) is float and math.isfinite(p[1]) for p in points)):
+            return CopyFit(src, dst, latency, per_byte, [(p[0], p[1]) for p in points])
+        return None
+
+    @staticmethod
     def from_json(f: Fields) -> CopyFit:
+        quick = CopyFit.read(f.value)
+        if quick is not None:
+            return quick
         return CopyFit(f.int("src", 0), f.int("dst", 0), f.float("latency_ms", 0.0),
                        f.float("ms_per_byte", 0.0), _points(f))
 
