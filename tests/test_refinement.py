@@ -77,6 +77,18 @@ def test_halves_cover_their_cell_exactly() -> None:
             assert list(low_x) == [cell[2]] * 2 and list(cap_x) == [cell[0]] * 2
 
 
+def test_the_coarse_grid_has_a_level_more_on_short_chains() -> None:
+    """Before a plan is known each lane gets 4 levels (the last its cap) on a chain of more than
+    500 layers, 5 on a shorter one, where a cell costs less of the DP: the floors' multiples of
+    1.03, 1.1 and 1.3, then 1.56 (1.3 x 1.2)."""
+    for layers, expected in ((400, [1.03, 1.1, 1.3, 1.56]), (600, [1.03, 1.1, 1.3])):
+        model = model_of(random_profile(random.Random(layers), layers, 4, per_pair=False), [1.0] * 4)
+        candidate = Candidate.of(model, 4, "never", 4)
+        caps = tuple(10 * floor for floor in candidate.floors)
+        for levels, floor, cap in zip(grid_levels(candidate, 4, caps, None), candidate.floors, caps):
+            assert list(levels[:-1] / floor) == pytest.approx(expected) and levels[-1] == cap
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_refined_bound_brackets_the_optimum_and_is_tight_without_memory_or_skips(seed: int) -> None:
     """No memory limit, no skips, no recomputation: the relaxation is the cost model, so the

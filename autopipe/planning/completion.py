@@ -48,8 +48,14 @@ _FIRST = np.array([0.0, 0.1, 0.03, 0.3])
 _AROUND = np.array([0.0, -1 / 32, 1 / 32, 1 / 4, -1 / 16, 1 / 16, -1 / 64, 1 / 64, 1 / 8, -1 / 8])
 # Most floats a grid may hold (8 bytes each): its table and a few arrays of the same size per device.
 _BUDGET = 8_000_000
-# Levels a lane of the coarse grid, before a plan is known.
+# Levels a lane of the coarse grid, before a plan is known: _COARSE, one more on chains of at
+# most _SHORT layers.  A DP costs a part per device whatever the cells and a part per cell that
+# grows with the layers: with per-pair copies and skips, at 400 layers x 32 devices 5 x 5 cells
+# cost 10-25% more than 4 x 4 and left a gap of 1.8-2.1% after 1 s where 4 x 4 left 2.6-4.3% (8
+# runs each, alternating); at 1,000 x 64, where a cell costs twice as much of the whole DP, 5 x 5
+# cost 15-60% more and did no better (5.6-6.3% against 5.3-9.2%).
 _COARSE = 4
+_SHORT = 500
 # Levels a lane of a first grid around lanes guessed from another micro-batch count's plan (mixed
 # speeds, no skips to pay for; autopipe.planning.solver._guess): at
 # 1,000 layers x 64 devices of speeds 1, 1.5 and 2 the bound came within 2% of the plan after 14-17
@@ -273,13 +279,13 @@ class Completions:
 def grid_levels(candidate: Candidate, devices: int, caps: tuple[float, float],
                 lanes: tuple[float, float] | None, guessed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The levels per lane of a grid (:meth:`Completions.grid`) from the least possible lanes
-    (``candidate.floors``) to ``caps``: a coarse one (:data:`_COARSE` levels a lane) from
-    :data:`_FIRST` above the floors, or one from :data:`_AROUND` the lanes ``(X, M)`` of a plan,
-    with as many levels as :data:`_BUDGET` allows (:data:`_GUESSED` if the lanes are
-    ``guessed``); a lane whose weight is 0 gets only its cap."""
+    (``candidate.floors``) to ``caps``: a coarse one (:data:`_COARSE` levels a lane, one more up
+    to :data:`_SHORT` layers) from :data:`_FIRST` above the floors, or one from :data:`_AROUND`
+    the lanes ``(X, M)`` of a plan, with as many levels as :data:`_BUDGET` allows
+    (:data:`_GUESSED` if the lanes are ``guessed``); a lane whose weight is 0 gets only its cap."""
     count = max(int(math.sqrt(_BUDGET / ((devices + 6) * len(candidate.back)))), 1)
     if lanes is None:
-        count = min(count, _COARSE)
+        count = min(count, _COARSE + (len(candidate.back) <= _SHORT + 1))
     elif guessed:
         count = min(count, _GUESSED)
     x, y = (_levels(floor, cap, lane, weight, count)
