@@ -51,9 +51,9 @@ _BUDGET = 8_000_000
 # Levels a lane of the coarse grid, before a plan is known: _COARSE, one more on chains of at
 # most _SHORT layers.  A DP costs a part per device whatever the cells and a part per cell that
 # grows with the layers: with per-pair copies and skips, at 400 layers x 32 devices 5 x 5 cells
-# cost 10-25% more than 4 x 4 and left a gap of 1.8-2.1% after 1 s where 4 x 4 left 2.6-4.3% (8
-# runs each, alternating); at 1,000 x 64, where a cell costs twice as much of the whole DP, 5 x 5
-# cost 15-60% more and did no better (5.6-6.3% against 5.3-9.2%).
+# cost 5-30% more than 4 x 4 and left a gap of 1.8-2.1% after 1 s where 4 x 4 left 2.6-4.3% (8
+# runs each, alternating); at 1,000 x 64, where a cell costs a larger share of the DP, 5 x 5
+# cost 5-60% more and did no better (5.6-6.3% against 5.3-9.2%).
 _COARSE = 4
 _SHORT = 500
 # Levels a lane of a first grid around lanes guessed from another micro-batch count's plan (mixed
