@@ -36,6 +36,8 @@ def test_optimal_against_brute_force(seed):
         expected = brute_force(model, chunks, modes, limits)
         if modes == ["never", "except_last"]:
             assert brute_force(model, chunks, ["never", "except_last", "always"], limits) == expected
+            if np.all(np.isinf(limits)):  # the planner then searches only "never" (solver._fill_drain_modes)
+                assert brute_force(model, chunks, ["never"], limits) == expected
         choice = solve(model, chunks, modes, limits)
         if math.isinf(expected):
             assert choice is None
@@ -44,6 +46,22 @@ def test_optimal_against_brute_force(seed):
         evaluation = model.evaluate(choice.bounds, choice.chunks, choice.mode)
         assert evaluation.iteration_ms == pytest.approx(expected, rel=1e-9)
         assert all(s.memory <= limit for s, limit in zip(evaluation.stages, limits))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recomputing_never_shortens_a_fill_drain_split(seed):
+    """Split by split, checkpointing only adds time (memory aside): why a fill-drain search
+    without memory limits tries "never" alone."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        layers, devices = rng.randint(1, 9), rng.randint(1, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=rng.random() < 0.6)
+        model = model_of(profile, [rng.choice([0.5, 1.0, 2.0]) for _ in range(devices)])
+        for bounds in all_splits(layers, devices):
+            for chunks in (1, 2, 4, 8):
+                never = model.evaluate(bounds, chunks, "never").iteration_ms
+                for mode in ("except_last", "always"):
+                    assert never <= model.evaluate(bounds, chunks, mode).iteration_ms * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -114,8 +114,9 @@ def test_a_stage_of_the_exact_search_foreseen_to_end_past_the_limit_is_not_start
     """A stage of the exact DP prices millions of label-move pairs at the largest sizes (half a
     second at 150 layers x 8 devices with per-pair copies and skips, past a 0.5 s limit): one
     foreseen, at the slowest rate so far, to end past the limit is not started, and the plan
-    says the limit was reached.  Here every row is foreseen to take a second."""
-    profile = random_profile(random.Random(3), 16, 4, skips=3, per_pair=True, sizes=(1, 2, 4, 8))
+    says the limit was reached.  Here every row is foreseen to take a second (on an instance
+    whose refined grids alone leave a gap)."""
+    profile = random_profile(random.Random(6), 16, 4, skips=3, per_pair=True, sizes=(1, 2, 4, 8))
     speeds = [1, 1.5, 2, 1]
     exact = plan(profile, speeds=speeds, time_limit=None, interleave=1)
     started = []

@@ -160,7 +160,8 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     choice, lower, seeds = incumbent, math.inf, []
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
-            outcome = solve_within(model, options.candidates, options.modes, limits, budget, choice)
+            outcome = solve_within(model, options.candidates, _fill_drain_modes(options.modes, limits), limits,
+                                   budget, choice)
             seeds += [] if outcome.choice is None else [outcome.choice.bounds]
         else:
             outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
@@ -168,12 +169,24 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     if "1f1b" in options.schedules:
         if "gpipe" not in options.schedules and 1 in options.interleaves:
             # the best fill-drain split seeds the 1F1B search, found in half the time left
-            seed = solve_within(model, options.candidates, options.modes, limits, budget.share(2)).choice
+            seed = solve_within(model, options.candidates, _fill_drain_modes(options.modes, limits), limits,
+                                budget.share(2)).choice
             seeds += [] if seed is None else [seed.bounds]
         outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
                                      options.interleaves, seeds)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     return None if choice is incumbent else choice, lower
+
+
+def _fill_drain_modes(modes: Sequence[CheckpointMode], limits: np.ndarray) -> list[CheckpointMode]:
+    """The checkpoint modes a fill-drain search needs: without memory limits only ``never``
+    where it is one of ``modes``, as recomputing is then only time: for the same split and
+    micro-batch count the forward phase is the same and the backward one no shorter (its lanes
+    grow by the recomputation, and the recurrence of :mod:`autopipe.planning.cost` gives ``V ≥``
+    the largest lane's ``(m-1)·p`` less the recomputation after it, which the lane sum pays)."""
+    if "never" in modes and np.all(np.isinf(limits)):
+        return ["never"]
+    return list(modes)
 
 
 def solve(model: CostModel, candidates: Sequence[int], modes: Sequence[CheckpointMode],
