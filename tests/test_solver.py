@@ -36,7 +36,7 @@ def test_optimal_against_brute_force(seed):
         expected = brute_force(model, chunks, modes, limits)
         if modes == ["never", "except_last"]:
             assert brute_force(model, chunks, ["never", "except_last", "always"], limits) == expected
-            if np.all(np.isinf(limits)):  # the planner then searches only "never" (solver._fill_drain_modes)
+            if np.all(np.isinf(limits)):  # solve then searches only "never" (solver._fill_drain_modes)
                 assert brute_force(model, chunks, ["never"], limits) == expected
         choice = solve(model, chunks, modes, limits)
         if math.isinf(expected):

@@ -160,8 +160,7 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     choice, lower, seeds = incumbent, math.inf, []
     for factor in options.interleaves if "gpipe" in options.schedules else []:
         if factor == 1:
-            outcome = solve_within(model, options.candidates, _fill_drain_modes(options.modes, limits), limits,
-                                   budget, choice)
+            outcome = solve_within(model, options.candidates, options.modes, limits, budget, choice)
             seeds += [] if outcome.choice is None else [outcome.choice.bounds]
         else:
             outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
@@ -169,8 +168,7 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     if "1f1b" in options.schedules:
         if "gpipe" not in options.schedules and 1 in options.interleaves:
             # the best fill-drain split seeds the 1F1B search, found in half the time left
-            seed = solve_within(model, options.candidates, _fill_drain_modes(options.modes, limits), limits,
-                                budget.share(2)).choice
+            seed = solve_within(model, options.candidates, options.modes, limits, budget.share(2)).choice
             seeds += [] if seed is None else [seed.bounds]
         outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
                                      options.interleaves, seeds)
@@ -179,7 +177,7 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
 
 
 def _fill_drain_modes(modes: Sequence[CheckpointMode], limits: np.ndarray) -> list[CheckpointMode]:
-    """The checkpoint modes a fill-drain search needs: without memory limits only ``never``
+    """The checkpoint modes the fill-drain search needs: without memory limits only ``never``
     where it is one of ``modes``, as recomputing is then only time: for the same split and
     micro-batch count the forward phase is the same and the backward one no shorter (its lanes
     grow by the recomputation, and the recurrence of :mod:`autopipe.planning.cost` gives ``V ≥``
@@ -201,7 +199,8 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     """The best plan found over the micro-batch counts ``candidates`` and ``modes`` within
     ``budget`` (faster than ``incumbent``, a plan found elsewhere that prunes this search; else
     ``None``), and a lower bound on the optimum (equal to the plan's time when the search
-    finished: it is then exact).
+    finished: it is then exact).  Without memory limits only ``never`` of ``modes`` is searched
+    (:func:`_fill_drain_modes`): the others are never faster.
 
     Best first over all candidates (:mod:`autopipe.planning.refinement`): a candidate whose
     cheap bound is the least open one is scouted (a coarse grid of caps gives it cells with
@@ -212,7 +211,7 @@ def solve_within(model: CostModel, candidates: Sequence[int], modes: Sequence[st
     the time is up, what is left contributes its bound: a candidate not scouted its cheap
     bound, one not searched to the end its cells'.
     """
-    pairs = sorted(Candidate.all(model, candidates, modes, len(limits)),
+    pairs = sorted(Candidate.all(model, candidates, _fill_drain_modes(modes, limits), len(limits)),
                    key=lambda c: (c.lower_bound, c.chunks, CHECKPOINT_MODES.index(c.mode)))
     leads: list[_Lead] = []
 
