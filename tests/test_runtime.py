@@ -101,23 +101,38 @@ class Scale(nn.Module):
         return x * self.weight
 
 
+def _off_then_on(model: nn.Module, step: int, how: str) -> None:
+    """Dropout drawing from the first step, or turned on only at the second: ``p`` from 0 to
+    0.5 (a dropout schedule), or ``train()`` after ``eval()``."""
+    for drop in (m for m in model.modules() if isinstance(m, nn.Dropout)):
+        if how == "p":
+            drop.p = 0.0 if step == 0 else 0.5
+        elif how == "mode":
+            drop.train(step > 0)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("checkpoint", ["except_last", "always"])
-def test_dropout_masks_replayed(checkpoint: str) -> None:
+@pytest.mark.parametrize("how", ["on", "p", "mode"])
+def test_dropout_masks_replayed(checkpoint: str, how: str) -> None:
     """y = drop(w2 * drop(w1 * x)) is linear in w1 and in w2, so w·dL/dw == y.sum() for
     L = y.sum() — only if the backward's recomputed masks equal the forward's.  Both stages
-    draw random numbers concurrently, so this also tests the generator locks.  In float64: the
-    sum of ±values can be small enough for float32 rounding to exceed the tolerance."""
+    draw random numbers concurrently, so this also tests the generator locks; and where
+    dropout draws only from the second step on, that each call measures again whether a stage
+    draws.  In float64: the sum of ±values can be small enough for float32 rounding to exceed
+    the tolerance."""
     model = nn.Sequential(Scale(64), nn.Dropout(0.5), nn.Linear(64, 64), Scale(64), nn.Dropout(0.5)).double()
     with torch.no_grad():
         model[2].weight.copy_(torch.eye(64))
         model[2].bias.zero_()
     pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
-    for _ in range(3):
+    for step in range(3):
+        _off_then_on(model, step, how)
         pipe.zero_grad()
         y = pipe(torch.randn(32, 64, dtype=torch.float64))
         y.sum().backward()
         total = y.sum()
         for scale in (model[0], model[3]):
             assert torch.allclose((scale.weight * scale.weight.grad).sum(), total, rtol=1e-5)
-    assert [stage.random.draws for stage in pipe.stages] == [True, True]
+        drawing = how == "on" or step > 0
+        assert [stage.random.draws for stage in pipe.stages] == [drawing, drawing]

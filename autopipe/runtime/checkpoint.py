@@ -17,9 +17,12 @@ restoring it before the recomputation only replays the same numbers if no other 
 from that generator in between.  So every stage that draws random numbers holds the
 generator's lock around each forward and each recomputation (:class:`RandomGuard`); stages
 that never draw do not lock, and so keep running in parallel.  Whether a stage draws is
-measured, not guessed: its first guarded forward compares the generator states before and
-after.  A stage that draws only on some inputs (data-dependent randomness) would be
-misclassified by that test; such a stage breaks the replay and is not supported.
+measured, not guessed: its first guarded forward of each call compares the generator states
+before and after (a call's modules may draw where the last call's did not: dropout turned on
+by a schedule, or ``train()`` after ``eval()``), and a recomputation replays every forward
+whose states were saved.  A stage that draws only on some inputs of one call (data-dependent
+randomness) would be misclassified by that test; such a stage breaks the replay and is not
+supported.
 """
 from __future__ import annotations
 
@@ -162,7 +165,12 @@ class RandomGuard:
         self.cuda = device if device.type == "cuda" else None
         names = ["cpu"] + ([str(device)] if self.cuda is not None else [])
         self.locks = [_generator_lock(name) for name in names]
-        self.draws: bool | None = None  # unknown until the first guarded forward
+        self.draws: bool | None = None  # unknown until the first guarded forward of a call
+
+    def measure_again(self) -> None:
+        """Forget whether the stage draws, at the start of a call: the next guarded forward
+        measures it (the modules may have changed since the last call)."""
+        self.draws = None
 
     def _states(self) -> RngStates:
         states = [torch.get_rng_state()]
@@ -199,7 +207,7 @@ class RandomGuard:
     def replay(self, states: RngStates | None) -> Iterator[None]:
         """Recompute with the generators as they were at the forward that saved ``states``."""
         with recomputing():
-            if states is None or self.draws is False:
+            if states is None:  # its forward was not guarded: the stage did not draw then
                 yield
                 return
             with self._held():

@@ -92,7 +92,10 @@ class Stage:
 
         A failure propagates as itself, with a note naming this stage, the phase and the
         micro-batch (``KeyboardInterrupt`` and ``SystemExit`` without one)."""
-        bracket = bool(actions) and actions[0].kind == "F" and self.brackets_batch_norm
+        starts = bool(actions) and actions[0].kind == "F"  # a call's first phase
+        if starts:
+            self.random.measure_again()
+        bracket = starts and self.brackets_batch_norm
         if bracket:
             for bn in self.deferred:
                 bn.begin_step()
