@@ -238,3 +238,34 @@ def test_under_a_memory_limit_the_group_likeliest_to_fit_is_searched_first() -> 
     lanes = model.stage_lanes(chosen.bounds, chosen.chunks, chosen.mode, schedule="1f1b")
     assert all(lane.memory <= 3000 for lane in lanes)
     assert outcome.lower_bound <= chosen.iteration_ms
+
+
+def test_interleaved_1f1b_plans_hold_every_stage_and_reload(tmp_path) -> None:
+    """Interleaved 1F1B starts from the split of least largest lane; where the greedy split behind
+    it leaves a stage empty, the stages are still ``k · 2``, each with a layer (round-robin
+    placement needs them all), and the plan saved reloads (its bubble share never below 0)."""
+    rng = random.Random(0)
+    for index in range(40):
+        layers, devices = rng.randint(4, 12), rng.randint(2, 4)
+        profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=rng.random() < 0.7)
+        speeds = [rng.choice([0.5, 1.0, 1.5, 2.0]) for _ in range(devices)]
+        chosen = plan(profile, speeds=speeds, schedule="1f1b", interleave=2, time_limit=None)
+        assert len(chosen.stages) % 2 == 0 and len(chosen.stages) >= 4
+        assert all(stage.stop > stage.start for stage in chosen.stages)
+        assert Plan.load(chosen.save(tmp_path / f"{index}.json")).balance == chosen.balance
+
+
+def test_interleaved_1f1b_finds_a_split_whose_device_sums_fit() -> None:
+    """Four layers on two devices, two stages each: the one split (stages 0 and 2 on device 0,
+    1 and 3 on device 1) fits the limit on each device, though stage 1 alone needs more than
+    half of it; the search must find it, not report that no plan fits."""
+    rng = random.Random(622)
+    layers, devices = rng.randint(2, 8), rng.randint(2, 4)
+    profile = random_profile(rng, layers, devices, skips=rng.randint(0, 3), per_pair=rng.random() < 0.7)
+    profile.batch_size = 8
+    limit = 377_100
+    chosen = plan(profile, memory_limit=limit, checkpoint="except_last", schedule="1f1b", speeds=[0.5, 0.5],
+                  interleave=2, time_limit=None)
+    assert chosen.balance == [1, 1, 1, 1] and chosen.interleave == 2
+    stage_memory = [stage.memory_bytes for stage in chosen.stages]
+    assert max(stage_memory) > limit / 2 and max(chosen.device_memory_bytes) <= limit

@@ -273,3 +273,20 @@ def test_the_dominance_tests_of_a_stage_check_the_time_between_batches(monkeypat
     assert len(batches) == 3 and budget.spent
     assert outcome.lower_bound <= exact.iteration_ms * (1 + 1e-9)
     assert outcome.choice is None or outcome.choice.iteration_ms >= exact.iteration_ms * (1 - 1e-9)
+
+
+def test_out_of_time_with_no_plan_searches_no_more_device_orders(monkeypatch) -> None:
+    """``placement="search"`` tries device orders while the time lasts, also when none has found
+    a plan that fits yet: with memory limits no plan fits and no time left after the first
+    order, the search stops there (not after all 120 orders of 5 devices)."""
+    from autopipe.planning import solver
+
+    searched = []
+    search_all = solver._search_all
+    monkeypatch.setattr(solver, "_search_all", lambda *args, **kwargs: searched.append(1) or search_all(*args,
+                                                                                                        **kwargs))
+    profile = random_profile(random.Random(1), 12, 5, skips=2, per_pair=True)
+    with pytest.raises(PlanningError, match="was found within time_limit"):
+        plan(profile, speeds=[1, 2, 1.5, 0.5, 1], memory_limit=1000, placement="search", interleave=1,
+             time_limit=1e-9)
+    assert len(searched) == 1

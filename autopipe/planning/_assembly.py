@@ -34,7 +34,8 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     recomputed = recomputations(mode, chunks)
     busy = sum(chunks * (s.forward + s.backward) + recomputed * s.recompute for s in evaluation.stages)
     used = len(stages) // interleave
-    bubble = 1 - busy / (used * evaluation.iteration_ms) if evaluation.iteration_ms > 0 else 0.0
+    # rounding can leave the share of a device busy all the time a hair above 1
+    bubble = max(1 - busy / (used * evaluation.iteration_ms), 0.0) if evaluation.iteration_ms > 0 else 0.0
     least = evaluation.iteration_ms if lower_bound is None else min(lower_bound, evaluation.iteration_ms)
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble,
                            lower_bound_ms=least)

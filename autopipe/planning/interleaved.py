@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -263,25 +263,41 @@ class Group:
 
 def _min_max(model: CostModel, chunks: int, mode: str, devices: int, interleave: int, limits: np.ndarray,
              budget: Budget | None, schedule: Schedule) -> tuple[int, ...] | None:
-    """The split of least largest stage lane, each stage within its device's limit shared
-    equally by the device's ``interleave`` stages (so that their sum fits): by bisection on the
-    lane without memory limits, else by the ``O(n · L²)`` DP (``None`` if it would overrun
-    ``budget``, or no split fits)."""
+    """The split of least largest stage lane into ``devices · interleave`` stages of a layer at
+    least: by bisection on the lane without memory limits, else by the ``O(n · L²)`` DP, each
+    stage within an equal share of its device's limit (so that their sum fits) or, where no
+    split does, within the whole limit (the sum is then checked where the split is priced,
+    :func:`timed`); ``None`` if the DP would overrun ``budget``, or no split fits."""
     costs = model.at(model.micro_batch_size(chunks))
     where = placement(devices * interleave, interleave)
     speeds = model.speeds[where]
     if np.all(np.isinf(limits[:devices])):
         lane = costs.forward * (2.0 if recomputations(mode, chunks) else 1.0) + costs.backward
-        return tuple(sorted({0, *greedy_split(lane, speeds, least_largest(lane, speeds, 1e-3)[1])}))
+        return _held_apart(greedy_split(lane, speeds, least_largest(lane, speeds, 1e-3)[1]), model.layers)
     if budget is not None and budget.out(foreseen(model.layers, len(where))):
         return None
 
-    def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        memory = model.schedule_memory(costs, start, stop, chunks, mode, schedule, s, len(where))
-        return memory <= limits[where[s]] / interleave
+    def within(share: float) -> Callable[[int, np.ndarray, np.ndarray], np.ndarray]:
+        def fits(s: int, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+            memory = model.schedule_memory(costs, start, stop, chunks, mode, schedule, s, len(where))
+            return memory <= limits[where[s]] * share
+        return fits
 
-    bounds = min_max_split(model, chunks, mode, speeds, fits)
-    return None if bounds is None else tuple(bounds)
+    for share in (1 / interleave, 1.0):
+        bounds = min_max_split(model, chunks, mode, speeds, within(share))
+        if bounds is not None:
+            return tuple(bounds)
+    return None
+
+
+def _held_apart(ends: Sequence[int], layers: int) -> tuple[int, ...]:
+    """Stage bounds from the greedy split's stage ``ends``, each moved the least so that every
+    stage holds a layer: the greedy leaves a stage none where the one before took up to the
+    cap, and round-robin placement needs every stage (``layers`` is at least their count)."""
+    bounds, count = [0], len(ends)
+    for stage, end in enumerate(ends[:-1], start=1):
+        bounds.append(min(max(int(end), bounds[-1] + 1), layers - (count - stage)))
+    return tuple(bounds + [layers])
 
 
 def _group_bounds(model: CostModel, chunks: int, mode: str, devices: int, interleave: int,

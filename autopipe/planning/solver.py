@@ -134,7 +134,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
     searched, complete = placements.orders(model, placement)
     choice, lower, order, tried = None, math.inf, searched[0], 0
     for candidate_order in searched:  # each order only looks for plans faster than the best so far
-        if choice is not None and budget.out():  # an order's setup alone takes 10-20 ms
+        if tried and budget.out():  # an order's setup alone takes 10-20 ms
             break
         found, bound = _search_all(placements.permuted(model, candidate_order), options,
                                    options.limits[list(candidate_order)], budget, choice)
