@@ -16,7 +16,8 @@ from typing import IO, Any, Callable, TypeVar
 
 from .errors import FormatError
 
-__all__ = ["FormatError", "Fields", "write_atomic", "write_json_atomic", "read_json", "digest", "is_finite"]
+__all__ = ["FormatError", "Fields", "check_writable", "write_atomic", "write_json_atomic", "read_json", "digest",
+           "is_finite"]
 
 T = TypeVar("T")
 
@@ -24,12 +25,29 @@ _UMASK = os.umask(0)  # read once at import (os.umask can only be read by settin
 os.umask(_UMASK)  # ... and put back at once
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
-    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """``path`` if a file can be written there, else the reason it cannot, as an ``OSError``.
+
+    Callers run this before long work (profiling, a bench) so a bad output path costs nothing;
+    :func:`write_atomic` runs it again, since the place may have changed meanwhile.
+    """
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"cannot write {target}: it is a directory; give a file name such as "
                                 f"{target / 'out.json'}")
+    existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())  # missing ones are made
+    if not existing.is_dir():
+        raise NotADirectoryError(f"cannot write {target}: {existing} is a file, not a directory; "
+                                 "choose another place")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {target}: the directory {existing} is not writable; "
+                              "choose a writable place")
+    return target
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
+    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
+    target = check_writable(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")

@@ -40,12 +40,19 @@ def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
     """A random input batch and a regression target of the model's output shape.
 
     Synthetic data is enough to time a step; the target comes from one no-grad forward so any
-    model (classifier or not) gets a well-defined loss.
+    model (classifier or not) gets a well-defined loss.  That forward is also the first call of
+    the model on ``shape``, so its failure (most often a shape the model does not take) is raised
+    as one ``ValueError`` naming the shape, not as an error from deep inside the model.
     """
     generator = torch.Generator().manual_seed(seed)
     batch = torch.randn(batch_size, *shape, generator=generator)
-    with torch.no_grad():
-        output = model(batch)
+    try:
+        with torch.no_grad():
+            output = model(batch)
+    except Exception as error:
+        raise ValueError(f"the model's forward on a random batch of shape {list(batch.shape)} failed: "
+                         f"{type(error).__name__}: {error}; check that the model takes samples of shape "
+                         f"{list(shape)}") from error
     return batch, torch.randn(output.shape, generator=generator)
 
 

@@ -10,7 +10,10 @@ from typing import Sequence
 
 from ._vocab import EventKind, Lane
 
-__all__ = ["Event", "render"]
+__all__ = ["Event", "render", "MIN_WIDTH"]
+
+#: The narrowest timeline: one column (each column spans ``total / width`` ms).
+MIN_WIDTH = 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     for even micro-batches and lower case for odd ones so micro-batches stay apart — or ``.``
     when the lane is idle for most of it, so bubbles show as runs of dots.
     """
+    if width < MIN_WIDTH:
+        raise ValueError(f"a timeline needs a width of at least {MIN_WIDTH} characters, got {width}")
     if not events:
         return "(no events)"
     end = max(event.end_ms for event in events)

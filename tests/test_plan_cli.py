@@ -81,3 +81,27 @@ def test_errors_are_one_line_with_status_2(profile_path, tmp_path, capsys):
     assert "smallest per-device memory limit that would fit" in capsys.readouterr().err
     assert main(["plan", str(profile_path), "--memory-limit", "lots"]) == 2
     assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+
+
+def test_png_is_written_atomically_and_never_over_the_plan(profile_path, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from autopipe.cli.show import draw_png
+    from autopipe.timeline import Event
+
+    written = []
+    figure = SimpleNamespace(tight_layout=lambda: None,
+                             savefig=lambda handle, format: written.append(format) or handle.write(b"png"))
+    axes = SimpleNamespace(barh=lambda *a, **k: None, set_yticks=lambda *a: None, invert_yaxis=lambda: None,
+                           set_xlabel=lambda *a: None)
+    plt = SimpleNamespace(subplots=lambda figsize: (figure, axes), close=lambda f: None)
+    out = tmp_path / "new" / "t.png"
+    assert draw_png(plt, [Event(0, "compute", "F", 0, 0.0, 1.0)], out) == out
+    assert out.read_bytes() == b"png" and written == ["png"] and [p.name for p in out.parent.iterdir()] == ["t.png"]
+
+    plan_path = tmp_path / "p.json"
+    main(["plan", str(profile_path), "-o", str(plan_path)])
+    before = plan_path.read_bytes()
+    capsys.readouterr()
+    assert main(["show", str(plan_path), "--png", str(plan_path)]) == 2
+    assert "is the input file" in capsys.readouterr().err and plan_path.read_bytes() == before

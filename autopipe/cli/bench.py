@@ -14,9 +14,16 @@ from ..profiling.profiler import profile
 from ..profiling.profiles import Profile
 from ..planning.solver import plan as choose_plan
 from ..timeline import render
+from ..model import layer_chain
+from ..model.fingerprint import check_made_for
 from .profile import load_model, parse_ints
+from ._arguments import at_least, device_names, output_path
 
 __all__ = ["add_arguments", "run"]
+
+#: Without a plan or profile to say otherwise: one sample's shape, and the batch.
+DEFAULT_SHAPE = [3, 64, 64]
+DEFAULT_BATCH = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "instead of planning; a plan made from a CLI profile names its "
                                        "model and input shape itself")
     parser.add_argument("--profile", help="plan from this saved profile instead of profiling MODEL")
-    parser.add_argument("--input-shape", help="one sample's shape (default: the plan's, else 3,64,64)")
+    parser.add_argument("--input-shape", help="one sample's shape (default: the plan's or profile's, else 3,64,64)")
     parser.add_argument("--batch-size", type=int, help="the training batch (default: the plan's, else 32)")
     parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu (default: all CUDA devices, "
                                           "else two CPU devices)")
@@ -41,43 +48,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    saved = Plan.load(args.plan) if args.plan else None
-    known = saved.model if saved is not None else {}
-    spec = args.model or known.get("spec")
+    at_least(args, {"--batch-size": 1, "--chunks": 1, "--steps": 1, "--warmup": 0})
+    output = output_path(args.json, "--json", [args.plan, args.profile])
+    devices = device_names(args.devices)
+    saved, measured = _inputs(args)
+    known = saved if saved is not None else measured
+    spec = args.model or (known.model.get("spec") if known is not None else None)
     if spec is None:
         raise ValueError("name the model: python -m autopipe bench MODEL [--plan plans/X.json]")
+    shape = _shape(args.input_shape, known)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = load_model(spec)
-    shape = (parse_ints(args.input_shape, "--input-shape") if args.input_shape
-             else known.get("input_shape", [3, 64, 64]))
-    chosen = _plan(args, saved, model, shape)
-    batch, target = synthetic_batch(model, shape, chosen.batch_size)
+    model = _model(spec, known)
+    batch_size = saved.batch_size if saved is not None else args.batch_size or DEFAULT_BATCH  # 0 is refused above
+    batch, target = synthetic_batch(model, shape, batch_size)
+    chosen = saved if saved is not None else _plan(args, measured, model, batch, devices)
     result = bench_plan(model, chosen, batch, target, steps=args.steps, warmup=args.warmup)
     print(format_bench(result))
     if args.timeline:
         print(f"\npredicted timeline:\n{render(result.predicted_events)}")
         print(f"\nmeasured timeline (last step):\n{render(result.measured_events)}")
-    if args.json:
-        print(f"wrote {write_json_atomic(args.json, _document(result, spec, shape))}")
+    if output is not None:
+        print(f"wrote {write_json_atomic(output, _document(result, spec, shape))}")
     return 0
 
 
-def _plan(args: argparse.Namespace, saved: Plan | None, model: torch.nn.Module, shape: list[int]) -> Plan:
-    """The saved plan, or one made now from a saved or fresh profile."""
+def _inputs(args: argparse.Namespace) -> tuple[Plan | None, Profile | None]:
+    """The saved plan and profile given, the plan checked against the options it would ignore."""
+    saved = Plan.load(args.plan) if args.plan else None
     if saved is not None:
-        if args.batch_size not in (None, saved.batch_size):
-            raise ValueError(f"the plan is for batch size {saved.batch_size}, not {args.batch_size}; "
-                             "plan again for another batch")
         _check_unused(args, saved)
-        return saved
-    devices = resolve_devices(args.devices.split(",") if args.devices else None)
-    batch_size = args.batch_size or 32
-    if args.profile:
-        measured = Profile.load(args.profile)
-    else:
-        measured = profile(model, torch.randn(batch_size, *shape), devices, quiet=True)
-    chosen = choose_plan(measured, [str(d) for d in devices], batch_size=batch_size,
+    return saved, Profile.load(args.profile) if args.profile else None
+
+
+def _what(known: Plan | Profile) -> str:
+    return "plan" if isinstance(known, Plan) else "profile"
+
+
+def _shape(text: str | None, known: Plan | Profile | None) -> list[int]:
+    """One sample's shape: ``--input-shape``, else the one the plan or profile was made with;
+    refused if the two differ (the plan's times and memory are those of its own shape)."""
+    recorded = known.input_shape if isinstance(known, Profile) else known.model.get("input_shape") if known else None
+    if text is None:
+        return recorded or DEFAULT_SHAPE
+    shape = parse_ints(text, "--input-shape")
+    if known is not None and recorded not in (None, shape):
+        raise ValueError(f"--input-shape {text} is not the shape the {_what(known)} was made for "
+                         f"({','.join(map(str, recorded))}); drop it, or profile and plan again with it")
+    return shape
+
+
+def _model(spec: str, known: Plan | Profile | None) -> torch.nn.Module:
+    """The model ``spec`` builds, refused before any forward if the plan or profile is of
+    another one (a batch of the other model's shape would fail deep inside it)."""
+    model = load_model(spec)
+    if known is not None:
+        named = f" ({known.model['spec']})" if "spec" in known.model else ""
+        check_made_for(known.model, layer_chain(model), _what(known),
+                       f"bench the {_what(known)}'s own model{named}, or profile and plan this one")
+    return model
+
+
+def _plan(args: argparse.Namespace, measured: Profile | None, model: torch.nn.Module, batch: torch.Tensor,
+          names: list[str] | None) -> Plan:
+    """A plan made now from the saved profile, else from profiling ``model`` on ``batch``."""
+    devices = resolve_devices(names)
+    if measured is None:
+        measured = profile(model, batch, devices, quiet=True)
+    chosen = choose_plan(measured, [str(d) for d in devices], batch_size=batch.shape[0],
                          checkpoint=args.checkpoint, chunks=args.chunks)
     print(f"planned: balance {chosen.balance} on {', '.join(chosen.devices)}, {chosen.chunks} "
           f"micro-batches, checkpoint {chosen.checkpoint}, predicted {chosen.predicted.iteration_ms:.1f} ms")
@@ -86,6 +124,9 @@ def _plan(args: argparse.Namespace, saved: Plan | None, model: torch.nn.Module, 
 
 def _check_unused(args: argparse.Namespace, saved: Plan) -> None:
     """Refuse planning options that a saved plan would silently override."""
+    if args.batch_size not in (None, saved.batch_size):
+        raise ValueError(f"the plan is for batch size {saved.batch_size}, not {args.batch_size}; "
+                         "plan again for another batch")
     planned = ",".join(saved.devices[: saved.device_count])
     asked = {"--devices": args.devices if args.devices and args.devices.replace(" ", "") != planned else None,
              "--profile": args.profile, "--chunks": args.chunks,

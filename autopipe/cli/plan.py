@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..planning.plans import Plan
 from ..profiling.profiles import Profile
+from ._arguments import device_names, output_path
 
 __all__ = ["add_arguments", "run", "summary"]
 
@@ -51,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from ..planning.compare import compare, format_comparison
     from ..planning.replicas import parallelism, plan
 
+    output = output_path(args.output, "--output", [args.profile])
+    devices = _devices(args.devices)
     profile = Profile.load(args.profile)
     options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,
                    optimizer_state=_optimizer_state(args.optimizer_state), speeds=_speeds(args.speeds),
                    chunks=args.chunks, engine=args.engine, interleave=_auto_or_count(args.interleave, "--interleave"),
                    schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
-    devices = _devices(args.devices)
     chosen = plan(profile, devices, replicas=_auto_or_count(args.replicas, "--replicas"), **options)
     print(summary(chosen))
     if args.compare:
@@ -65,15 +66,15 @@ def run(args: argparse.Namespace) -> int:
         if chosen.replicas == 1:
             print()
             print(format_comparison(compare(profile, chosen, args.chunks)))
-    if args.output:
-        print(f"\nplan written to {chosen.save(Path(args.output))}")
+    if output is not None:
+        print(f"\nplan written to {chosen.save(output)}")
     return 0
 
 
 def _devices(text: str | None) -> int | list[str] | None:
-    if text is None:
-        return None
-    return int(text) if text.isdigit() else [d.strip() for d in text.split(",") if d.strip()]
+    """``--devices``: a count (``4``), names (``cpu,cpu``) or ``None`` for the profile's."""
+    names = device_names(text, "--devices cpu,cpu or --devices 2")
+    return int(names[0]) if names is not None and len(names) == 1 and names[0].isdigit() else names
 
 
 def _auto_or_count(text: str, option: str) -> int | str:

@@ -3,30 +3,35 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..profiling.profiler import profile
 from ..profiling.profiles import Profile
+from ._arguments import at_least, device_names, fill_defaults, given, output_path
 
 __all__ = ["add_arguments", "run", "load_model", "parse_ints"]
 
-DEFAULT_MODEL = "torchvision:resnet18"
+#: The measuring options' defaults, filled in once ``--bytes-of`` (which measures with the saved
+#: profile's own) has refused any given option.
+DEFAULTS = {"model": "torchvision:resnet18", "input_shape": "3,64,64", "batch_size": 32, "warmup": 2, "repeats": 5}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+    parser.add_argument("model", nargs="?",
                         help="torchvision:NAME (random weights, never downloaded) or "
-                             f"package.module:factory returning an nn.Module (default {DEFAULT_MODEL})")
-    parser.add_argument("--input-shape", default="3,64,64", help="one sample's shape, e.g. 3,128,128")
-    parser.add_argument("--batch-size", type=int, default=32, help="the full training batch")
+                             f"package.module:factory returning an nn.Module (default {DEFAULTS['model']})")
+    parser.add_argument("--input-shape", help=f"one sample's shape (default {DEFAULTS['input_shape']})")
+    parser.add_argument("--batch-size", type=int, help=f"the full training batch (default {DEFAULTS['batch_size']})")
     parser.add_argument("--batch-sizes", help="micro-batch sizes to measure, e.g. 1,2,4 "
                                               "(default: powers of two below the batch, and the batch)")
     parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu or cuda:0,cuda:1 "
                                           "(default: all CUDA devices, else two CPU devices)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per layer and size")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer and size (median kept)")
+    parser.add_argument("--warmup", type=int, help=f"untimed runs per layer and size (default {DEFAULTS['warmup']})")
+    parser.add_argument("--repeats", type=int,
+                        help=f"timed runs per layer and size, median kept (default {DEFAULTS['repeats']})")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: one core per CPU pipeline device)")
     parser.add_argument("--alone", action="store_true",
@@ -36,20 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", help="where to save the profile JSON (not saved if absent)")
     parser.add_argument("--bytes-of", metavar="PROFILE",
                         help="measure only the bytes (saved, workspace) of this saved profile again, "
-                             "keeping its times; its model, shape and batch are used")
+                             "keeping its times; its model, shape, batch and sizes are used, so give "
+                             "MODEL only for a profile that does not name its model")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    at_least(args, {"--threads": 1, "--batch-size": 1, "--warmup": 0, "--repeats": 1})
+    # --bytes-of may write over its own profile: the same document with its bytes measured again
+    output = output_path(args.output, "--output")
     torch.set_num_threads(args.threads)
     if args.bytes_of:
-        return _bytes_of(args)
+        return _bytes_of(args, output)
+    fill_defaults(args, DEFAULTS)
     shape = parse_ints(args.input_shape, "--input-shape")
-    sizes = parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
-    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    sizes = parse_ints(args.batch_sizes, "--batch-sizes", "1,2,4") if args.batch_sizes else None
+    devices = device_names(args.devices)
     torch.manual_seed(0)
     model = load_model(args.model)
     sample = torch.randn(args.batch_size, *shape)
@@ -57,37 +63,54 @@ def run(args: argparse.Namespace) -> int:
                        quiet=args.quiet, under_load=False if args.alone else None)
     measured.model.update(spec=args.model, input_shape=shape)  # lets bench rebuild it from a plan
     print(format_table(measured))
-    if args.output:
-        print(f"saved {measured.save(args.output)}")
+    if output is not None:
+        print(f"saved {measured.save(output)}")
     else:
         print("not saved (pass -o profiles/NAME.json to keep it)")
     return 0
 
 
-def _bytes_of(args: argparse.Namespace) -> int:
+def _bytes_of(args: argparse.Namespace, output: Path | None) -> int:
     """``--bytes-of``: the saved profile with its bytes measured again."""
     from ..profiling.remeasure import remeasure_memory
 
     saved = Profile.load(args.bytes_of)
-    spec = saved.model.get("spec", args.model)
-    shape = saved.model.get("input_shape") or parse_ints(args.input_shape, "--input-shape")
+    spec = _bytes_of_model(args, saved)
     torch.manual_seed(0)
     model = load_model(spec)
-    measured = remeasure_memory(saved, model, torch.randn(saved.batch_size, *shape), quiet=args.quiet)
+    measured = remeasure_memory(saved, model, torch.randn(saved.batch_size, *saved.input_shape), quiet=args.quiet)
     print(format_table(measured))
-    if args.output:
-        print(f"saved {measured.save(args.output)}")
+    if output is not None:
+        print(f"saved {measured.save(output)}")
     return 0
 
 
-def parse_ints(text: str, option: str) -> list[int]:
-    """``"3,128,128"`` → ``[3, 128, 128]``; positive integers only."""
+def _bytes_of_model(args: argparse.Namespace, saved: Profile) -> str:
+    """The model spec to measure for ``--bytes-of``, after refusing every measuring option it
+    would ignore: the profile fixes the shape, batch, sizes and device, and times nothing."""
+    spec = saved.model.get("spec")
+    ignored = given(args, ["--input-shape", "--batch-size", "--batch-sizes", "--devices", "--warmup",
+                           "--repeats", "--alone"] + (["MODEL"] if spec is not None else []))
+    if ignored:
+        named = f" ({spec})" if spec is not None else ""
+        raise ValueError(f"{', '.join(ignored)} would be ignored: --bytes-of measures the profile's own "
+                         f"model{named} on a batch of {saved.batch_size} x {saved.input_shape} "
+                         f"at sizes {saved.batch_sizes} on {saved.devices[0]}, timing nothing; drop "
+                         f"{'them' if len(ignored) > 1 else 'it'}")
+    if spec is None and args.model is None:
+        raise ValueError(f"{args.bytes_of} does not name its model (a profile made in Python); name it: "
+                         "python -m autopipe profile MODEL --bytes-of PROFILE")
+    return spec or args.model
+
+
+def parse_ints(text: str, option: str, example: str = "3,128,128") -> list[int]:
+    """``"3,128,128"`` → ``[3, 128, 128]``; positive integers only (``example`` shows the form)."""
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise ValueError(f"{option} expects comma-separated positive integers like 3,128,128, got '{text}'")
+        raise ValueError(f"{option} expects comma-separated positive integers like {example}, got '{text}'")
     return values
 
 
@@ -107,7 +130,10 @@ def load_model(spec: str) -> nn.Module:
     if not callable(factory):
         raise ValueError(f"'{source}' has no callable '{name}' (MODEL '{spec}'); name a function or "
                          "class that returns an nn.Module")
-    model = factory()
+    try:
+        model = factory()
+    except Exception as error:  # the user's code: its failure is theirs to read, in one line
+        raise ValueError(f"building the model {spec} failed: {type(error).__name__}: {error}") from error
     if not isinstance(model, nn.Module):
         raise TypeError(f"{spec}() returned {type(model).__name__}, not an nn.Module")
     return model

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from .._jsonio import write_atomic
 from ..planning.plans import Plan, StagePlan
 from ..planning.replicas import reduction_events
 from ..planning.simulate import simulate_plan
-from ..timeline import Event, render
+from ..timeline import MIN_WIDTH, Event, render
+from ._arguments import at_least, output_path
 
 __all__ = ["add_arguments", "run", "stage_table"]
 
@@ -19,8 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    at_least(args, {"--width": MIN_WIDTH})
+    png = output_path(args.png, "--png", [args.plan])
+    pyplot = _pyplot() if png is not None else None
     plan = Plan.load(args.plan)
-    pyplot = _pyplot() if args.png else None
     simulation = simulate_plan(plan)
     events = simulation.events + reduction_events(simulation, [s.reduce_ms for s in plan.stages])
     print(stage_table(plan))
@@ -30,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
           "F/f forward, B/b backward, C/c copy in, G/g gradient copy, A reduction, . idle):")
     print(render(events, args.width))
     if pyplot is not None:
-        draw_png(pyplot, events, args.png)
-        print(f"\ntimeline drawn to {args.png}")
+        print(f"\ntimeline drawn to {draw_png(pyplot, events, png)}")
     return 0
 
 
@@ -79,8 +83,9 @@ def _pyplot() -> Any:
     return plt
 
 
-def draw_png(plt: Any, events: list[Event], path: str) -> None:
-    """Draw the timeline as horizontal bars, one row per stage lane."""
+def draw_png(plt: Any, events: list[Event], path: str | Path) -> Path:
+    """Draw the timeline as horizontal bars, one row per stage lane, to ``path`` (atomically: a
+    failed drawing leaves any earlier file whole); returns the path."""
     colours = {"F": "tab:blue", "B": "tab:orange", "R": "tab:red", "C": "tab:green", "G": "tab:purple",
                "A": "tab:brown"}
     rows = sorted({(e.stage, e.lane) for e in events})
@@ -92,5 +97,7 @@ def draw_png(plt: Any, events: list[Event], path: str) -> None:
     axes.invert_yaxis()
     axes.set_xlabel("ms")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    try:
+        return write_atomic(path, lambda handle: figure.savefig(handle, format="png"))
+    finally:
+        plt.close(figure)

@@ -1,0 +1,163 @@
+"""The command line's mistakes: each is one line on stderr with status 2, found before any work
+(nothing printed on stdout), and no input file is ever replaced by an output."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe._jsonio import write_json_atomic
+from autopipe.cli import main
+from autopipe.timeline import Event, render
+
+FEATURES = 16
+SPEC = "test_cli_errors:tiny_model"
+
+
+def tiny_model() -> nn.Module:
+    """The model of every saved profile and plan here."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def narrow_model() -> nn.Module:
+    """Another model, which fails on the tiny model's samples."""
+    return nn.Sequential(nn.Linear(FEATURES // 2, 4), nn.ReLU())
+
+
+def boom() -> nn.Module:
+    raise RuntimeError("factory exploded")
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A profile of the tiny model made by ``profile -o`` and a two-stage plan of it."""
+    where = tmp_path_factory.mktemp("saved")
+    profile_path, plan_path = where / "profile.json", where / "plan.json"
+    assert main(["profile", SPEC, "--input-shape", str(FEATURES), "--batch-size", "8", "--batch-sizes", "4,8",
+                 "--devices", "cpu,cpu", "--warmup", "0", "--repeats", "1", "--quiet", "-o", str(profile_path)]) == 0
+    assert main(["plan", str(profile_path), "--devices", "cpu,cpu", "--replicas", "1", "--chunks", "2",
+                 "-o", str(plan_path)]) == 0
+    return profile_path, plan_path
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> str:
+    """Run the CLI and check it failed at once with one line naming ``expected``."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and expected in err, err
+    assert out == "", f"work was done before the error: {out}"
+    return err
+
+
+@pytest.mark.parametrize("width", ["0", "-5"])
+def test_show_refuses_a_width_below_one(saved, width, capsys) -> None:
+    _error(capsys, ["show", str(saved[1]), "--width", width], f"--width must be at least 1, got {width}")
+    with pytest.raises(ValueError, match="width of at least 1"):
+        render([Event(0, "compute", "F", 0, 0.0, 1.0)], 0)
+
+
+def test_bench_refuses_an_input_shape_the_plan_or_profile_was_not_made_for(saved, capsys) -> None:
+    profile_path, plan_path = saved
+    for option, path, what in (("--plan", plan_path, "plan"), ("--profile", profile_path, "profile")):
+        _error(capsys, ["bench", SPEC, option, str(path), "--input-shape", "17", "--steps", "1"],
+               f"--input-shape 17 is not the shape the {what} was made for (16)")
+
+
+def test_a_model_failing_on_the_synthetic_batch_is_one_error(capsys) -> None:
+    expected = "the model's forward on a random batch of shape [8, 17] failed: RuntimeError: mat1 and mat2"
+    _error(capsys, ["bench", SPEC, "--input-shape", "17", "--batch-size", "8", "--devices", "cpu,cpu"], expected)
+    _error(capsys, ["demo", "--model", SPEC, "--quick", "--devices", "cpu,cpu"],
+           "the model's forward on a random batch of shape [4, 3, 64, 64] failed")
+
+
+def test_bench_refuses_a_plan_of_another_model_before_running_it(saved, capsys) -> None:
+    profile_path, plan_path = saved
+    for option, path, what in (("--plan", plan_path, "plan"), ("--profile", profile_path, "profile")):
+        _error(capsys, ["bench", "test_cli_errors:narrow_model", option, str(path), "--steps", "1"],
+               f"the {what} was made for another model: layer 0 differs")
+
+
+def test_a_failing_model_factory_is_one_error(capsys) -> None:
+    expected = "building the model test_cli_errors:boom failed: RuntimeError: factory exploded"
+    _error(capsys, ["profile", "test_cli_errors:boom", "--input-shape", "16", "--quiet"], expected)
+    _error(capsys, ["demo", "--model", "test_cli_errors:boom", "--devices", "cpu,cpu"], expected)
+
+
+def test_no_output_replaces_an_input(saved, tmp_path, capsys) -> None:
+    profile_path, plan_path = saved
+    copy = tmp_path / "copy.json"
+    copy.write_bytes(plan_path.read_bytes())
+    alias = tmp_path / "sub" / ".." / "copy.json"  # the same file by another name
+    (tmp_path / "sub").mkdir()
+    profile_copy = tmp_path / "profile.json"
+    profile_copy.write_bytes(profile_path.read_bytes())
+    for argv in (["plan", str(profile_copy), "-o", str(profile_copy)],
+                 ["bench", "--plan", str(copy), "--steps", "1", "--json", str(alias)],
+                 ["show", str(copy), "--png", str(copy)]):
+        _error(capsys, argv, "is the input file")
+    assert copy.read_bytes() == plan_path.read_bytes()
+    assert profile_copy.read_bytes() == profile_path.read_bytes()
+
+
+def test_an_unwritable_output_is_refused_before_the_work(saved, tmp_path, capsys) -> None:
+    blocker = tmp_path / "precious.txt"
+    blocker.write_text("keep me")
+    expected = f"{blocker} is a file, not a directory"
+    _error(capsys, ["profile", SPEC, "--input-shape", "16", "--batch-size", "8", "--quiet",
+                    "-o", str(blocker / "p.json")], expected)
+    _error(capsys, ["bench", "--plan", str(saved[1]), "--steps", "1", "--json", str(blocker / "x" / "b.json")],
+           expected)
+    _error(capsys, ["plan", str(saved[0]), "-o", str(tmp_path)], "it is a directory")
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        write_json_atomic(blocker / "x.json", {})
+    assert blocker.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["bench", SPEC, "--input-shape", "16", "--batch-size", "0", "--devices", "cpu,cpu", "--steps", "1"],
+     "--batch-size must be at least 1, got 0"),
+    (["demo", "--steps", "0"], "--steps must be at least 1, got 0"),
+    (["demo", "--batch-size", "0", "--quick"], "--batch-size must be at least 1, got 0"),
+    (["demo", "--repeats", "0", "--quick"], "--repeats must be at least 1, got 0"),
+    (["demo", "--input-shape", "3,x", "--quick"], "--input-shape would be ignored: --quick sets"),
+    (["demo", "--steps", "2", "--batch-size", "8", "--quick"], "--batch-size, --steps would be ignored"),
+])
+def test_invalid_or_overridden_counts_are_refused(argv, expected, capsys) -> None:
+    _error(capsys, argv, expected)
+
+
+def test_bytes_of_refuses_what_it_would_ignore(saved, capsys) -> None:
+    profile_path, _ = saved
+    _error(capsys, ["profile", "test_cli_errors:narrow_model", "--bytes-of", str(profile_path), "--quiet"],
+           f"MODEL would be ignored: --bytes-of measures the profile's own model ({SPEC})")
+    _error(capsys, ["profile", "--bytes-of", str(profile_path), "--input-shape", "3,32,32", "--batch-size", "4"],
+           "--input-shape, --batch-size would be ignored")
+
+
+def test_bytes_of_a_profile_without_its_model_needs_the_model(tmp_path, capsys) -> None:
+    measured = autopipe.profile(tiny_model(), torch.randn(8, FEATURES), ["cpu"], batch_sizes=[8], warmup=0,
+                                repeats=1, quiet=True)
+    path = measured.save(tmp_path / "python.json")
+    _error(capsys, ["profile", "--bytes-of", str(path), "--quiet"], "does not name its model")
+    assert main(["profile", SPEC, "--bytes-of", str(path), "--quiet"]) == 0
+    assert "micro-batch 8 of batch 8" in capsys.readouterr().out
+
+
+def test_wording_of_empty_and_bad_values(saved, capsys) -> None:
+    profile_path, _ = saved
+    err = _error(capsys, ["plan", str(profile_path), "--devices", ""], "pass e.g. --devices cpu,cpu or --devices 2")
+    assert "[" not in err
+    _error(capsys, ["profile", SPEC, "--devices", "", "--quiet"], "names no device; pass e.g. --devices cpu,cpu")
+    _error(capsys, ["plan", str(profile_path), "-o", ""], "--output is empty")
+    _error(capsys, ["profile", SPEC, "--batch-sizes", "0,2", "--quiet"],
+           "--batch-sizes expects comma-separated positive integers like 1,2,4, got '0,2'")
