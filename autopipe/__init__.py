@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedError": "errors",
     "FormatError": "errors",
     "LaunchError": "errors",
+    "OptionError": "errors",
     "PlanningError": "errors",
     "ProfileError": "errors",
     "StageOutputError": "errors",
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.checkpoint import is_recomputing
     from .distributed import DistributedPipeline
     from .errors import (AutopipeError, ChainError, DeviceError, DistributedError, FormatError, LaunchError,
-                         PlanningError, ProfileError, StageOutputError)
+                         OptionError, PlanningError, ProfileError, StageOutputError)
     from .model import CaptureError
     from .model import Layer, layer_chain
     from ._partition import partition

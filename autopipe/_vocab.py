@@ -4,6 +4,7 @@ They stay plain strings, so plans and profiles keep their JSON as it is; the typ
 catch a misspelt mode, and the tuples are what option checks and error messages list.  Device
 names are checked here too, without torch: the planner must not import it, and every step refuses
 a name torch would not know (or that would name a device that cannot exist) with one line.
+
 """
 from __future__ import annotations
 

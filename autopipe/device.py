@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._vocab import check_device_name
+from ._checks import check_device_list
 from .errors import DeviceError
 
 __all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
@@ -220,6 +221,7 @@ def default_devices() -> list[torch.device]:
 
 def resolve_devices(devices: Sequence[torch.device | str | int] | int | None) -> list[torch.device]:
     """Normalise a user's device list (names, indices or a count) and check each exists."""
+    check_device_list(devices)
     if devices is None:
         resolved = default_devices()
     elif isinstance(devices, int):

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 __all__ = [
     "AutopipeError", "ChainError", "DeviceError", "DistributedError", "FormatError", "LaunchError",
-    "PlanningError", "ProfileError", "StageOutputError",
+    "OptionError", "PlanningError", "ProfileError", "StageOutputError",
 ]
 
 
 class AutopipeError(Exception):
     """The base of every error autopipe raises on purpose."""
+
+
+class OptionError(AutopipeError, ValueError, TypeError):
+    """An argument autopipe cannot take: an option of the wrong type or out of range, or a
+    profile or plan given for another model.  Both built-in bases, as such mistakes raised
+    either before (``chunks=0`` a ``ValueError``, ``chunks=2.5`` a ``TypeError``)."""
 
 
 class FormatError(AutopipeError, ValueError):

@@ -35,9 +35,11 @@ def test_errors_keep_their_builtin_bases() -> None:
     bases = {"FormatError": ValueError, "DeviceError": ValueError, "ChainError": TypeError,
              "CaptureError": TypeError, "ProfileError": ValueError, "PlanningError": ValueError,
              "DistributedError": ValueError, "StageOutputError": TypeError,
-             "LaunchError": RuntimeError}
+             "LaunchError": RuntimeError, "OptionError": ValueError}
     for name, base in bases.items():
         assert issubclass(getattr(autopipe, name), base), name
+    # an option of the wrong type raised a TypeError before it raised an OptionError
+    assert issubclass(autopipe.OptionError, TypeError)
 
 
 def test_errors_are_the_ones_the_steps_raise() -> None:

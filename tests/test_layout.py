@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autopipe"
 #: Each step of the flow and what it may import: its own rank or lower.  Shared top-level modules
 #: sit below every step; the entry points that combine steps (``partition``, ``bench``) above runtime.
 RANKS = {
-    "_jsonio": 0, "_allocator": 0, "_vocab": 0, "device": 0, "errors": 0, "timeline": 0,
+    "_jsonio": 0, "_allocator": 0, "_vocab": 0, "_checks": 0, "device": 0, "errors": 0, "timeline": 0,
     "model": 1, "profiling": 2, "planning": 3, "runtime": 4,
     "_partition": 5, "bench": 5, "distributed": 6, "cli": 7,
     "__init__": 8, "__main__": 8,

@@ -196,7 +196,7 @@ def test_missing_devices_are_refused_before_any_work() -> None:
     with pytest.raises(autopipe.DeviceError, match="cuda:3"):
         autopipe.Pipeline(model, balance=[3, 4], devices=["cpu", "cuda:3"])
     assert all(p.device.type == "cpu" for p in model.parameters())
-    with pytest.raises(ValueError, match="cover the model's 7 layers"):
+    with pytest.raises(ValueError, match="covers 6 layers but the model has 7"):
         autopipe.Pipeline(model, balance=[3, 3], devices=["cpu", "cpu"])
 
 

@@ -182,11 +182,12 @@ def test_options_are_checked_with_a_fix():
     profile = make_profile([1.0] * 4, sizes=(2, 4), devices=2)
     with pytest.raises(ValueError, match="use 'gpipe'.*schedule='1f1b' when chunks >= stages"):
         plan(profile, schedule="1f1b", engine="distributed")
-    with pytest.raises(ValueError, match="outside 1..4 or the profiled sizes 2..4"):
+    with pytest.raises(ValueError, match="micro-batches of 1 samples, but the profile measured micro-batches of "
+                                         "at least 2; use fewer chunks"):
         plan(profile, chunks=4)
     with pytest.raises(ValueError, match="cannot be split into micro-batches of the profiled sizes"):
         plan(profile, batch_size=1)
-    with pytest.raises(ValueError, match="speeds must be 2 positive numbers"):
+    with pytest.raises(ValueError, match="speeds must be 2 finite positive numbers"):
         plan(profile, speeds=[1.0])
     assert candidate_chunks(10, [1, 10]) == [1, 2, 3, 4, 5, 10]
 

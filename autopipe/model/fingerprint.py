@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .._jsonio import digest
+from ..errors import OptionError
 from .layers import Layer
 
 __all__ = ["model_fingerprint", "environment_fingerprint", "first_difference", "check_made_for"]
@@ -45,11 +46,14 @@ def first_difference(expected: dict[str, Any], actual: dict[str, Any]) -> str | 
                 f"layer {index} differs: expected {a['name']} ({a['type']}, {_tensors(a)}), "
                 f"found {b['name']} ({b['type']}, {_tensors(b)})"
             )
-    return f"the model has {len(have)} layers, expected {len(want)}"
+    if len(have) != len(want):
+        return f"the model has {len(have)} layers, expected {len(want)}"
+    return ("the layers listed match but the fingerprints differ (the file's model digest was edited, or "
+            "written by another version of autopipe)")
 
 
 def check_made_for(recorded: dict[str, Any], layers: Sequence[Layer], what: str, fix: str,
-                   error: type[Exception] = ValueError) -> None:
+                   error: type[Exception] = OptionError) -> None:
     """Raise ``error`` naming the first difference if the model fingerprint ``recorded`` in a
     ``what`` (a profile, a plan) is not that of ``layers``; ``fix`` says what to do instead."""
     difference = first_difference(recorded, model_fingerprint(layers))

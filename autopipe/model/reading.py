@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from ..errors import ChainError
 from .capture import CapturedLayer, chain
-from .layers import (ChainError, Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
+from .layers import (Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
                      sequential_layers, sequential_units)
 from .skip import verify_skippables
 
@@ -36,6 +37,9 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
         layers = merge_shared_state(sequential_layers(model, ""))
     elif is_torchvision_resnet(model):
         layers = resnet_layers(model)
+    elif not isinstance(model, nn.Module):
+        raise ChainError(f"the model must be a torch.nn.Module (or a list of autopipe layers), got "
+                         f"{type(model).__name__}; build it first, e.g. torchvision.models.resnet50()")
     else:
         layers = chain(model, sample_input)
     if not layers:

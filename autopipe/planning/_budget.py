@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from .._checks import positive_number
 from .candidates import Choice
 
 __all__ = ["MARGIN", "Budget", "Outcome"]
@@ -25,8 +26,8 @@ class Budget:
     """A deadline shared by the searches of one ``plan()`` call (``None``: no limit)."""
 
     def __init__(self, seconds: float | None) -> None:
-        if seconds is not None and not seconds > 0:
-            raise ValueError(f"time_limit must be a positive number of seconds or None, got {seconds!r}")
+        if seconds is not None:
+            positive_number(seconds, "time_limit", " of seconds (finite; None for no limit)")
         # the searches stop a little early: they check the time between steps, and the plan
         # is assembled after them
         self.end = math.inf if seconds is None else time.perf_counter() + seconds * (1 - MARGIN)

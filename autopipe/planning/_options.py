@@ -3,6 +3,8 @@ counts worth trying, checkpoint modes and interleave factors."""
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -10,6 +12,8 @@ import numpy as np
 
 from .._vocab import (CHECKPOINT_CHOICES, SCHEDULES, CheckpointChoice, CheckpointMode, EngineName, Schedule,
                       check_device_name)
+from .._checks import check_choice, check_device_list, is_positive_int, is_positive_number, positive_int
+from ..errors import DeviceError, OptionError
 from ..profiling.profiles import Profile
 from .memory import optimizer_factor
 
@@ -35,10 +39,9 @@ class Options:
               speeds: Sequence[float] | None, chunks: int | None, engine: EngineName,
               interleave: int | str = "auto") -> Options:
         schedules = _schedules(schedule, engine)
-        if checkpoint not in CHECKPOINT_CHOICES:
-            raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_CHOICES)}")
+        check_choice(checkpoint, "checkpoint", CHECKPOINT_CHOICES)
         factor = optimizer_factor(optimizer_state)
-        batch = profile.batch_size if batch_size is None else int(batch_size)
+        batch = plan_batch_size(profile, batch_size)
         rates = device_speeds(speeds, names)
         # 'always' is never chosen automatically: 'except_last' recomputes less and needs the
         # same memory, so it is at least as fast and as small.
@@ -68,15 +71,14 @@ class Options:
 
 def _schedules(asked: Schedule | str, engine: EngineName) -> list[Schedule]:
     """The schedules to search: ``[asked]``, or both for ``"auto"`` on the local engine."""
-    if asked not in ("auto", *SCHEDULES):
-        raise ValueError(f"schedule '{asked}' is not one of {['auto', *SCHEDULES]}")
+    check_choice(asked, "schedule", ("auto", *SCHEDULES))
     if engine == "distributed":
         # the distributed engine's 1F1B is torch's, not the simulated one; a gpipe plan runs on it
         # with schedule='1f1b' when chunks ≥ stages, holding no more activations than planned
         if asked == "1f1b":
-            raise ValueError("the planner prices schedule='1f1b' for the local engine only; use 'gpipe' "
-                             "(the distributed engine can run a gpipe plan with schedule='1f1b' "
-                             "when chunks >= stages)")
+            raise OptionError("the planner prices schedule='1f1b' for the local engine only; use 'gpipe' "
+                              "(the distributed engine can run a gpipe plan with schedule='1f1b' "
+                              "when chunks >= stages)")
         return ["gpipe"]
     return list(SCHEDULES) if asked == "auto" else [asked]
 
@@ -86,15 +88,15 @@ def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: 
     can run and be searched exactly, 2."""
     if asked == "auto":
         return [1, 2] if engine == "local" and devices > 1 and 2 * 2 <= len(layers) else [1]
-    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-        raise ValueError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
+    if not is_positive_int(asked):
+        raise OptionError(f"interleave must be 'auto' or a positive integer (stages per device), got {asked!r}")
     if asked > 1:
         if engine != "local":
-            raise ValueError(f"interleave={asked}: the distributed engine runs one stage per process; "
-                             "use interleave=1 (or 'auto') with engine='distributed'")
+            raise OptionError(f"interleave={asked}: the distributed engine runs one stage per process; "
+                              "use interleave=1 (or 'auto') with engine='distributed'")
         if devices < 2 or 2 * asked > len(layers):
-            raise ValueError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
-                             f"got {devices} devices and {len(layers)} layers")
+            raise OptionError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
+                              f"got {devices} devices and {len(layers)} layers")
     return [asked]
 
 
@@ -105,17 +107,13 @@ def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None =
     ``equal`` (the distributed engine needs one micro-batch shape) only divisors of ``B`` —
     a divisor is always the least ``m`` of its size, so no better count is lost."""
     if batch_size < 1:
-        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        raise OptionError(f"batch size must be at least 1, got {batch_size}")
     low, high = min(sizes), max(sizes)
     if chunks is not None:
-        size = -(-batch_size // chunks) if 1 <= chunks <= batch_size else 0
-        if not low <= size <= high:
-            raise ValueError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} "
-                             f"samples, outside 1..{batch_size} or the profiled sizes {low}..{high}; "
-                             "choose another chunks or profile more batch sizes")
+        _check_chunks(positive_int(chunks, "chunks"), batch_size, low, high)
         if equal and batch_size % chunks:
-            raise ValueError(f"chunks={chunks} does not divide batch size {batch_size}, and the distributed "
-                             "engine needs equal micro-batches; choose a divisor of the batch size")
+            raise OptionError(f"chunks={chunks} does not divide batch size {batch_size}, and the distributed "
+                              "engine needs equal micro-batches; choose a divisor of the batch size")
         return [chunks]
     found = {}
     for m in range(1, batch_size + 1):
@@ -123,10 +121,32 @@ def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None =
     usable = [m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m)]
     if not usable:
         shape = "equal micro-batches" if equal else "micro-batches"
-        raise ValueError(f"batch size {batch_size} cannot be split into {shape} of the profiled "
-                         f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
-                         f"size of at least {low}{' that a profiled size divides' if equal else ''}")
+        raise OptionError(f"batch size {batch_size} cannot be split into {shape} of the profiled "
+                          f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
+                          f"size of at least {low}{' that a profiled size divides' if equal else ''}")
     return sorted(usable)
+
+
+def _check_chunks(chunks: int, batch_size: int, low: int, high: int) -> None:
+    """Refuse ``chunks`` unless each micro-batch has a sample and a size the profile measured
+    (``low..high``): the planner prices only those."""
+    size = -(-batch_size // chunks)
+    if chunks > batch_size:
+        raise OptionError(f"chunks={chunks} is more than the batch of {batch_size} samples; use at most "
+                          f"{batch_size} micro-batches")
+    if size > high:
+        raise OptionError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} samples, but "
+                          f"the profile measured micro-batches of at most {high}; use chunks >= "
+                          f"{-(-batch_size // high)}, or profile with a sample batch of {size} or more")
+    if size < low:
+        raise OptionError(f"chunks={chunks} with batch size {batch_size} gives micro-batches of {size} samples, but "
+                          f"the profile measured micro-batches of at least {low}; use fewer chunks, or profile "
+                          f"batch sizes down to {size}")
+
+
+def plan_batch_size(profile: Profile, batch_size: object) -> int:
+    """The batch to plan for: ``batch_size`` checked (a positive integer, not truncated), or the profile's."""
+    return profile.batch_size if batch_size is None else positive_int(batch_size, "batch_size")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -135,39 +155,46 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(text: str | float | int) -> float:
     """``16GiB``, ``500MB``, ``1e9`` or a number → bytes."""
-    if isinstance(text, (int, float)):
+    if isinstance(text, numbers.Real) and not isinstance(text, bool):
         if math.isnan(text):
-            raise ValueError("memory limit nan is not a size; give bytes (e.g. 16e9) or '16GiB'")
+            raise OptionError("memory limit nan is not a size; give bytes (e.g. 16e9) or '16GiB'")
         return float(text)
+    if not isinstance(text, str):
+        raise OptionError(f"memory_limit {text!r} is not a size; give bytes (e.g. 16e9) or a string such as '16GiB'")
     stripped = text.strip().lower().replace(" ", "")
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = stripped[len(number):]
     try:
         return float(number) * _UNITS[unit]
     except (ValueError, KeyError):
-        raise ValueError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
+        raise OptionError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
 
 
-def device_speeds(speeds: Sequence[float] | None, names: Sequence[str]) -> list[float]:
-    """One relative speed per device (default 1 each); raises ``ValueError`` unless positive."""
-    rates = [1.0] * len(names) if speeds is None else [float(v) for v in speeds]
-    if len(rates) != len(names) or min(rates) <= 0:
-        raise ValueError(f"speeds must be {len(names)} positive numbers (one per device), got {list(rates)}")
-    return rates
+def device_speeds(speeds: Sequence[float] | float | None, names: Sequence[str]) -> list[float]:
+    """One relative speed per device: default 1 each, or one for all; raises :class:`OptionError`
+    unless finite and positive (a ``nan`` or ``inf`` would become the plan's predicted time)."""
+    if speeds is None or isinstance(speeds, numbers.Real):
+        given = [1.0 if speeds is None else speeds] * len(names)
+    else:
+        given = list(speeds) if isinstance(speeds, Iterable) and not isinstance(speeds, str) else []
+    if len(given) != len(names) or not all(is_positive_number(v) for v in given):
+        raise OptionError(f"speeds must be {len(names)} finite positive numbers (one per device) or one for all, "
+                          f"got {speeds!r}")
+    return [float(v) for v in given]
 
 
 def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:
     """Bytes per device: one value for all, one per device, or the CUDA capacity / no limit."""
     if isinstance(limit, (list, tuple)):
         if len(limit) != len(names):
-            raise ValueError(f"{len(limit)} memory limits for {len(names)} devices; give one, or one per device")
+            raise OptionError(f"{len(limit)} memory limits for {len(names)} devices; give one, or one per device")
         values = [_default_limit(n) if v is None else parse_bytes(v) for v, n in zip(limit, names)]
     elif limit is None:
         values = [_default_limit(n) for n in names]
     else:
         values = [parse_bytes(limit)] * len(names)
     if min(values) <= 0:
-        raise ValueError(f"memory limits must be positive, got {values}")
+        raise OptionError(f"memory_limit must be positive, got {limit!r}")
     return np.asarray(values, dtype=float)
 
 
@@ -179,25 +206,26 @@ def _default_limit(name: str) -> float:
     try:
         capacity = ops_for(name).capacity()
     except DeviceError as error:
-        raise ValueError(f"cannot read the memory of {name} here ({error}); pass memory_limit "
-                         "(e.g. '16GiB') to plan for it") from None
+        raise DeviceError(f"cannot read the memory of {name} here ({error}); pass memory_limit "
+                          "(e.g. '16GiB') to plan for it") from None
     return math.inf if capacity is None else float(capacity)
 
 
 def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[str]:
     """Plan devices as names: the profile's, its first ``n``, or those given."""
+    check_device_list(devices)
     if devices is None:
         return list(profile.devices)
     if isinstance(devices, int):
         if devices < 1:
-            raise ValueError(f"device count must be at least 1, got {devices}")
+            raise DeviceError(f"device count must be at least 1, got {devices}")
         if devices <= len(profile.devices):
             return list(profile.devices[:devices])
         if all(d.startswith("cpu") for d in profile.devices):
             return ["cpu"] * devices
-        raise ValueError(f"{devices} devices requested but the profile measured {len(profile.devices)} "
-                         f"({', '.join(profile.devices)}); name the devices or profile on all of them")
+        raise DeviceError(f"{devices} devices requested but the profile measured {len(profile.devices)} "
+                          f"({', '.join(profile.devices)}); name the devices or profile on all of them")
     names = [f"cuda:{d}" if isinstance(d, int) and d >= 0 else check_device_name(str(d)) for d in devices]
     if not names:
-        raise ValueError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
+        raise DeviceError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
     return names

@@ -72,6 +72,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._vocab import ENGINES, CheckpointMode, EngineName, Schedule
+from .._checks import check_choice
 from .graph import build_graph, chain_of
 from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
                      stage_memory)
@@ -199,8 +200,7 @@ class CostModel:
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
                  batch_size: int, optimizer_state: str | float = "momentum", engine: EngineName = "local") -> None:
-        if engine not in ENGINES:
-            raise ValueError(f"engine '{engine}' is not one of {list(ENGINES)}")
+        check_choice(engine, "engine", ENGINES)
         self.profile = profile
         self.relayed = engine == "distributed"
         self.chain = chain_of(build_graph(profile))  # skip edges and the tensors crossing each cut

@@ -55,6 +55,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import OptionError
 from ..profiling.profiles import LayerProfile
 from ._arrays import power_spans
 
@@ -70,12 +71,12 @@ def optimizer_factor(state: str | float) -> float:
     """The factor of an optimizer name or a given factor (bytes of state per parameter byte)."""
     if isinstance(state, str):
         if state not in OPTIMIZER_STATE:
-            raise ValueError(f"optimizer_state '{state}' is not one of {list(OPTIMIZER_STATE)} "
-                             "nor a number (state bytes per parameter byte)")
+            raise OptionError(f"optimizer_state '{state}' is not one of {list(OPTIMIZER_STATE)} "
+                              "nor a number (state bytes per parameter byte)")
         return OPTIMIZER_STATE[state]
     if isinstance(state, bool) or not isinstance(state, (int, float)) or not state >= 0:
-        raise ValueError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number ≥ 0 "
-                         f"(state bytes per parameter byte: 1 for SGD with momentum, 2 for Adam), got {state!r}")
+        raise OptionError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number ≥ 0 "
+                          f"(state bytes per parameter byte: 1 for SGD with momentum, 2 for Adam), got {state!r}")
     return float(state)
 
 

@@ -36,18 +36,22 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .._vocab import CheckpointChoice, EngineName, Schedule
+from .._checks import loaded
+from ..errors import OptionError
 from ..profiling.profiles import Profile
 from ..timeline import Event
 from ._budget import Budget
 from .cost import CostModel
 from .plans import Plan
 from .simulate import Simulation, simulate, simulate_plan
-from ._options import device_speeds
+from ._options import device_speeds, plan_batch_size
 from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
@@ -64,16 +68,16 @@ def replica_counts(devices: int, batch_size: int, replicas: int | str, equal: bo
         return [r for r in range(1, devices + 1)
                 if devices % r == 0 and r <= batch_size and not (equal and batch_size % r)]
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise ValueError(f"replicas must be 'auto' or a positive integer, got {replicas!r}")
+        raise OptionError(f"replicas must be 'auto' or a positive integer, got {replicas!r}")
     if devices % replicas:
         divisors = [r for r in range(1, devices + 1) if devices % r == 0]
-        raise ValueError(f"replicas={replicas} does not divide the {devices} devices (each replica needs the "
-                         f"same number of devices); use one of {divisors} or 'auto'")
+        raise OptionError(f"replicas={replicas} does not divide the {devices} devices (each replica needs the "
+                          f"same number of devices); use one of {divisors} or 'auto'")
     if replicas > batch_size:
-        raise ValueError(f"replicas={replicas} is more than the batch of {batch_size} samples; use fewer replicas")
+        raise OptionError(f"replicas={replicas} is more than the batch of {batch_size} samples; use fewer replicas")
     if equal and batch_size % replicas:
-        raise ValueError(f"replicas={replicas} does not divide the batch of {batch_size}, and the distributed engine "
-                         "needs equal shares; choose a batch size divisible by the replicas")
+        raise OptionError(f"replicas={replicas} does not divide the batch of {batch_size}, and the distributed engine "
+                          "needs equal shares; choose a batch size divisible by the replicas")
     return [replicas]
 
 
@@ -137,13 +141,16 @@ def with_reduction(profile: Profile, pipeline: Plan, replica_devices: list[list[
                    replicas=replicas, replica_devices=replica_devices)
 
 
-def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replicas: int | str = "auto",
-         batch_size: int | None = None, memory_limit: Any = None, speeds: Sequence[float] | None = None,
-         engine: str = "local", time_limit: float | None = 1.0, **options: Any) -> Plan:
+def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int | None = None, *,
+         replicas: int | str = "auto", batch_size: int | None = None, memory_limit: Any = None,
+         speeds: Sequence[float] | float | None = None, engine: EngineName = "local",
+         time_limit: float | None = 1.0, checkpoint: CheckpointChoice = "auto", chunks: int | None = None,
+         interleave: int | str = "auto", optimizer_state: str | float = "momentum", schedule: Schedule = "gpipe",
+         placement: str = "given") -> Plan:
     """The plan of least predicted iteration time over replica counts and pipelines.
 
     Args:
-        profile: what the profiler measured.
+        profile: what the profiler measured: a :class:`~autopipe.Profile` or its JSON path.
         devices: a count or device names (default: the profile's); replica ``r`` takes the
             ``r``-th run of ``len(devices) / replicas`` of them.
         replicas: ``"auto"`` (every divisor of the device count is tried) or a count that
@@ -154,22 +161,28 @@ def plan(profile: Profile, devices: Sequence[Any] | int | None = None, *, replic
         engine: ``"local"`` or ``"distributed"`` (whose replicas need equal shares of the batch).
         time_limit: seconds for the whole search (``None``: no limit), shared by the replica
             counts in turn; the plan's lower bound is the least over the counts searched.
-        **options: ``checkpoint``, ``chunks``, ``interleave``, ``optimizer_state``, ``schedule``…,
-            passed to the pipeline search of each replica.
+        checkpoint, chunks, interleave, optimizer_state, schedule, placement: for the pipeline
+            search of each replica, as for :func:`autopipe.planning.solver.plan`.
 
     Returns:
         The :class:`Plan`; ``plan.options`` records the replica counts searched, the best time
         of each and whether the reduction cost was measured or estimated.
 
     Raises:
-        ValueError: ``replicas`` does not divide the devices or exceeds the batch.
+        OptionError: an option is invalid, or ``replicas`` does not divide the devices or exceeds
+            the batch (a ``ValueError`` and ``TypeError``).
+        DeviceError: a device name that is not one, or a device count the profile cannot give.
+        FormatError: the ``profile`` file is corrupt or of another schema.
         PlanningError: no replica count has a plan within the memory limits.
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
+    profile = loaded(profile, Profile, "profile")
     # checked once here: the pipeline searches below take it as checked, and its digest
-    options = {**options, "digest": profile.checked_digest()}
+    options = {"checkpoint": checkpoint, "chunks": chunks, "interleave": interleave,
+               "optimizer_state": optimizer_state, "schedule": schedule, "placement": placement,
+               "digest": profile.checked_digest()}
     names = device_names(profile, devices)
-    batch = profile.batch_size if batch_size is None else int(batch_size)
+    batch = plan_batch_size(profile, batch_size)
     counts = replica_counts(len(names), batch, replicas, equal=engine == "distributed")
     limits = memory_limits(memory_limit, names)
     rates = device_speeds(speeds, names)

@@ -15,6 +15,7 @@ stopped by the time limit, the least bound of what is left is a proven lower bou
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._vocab import CHECKPOINT_MODES, CheckpointChoice, CheckpointMode, EngineName, Schedule
+from .._checks import check_choice, loaded
 from ..errors import PlanningError
 from ..profiling.profiles import Profile
 from . import interleaved, one_f_one_b
@@ -45,7 +47,7 @@ _PLANS = 1
 
 
 def plan(
-    profile: Profile,
+    profile: Profile | str | os.PathLike[str],
     devices: Sequence[Any] | int | None = None,
     *,
     batch_size: int | None = None,
@@ -66,7 +68,7 @@ def plan(
     :mod:`autopipe.planning.cost`.
 
     Args:
-        profile: what the profiler measured.
+        profile: what the profiler measured: a :class:`~autopipe.Profile` or its JSON path.
         devices: device names, a count (the profile's first ``n``), or ``None`` for the profile's.
         batch_size: the training batch (default: the profile's).
         memory_limit: bytes, or a size such as ``"16GiB"``, for every device or one per device;
@@ -103,10 +105,13 @@ def plan(
     Raises:
         PlanningError: no plan fits the memory limits (the message gives the smallest limit that
             would fit).
-        ValueError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
-            profiled sizes, a memory size that cannot be read, ...).
+        OptionError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
+            profiled sizes, a memory size that cannot be read, ...); a ``ValueError`` and ``TypeError``.
+        DeviceError: a device name that is not one, or a device count the profile cannot give.
+        FormatError: the ``profile`` file is corrupt or of another schema.
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
+    profile = loaded(profile, Profile, "profile")
     digest = profile.checked_digest()  # a profile built or edited in memory is checked as a loaded one
     return search_pipeline(profile, devices, batch_size=batch_size, memory_limit=memory_limit,
                            checkpoint=checkpoint, optimizer_state=optimizer_state, schedule=schedule,
@@ -124,8 +129,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
     """:func:`plan` of a profile already validated, whose ``digest`` the caller has (the replica
     search validates it once for all its pipeline searches), within ``budget`` (``time_limit``
     is what the plan records)."""
-    if placement not in placements.PLACEMENTS:
-        raise ValueError(f"placement '{placement}' is not one of {list(placements.PLACEMENTS)}")
+    check_choice(placement, "placement", placements.PLACEMENTS)
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state, schedule, speeds, chunks, engine, interleave)

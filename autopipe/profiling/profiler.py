@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ..device import DeviceOps, ops_for, resolve_devices
-from ..errors import ProfileError
+from .._checks import is_positive_int
+from ..errors import OptionError, ProfileError
 from ..model import Layer, layer_chain, sample_arguments
 from ..model.fingerprint import environment_fingerprint, model_fingerprint
 from ._attribution import attribute, layer_profile, per_sample
@@ -40,7 +41,8 @@ from ._progress import Progress
 from ._reduction import measure_reduction
 from .profiles import Profile, Stat
 
-__all__ = ["profile", "ProfileError", "fit_copy", "measure_copies", "DEFAULT_COPY_SIZES"]
+__all__ = ["profile", "sample_tensors", "check_sample", "ProfileError", "fit_copy", "measure_copies",
+           "DEFAULT_COPY_SIZES"]
 
 
 def profile(
@@ -86,17 +88,16 @@ def profile(
 
     Raises:
         ProfileError: a layer fails at some micro-batch size (the message names it).
-        ChainError: the model cannot be read as a chain of layers.
-        TypeError: ``sample_input`` is not a tensor or a tuple of tensors.
-        ValueError: inconsistent batch sizes, or ``batch_sizes``, ``warmup`` or ``repeats`` out of range.
+        ChainError: the model is not an ``nn.Module`` or cannot be read as a chain of layers.
+        OptionError: ``sample_input`` is not a tensor or a tuple of tensors of one batch size, or
+            ``batch_sizes``, ``copy_sizes``, ``warmup`` or ``repeats`` is out of range.
         DeviceError: a device does not exist.
     """
     layers = layer_chain(model, sample_input)
-    inputs = _as_inputs(sample_arguments(layers, sample_input))
+    inputs = sample_tensors(layers, sample_input)
     batch = inputs[0].shape[0]
     sizes = _batch_sizes(batch_sizes, batch)
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    _check_counts(warmup, repeats, copy_sizes)
     resolved = resolve_devices(devices)
     if under_load is None:
         under_load = len(resolved) > 1 and all(d.type == "cpu" for d in resolved)
@@ -118,8 +119,7 @@ def profile(
         model=model_fingerprint(layers),
         environment={**environment_fingerprint(resolved), "timed_under_load": under_load},
         devices=[str(d) for d in resolved],
-        input_shape=list(inputs[0].shape[1:]),
-        input_dtype=str(inputs[0].dtype).removeprefix("torch."),
+        **_sample_form(inputs),
         input_bytes=sum(per_sample(nbytes(t), batch) for t in inputs),
         batch_size=batch,
         batch_sizes=list(by_size),
@@ -161,16 +161,46 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
 
 # --- input checks ---------------------------------------------------------------------------
 
+def sample_tensors(layers: Sequence[Layer], sample_input: Any) -> tuple[Tensor, ...]:
+    """``sample_input`` as the first layer's input tensors (one batch size, at least 1)."""
+    return _as_inputs(sample_arguments(layers, sample_input))
+
+
+def check_sample(profile: Profile, inputs: tuple[Tensor, ...]) -> None:
+    """Refuse a sample batch whose samples are not of the shape and dtype ``profile`` measured:
+    a plan made from it would price other layer times and sizes, and the pipeline then fails
+    (or runs slower than planned) on the real batch."""
+    form = _sample_form(inputs)
+    measured = {"input_shape": profile.input_shape, "input_dtype": profile.input_dtype}
+    if form != measured:
+        raise OptionError(f"sample_input has samples of shape {form['input_shape']} ({form['input_dtype']}) but the "
+                          f"profile measured {profile.input_shape} ({profile.input_dtype}); pass a batch of the "
+                          "profiled samples, or profile the model again with this sample")
+
+
+def _sample_form(inputs: tuple[Tensor, ...]) -> dict[str, Any]:
+    """One sample's shape (no batch dimension) and dtype of the first input, as a profile keeps them."""
+    return {"input_shape": list(inputs[0].shape[1:]), "input_dtype": str(inputs[0].dtype).removeprefix("torch.")}
+
+
+def _check_counts(warmup: int, repeats: int, copy_sizes: Sequence[int]) -> None:
+    """Refuse pass counts and copy sizes out of range before any measuring starts."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0 or not is_positive_int(repeats):
+        raise OptionError(f"need warmup >= 0 and repeats >= 1 (integers), got warmup={warmup!r}, repeats={repeats!r}")
+    if not all(is_positive_int(n) for n in copy_sizes):
+        raise OptionError(f"copy_sizes must be positive byte counts, got {list(copy_sizes)}")
+
+
 def _as_inputs(sample_input: Any) -> tuple[Tensor, ...]:
     inputs = (sample_input,) if isinstance(sample_input, Tensor) else sample_input
     if not isinstance(inputs, (tuple, list)) or not inputs or not all(isinstance(t, Tensor) for t in inputs):
-        raise TypeError(
+        raise OptionError(
             f"sample_input must be a tensor or a tuple of tensors, got {type(sample_input).__name__}; "
             "pass one full batch, e.g. torch.randn(32, 3, 128, 128)"
         )
     batches = {t.shape[0] if t.dim() > 0 else 0 for t in inputs}
     if len(batches) != 1 or 0 in batches:
-        raise ValueError(
+        raise OptionError(
             f"every sample_input tensor needs the same batch size (dimension 0) of at least 1, got "
             f"shapes {[tuple(t.shape) for t in inputs]}"
         )
@@ -184,7 +214,7 @@ def _batch_sizes(requested: Sequence[int] | None, batch: int) -> list[int]:
     sizes = sorted(set(requested))
     bad = [b for b in sizes if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= batch]
     if bad or not sizes:
-        raise ValueError(
+        raise OptionError(
             f"batch_sizes must be integers from 1 to the sample's batch size {batch}, got {list(requested)}"
         )
     return sizes

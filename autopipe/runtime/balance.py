@@ -3,16 +3,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .._checks import is_positive_int
+from ..errors import OptionError
+
 __all__ = ["check_balance", "stage_of_layer"]
 
 
-def check_balance(balance: Sequence[int], layers: int, error: type[Exception] = ValueError) -> None:
+def check_balance(balance: Sequence[int], layers: int, error: type[Exception] = OptionError) -> None:
     """Raise ``error`` unless ``balance`` gives every stage at least one layer and covers the
-    ``layers`` of the chain exactly."""
-    if not balance or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in balance) \
-            or sum(balance) != layers:
-        raise error(f"balance {list(balance)} must give every stage at least one layer and cover the "
-                    f"model's {layers} layers (it covers {sum(n for n in balance if isinstance(n, int))})")
+    ``layers`` of the chain exactly; the message names the first stage without a layer, or the
+    count covered."""
+    empty = next((s for s, n in enumerate(balance) if not is_positive_int(n)), None)
+    if empty is not None:
+        raise error(f"balance {list(balance)}: stage {empty} has {balance[empty]!r} layers; every stage needs "
+                    "a whole number of layers, at least one")
+    if not balance or sum(balance) != layers:
+        raise error(f"balance {list(balance)} covers {sum(balance)} layers but the model has {layers}; give layer "
+                    f"counts per stage that add up to {layers}")
 
 
 def stage_of_layer(balance: Sequence[int]) -> list[int]:

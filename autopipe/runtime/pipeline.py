@@ -14,14 +14,16 @@ values are the model's own, so checkpoints load both ways.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .._vocab import CHECKPOINT_MODES, CheckpointMode
+from .._checks import check_choice, is_positive_int, loaded, positive_int
 from .batchnorm import DeferredBatchNorm
-from ..errors import ChainError
+from ..errors import ChainError, DeviceError, OptionError
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
@@ -120,8 +122,8 @@ class Pipeline(nn.Module):
 
     Args:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
-        plan: the plan to run; it sets balance, devices, chunks, checkpoint, interleave,
-            replicas, schedule and turns.
+        plan: the plan to run, or the path of one saved as JSON; it sets balance, devices,
+            chunks, checkpoint, interleave, replicas, schedule and turns.
         balance: layers per stage (manual form, without a plan).
         devices: one per device (manual form; default ``"cpu"`` for each).
         chunks: micro-batches per mini-batch (manual form).
@@ -136,17 +138,18 @@ class Pipeline(nn.Module):
 
     Raises:
         TypeError: neither a plan nor a balance, or both a plan and balance/devices.
-        ValueError: the plan was made for another model; a balance, chunks, checkpoint mode,
-            interleave, replica count, schedule, turn rule or device count that does not fit.
+        OptionError: the plan was made for another model; a balance, chunks, checkpoint mode,
+            interleave, replica count, schedule or turn rule that does not fit (a ``ValueError``).
+        FormatError: the plan file is corrupt or of another schema.
         ChainError: the model cannot be read as a chain of layers, or batch norm is to be
             deferred (``deferred_batch_norm``, replicas) in layers captured by torch.export.
-        DeviceError: a device does not exist.
+        DeviceError: a device does not exist, or fewer devices than stages.
     """
 
     def __init__(
         self,
         model: nn.Module | Sequence[Layer],
-        plan: Plan | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
         *,
         balance: Sequence[int] | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
@@ -160,6 +163,7 @@ class Pipeline(nn.Module):
     ) -> None:
         super().__init__()
         if plan is not None:
+            plan = loaded(plan, Plan, "plan")
             layers = layer_chain(model)
             balance, devices, chunks, checkpoint, interleave, replicas, schedule = _from_plan(
                 plan, layers, balance, devices)
@@ -170,7 +174,7 @@ class Pipeline(nn.Module):
             layers = balance_units(model)
         _check(layers, list(balance), chunks, checkpoint, interleave, replicas, schedule, turns)
         per_replica = len(balance) // interleave
-        resolved = resolve_devices(list(devices) if devices is not None else ["cpu"] * (per_replica * replicas))
+        resolved = resolve_devices(devices if devices is not None else ["cpu"] * (per_replica * replicas))
         resolved = _used_devices(resolved, per_replica, interleave, replicas)
         groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
         _check_shared(layers, list(balance), groups[0])
@@ -350,19 +354,14 @@ def _from_plan(plan: Plan, layers: list[Layer], balance: object,
 def _check(layers: list[Layer], balance: list[int], chunks: int, checkpoint: CheckpointMode, interleave: int,
            replicas: int, schedule: str, turns: str) -> None:
     check_balance(balance, len(layers))
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule '{schedule}' is not one of {list(SCHEDULES)}")
-    if turns not in TURN_RULES:
-        raise ValueError(f"turns '{turns}' is not one of {list(TURN_RULES)}")
-    if not isinstance(interleave, int) or interleave < 1 or len(balance) % interleave:
-        raise ValueError(f"interleave={interleave!r} must be a positive integer dividing the "
-                         f"{len(balance)} stages of balance {balance}")
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint '{checkpoint}' is not one of {list(CHECKPOINT_MODES)}")
+    check_choice(schedule, "schedule", SCHEDULES)
+    check_choice(turns, "turns", TURN_RULES)
+    if not is_positive_int(interleave) or len(balance) % interleave:
+        raise OptionError(f"interleave={interleave!r} must be a positive integer dividing the "
+                          f"{len(balance)} stages of balance {balance}")
+    positive_int(chunks, "chunks")
+    positive_int(replicas, "replicas")
+    check_choice(checkpoint, "checkpoint", CHECKPOINT_MODES)
 
 
 def _used_devices(devices: list[torch.device], per_replica: int, interleave: int,
@@ -372,7 +371,7 @@ def _used_devices(devices: list[torch.device], per_replica: int, interleave: int
     if len(devices) < wanted:
         per = "device per stage" if interleave == 1 else f"device per {interleave} stages (interleave={interleave})"
         each = "" if replicas == 1 else f" in each of {replicas} replicas"
-        raise ValueError(f"{len(devices)} devices for {per_replica * interleave} stages{each}; give one {per}{each}")
+        raise DeviceError(f"{len(devices)} devices for {per_replica * interleave} stages{each}; give one {per}{each}")
     return devices[:wanted]
 
 
@@ -391,7 +390,7 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
             if apart or (there != stage and not is_parameter):
                 where = (f"on {devices[there % len(devices)]} and {devices[stage % len(devices)]}" if apart
                          else f"in stages {there} and {stage}, whose threads would update it at once")
-                raise ValueError(
+                raise OptionError(
                     f"layers '{first}' and '{layer.name}' share '{name}' (one module used at both positions) "
                     f"but would run {where}; choose a balance that puts both positions in one "
                     f"{'stage' if not is_parameter else 'device'}, or give each its own module"
