@@ -466,3 +466,16 @@ def test_a_first_grid_is_placed_around_the_best_plans_lanes_scaled_to_its_micro_
     with_skip = Candidate.all(skipped, [2], ["never"], 3)
     assert with_skip[0].pays_skips
     assert solver._guess(skipped, speeds, with_skip, with_skip[0], Choice((0, 2, 4, 6), 2, "never", 1.0)) is None
+
+
+def test_a_1f1b_search_that_finds_nothing_where_fill_drain_fits_says_so() -> None:
+    """Without a fill-drain search (``schedule="1f1b"``), limits a fill-drain plan fits are not
+    'too small': the error says a fill-drain plan fits and how to plan one."""
+    profile = random_profile(random.Random(5), 8, 3, skips=2, per_pair=False)
+    model = model_of(profile, [1.0] * 3)
+    chunks, modes = candidate_chunks(profile.batch_size, profile.batch_sizes), ["never", "except_last", "always"]
+    smallest = smallest_memory(model, chunks, modes, 3)[0]
+    for schedule, expected in (("1f1b", "though a fill-drain plan fits them"), ("gpipe", "the smallest per-device")):
+        options = Options.check(profile, profile.devices, None, smallest * 1.5, "auto", "momentum", schedule, None,
+                                None, "local", 1)
+        assert expected in infeasible(model, options)

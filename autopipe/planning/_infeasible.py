@@ -22,6 +22,10 @@ def infeasible(model: CostModel, options: Options, budget: Budget | None = None)
                                                    budget)
     plans = "a fill-drain plan " if "1f1b" in options.schedules else ""
     fix = "raise memory_limit, add devices or allow checkpointing"
+    if "gpipe" not in options.schedules and complete and np.all(options.limits >= need):
+        return (f"no 1F1B plan was found within the memory limits ({_limits(options)}), though a fill-drain plan "
+                f"fits them (it needs {int(math.ceil(need))} bytes a device, with chunks={chunks}, checkpoint={mode}; "
+                "the 1F1B search is a heuristic): plan with schedule='auto' or 'gpipe'")
     if not math.isfinite(need):
         return (f"no plan fits the memory limits ({_limits(options)}); {fix} (with time_limit=None the error "
                 f"also names the smallest per-device limit that would fit {plans.strip() or 'a plan'})")
