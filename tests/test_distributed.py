@@ -448,10 +448,6 @@ def test_skip_routes_pass_along_every_stage_between() -> None:
     assert [str(k) for k in middle.skips_out] == ["x", "y"]
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]))
-
-
 @pytest.mark.parametrize("case, balance", [(case, b) for case, balances in REFUSED.items() for b in balances])
 def test_a_write_into_a_stashed_tensor_across_a_split_is_refused(case: str, balance: list[int]) -> None:
     """The stage modules in a row, each given what the one before sends as separate tensors (as
@@ -471,6 +467,33 @@ def test_a_write_into_a_stashed_tensor_across_a_split_is_refused(case: str, bala
             sent = [t.detach().clone().requires_grad_() for t in stage(*sent)]  # as received
     whole = StageModule(layers, 0, 1, skip_spans(layers, [0] * len(layers)))
     assert whole(torch.randn(3, 4)).shape[0] == 3
+
+
+@pytest.mark.parametrize("name, value", [("chunks", 0), ("chunks", -2), ("chunks", 2.0), ("replicas", 0),
+                                         ("batch_size", 0)])
+def test_counts_that_are_not_positive_integers_are_refused_on_every_rank(name: str, value: Any) -> None:
+    """Each rank checks the settings alike before running: 0 is not read as 'the default', and a
+    float or negative count is named, not left to fail inside torch at the first step."""
+    from autopipe.distributed._settings import RunSettings
+    from autopipe.errors import DistributedError
+
+    layers = layer_chain(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(DistributedError, match=f"{name} must be a positive integer, got {value!r}"):
+        RunSettings.resolve(layers, None, [1, 1], **{name: value})
+
+
+def test_a_batch_that_does_not_split_into_equal_replica_shares_is_refused() -> None:
+    """Replicas average their gradients, weighing each share alike: shares of 5 and 4 samples
+    would weigh the samples unequally (3% off the plain model's loss, 8-20% off its gradients)."""
+    from types import SimpleNamespace
+
+    from autopipe.distributed import DistributedPipeline
+    from autopipe.errors import DistributedError
+
+    replica = SimpleNamespace(replicas=2, replica=1)  # what shard reads of a running pipeline
+    assert DistributedPipeline.shard(replica, torch.arange(8)).tolist() == [4, 5, 6, 7]
+    with pytest.raises(DistributedError, match="a batch of 9 does not split into 2 equal replica shares"):
+        DistributedPipeline.shard(replica, torch.arange(9))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._vocab import CHECKPOINT_MODES, SCHEDULES, CheckpointMode, Schedule
+from .._checks import is_positive_int
 from ..errors import DistributedError
 from ..model import Layer
 from ..model.fingerprint import check_made_for
@@ -62,17 +63,18 @@ class RunSettings:
         if not balance:
             raise DistributedError("give a plan or a balance (layers per stage), e.g. balance=[7, 8]")
         check_balance(balance, len(layers), DistributedError)
+        for name, value in (("chunks", chunks), ("batch_size", batch_size), ("replicas", replicas)):
+            if value is not None and not is_positive_int(value):
+                raise DistributedError(f"{name} must be a positive integer, got {value!r}")
         settings = RunSettings(
             balance=balance,
-            chunks=chunks or (plan.chunks if plan else 1),
+            chunks=chunks if chunks is not None else (plan.chunks if plan else 1),
             schedule=schedule or (plan.schedule if plan else "gpipe"),
             checkpoint=checkpoint or (plan.checkpoint if plan else "never"),
-            batch_size=batch_size or (plan.replica_batch_size if plan else None),
+            batch_size=batch_size if batch_size is not None else (plan.replica_batch_size if plan else None),
             devices=plan.devices if plan is not None and plan.balance == balance else ["cpu"] * len(balance),
-            replicas=replicas or (plan.replicas if plan else 1),
+            replicas=replicas if replicas is not None else (plan.replicas if plan else 1),
         )
-        if not isinstance(settings.replicas, int) or settings.replicas < 1:
-            raise DistributedError(f"replicas must be a positive integer, got {settings.replicas!r}")
         if plan is not None and plan.replicas > 1 and plan.batch_size % plan.replicas:
             raise DistributedError(
                 f"the plan's batch of {plan.batch_size} does not split into {plan.replicas} equal replica "

@@ -120,7 +120,17 @@ class DistributedPipeline:
         return self.layout.replicas
 
     def shard(self, tensor: Tensor) -> Tensor:
-        """This replica's share of a whole batch: ``torch.tensor_split(tensor, replicas)[replica]``."""
+        """This replica's share of a whole batch: ``torch.tensor_split(tensor, replicas)[replica]``.
+
+        Raises:
+            DistributedError: the batch does not split into equal shares: the replicas' gradients
+                are averaged, which weighs each share alike (the plain model weighs each sample).
+        """
+        if tensor.size(0) % self.replicas:
+            raise DistributedError(
+                f"a batch of {tensor.size(0)} does not split into {self.replicas} equal replica shares, which "
+                "the averaged gradients need (unequal shares would weigh samples unequally); use a batch size "
+                f"divisible by {self.replicas}")
         return torch.tensor_split(tensor, self.replicas)[self.replica]
 
     @property
