@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, spectral_norm
 
+import autopipe
 from autopipe.distributed.local import launch_local
 from autopipe.errors import ChainError
 from autopipe.model import layer_chain
@@ -462,7 +463,7 @@ def test_a_write_into_a_stashed_tensor_across_a_split_is_refused(case: str, bala
     ends = [sum(balance[:i]) for i in range(len(balance) + 1)]
     stages = [StageModule(layers[a:b], i, len(balance), routes) for i, (a, b) in enumerate(zip(ends, ends[1:]))]
     sent: Any = (torch.randn(3, 4),)
-    with pytest.raises(ChainError, match=r"write in place into .*, which in the plain model is the same tensor as"):
+    with pytest.raises(ChainError, match=r"write in place into .*, which arrives equal to .*cannot tell"):
         for stage in stages:
             sent = [t.detach().clone().requires_grad_() for t in stage(*sent)]  # as received
     whole = StageModule(layers, 0, 1, skip_spans(layers, [0] * len(layers)))
@@ -494,6 +495,33 @@ def test_a_batch_that_does_not_split_into_equal_replica_shares_is_refused() -> N
     assert DistributedPipeline.shard(replica, torch.arange(8)).tolist() == [4, 5, 6, 7]
     with pytest.raises(DistributedError, match="a batch of 9 does not split into 2 equal replica shares"):
         DistributedPipeline.shard(replica, torch.arange(9))
+
+
+@skippable(stash=["x"])
+class StashCopy(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("x", x.clone())
+        return x
+
+
+def test_a_write_into_a_tensor_equal_to_a_stashed_copy_names_what_this_engine_can_do() -> None:
+    """A stash of a copy is a tensor of its own in the plain model (the in-process runtime runs
+    it), but arrives here equal to the stage's input: the refusal says the engine cannot tell them
+    apart and names what works (an out-of-place layer), not the copy the model already makes."""
+    from autopipe.distributed import StageModule
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    model = nn.Sequential(nn.Linear(4, 4), StashCopy(), nn.ReLU(inplace=True), AddX())
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=1)
+    pipe(torch.randn(3, 4)).sum().backward()  # in-process: runs
+    layers = layer_chain(model)
+    routes = skip_spans(layers, stage_of_layer([2, 2]))
+    first, second = StageModule(layers[:2], 0, 2, routes), StageModule(layers[2:], 1, 2, routes)
+    sent = [t.detach().clone().requires_grad_() for t in first(torch.randn(3, 4))]  # as received
+    with pytest.raises(ChainError, match=r"cannot tell whether they are one tensor.*ReLU\(inplace=False\)") as error:
+        second(*sent)
+    assert "stash(name, x.clone())" not in str(error.value)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class StageModule(nn.Module):
         named = [("their input" if n_main == 1 else f"their input (tensor {i})", t)
                  for i, t in enumerate(received[:n_main])]
         named += [(f"the skip '{key}'", t) for key, t in zip(self.skips_in, received[n_main:])]
-        watch = Watch([(what, tensor, {0: others}) for what, tensor, others in _equals(named)])
+        watch = Watch([(what, tensor, {0: others}) for what, tensor, others in _equals(named)], by_value=True)
         with use_skip_tracker(tracker):
             for layer in self.layers:
                 main = layer(main)

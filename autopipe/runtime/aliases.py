@@ -43,9 +43,12 @@ _Span = tuple[torch.device, int, int]
 class Watch:
     """The marked tensors a stage computes on for one micro-batch, with their versions then."""
 
-    def __init__(self, received: Sequence[tuple[str, Value, Marks]]) -> None:
+    def __init__(self, received: Sequence[tuple[str, Value, Marks]], by_value: bool = False) -> None:
         """``received``: per message, what it is ("their input", "the skip 'x'"), the value the
-        layers compute on and its marks."""
+        layers compute on and its marks; ``by_value``: the marks say only that the tensors are
+        equal (the distributed engine, which sends each tensor on its own), not that they are
+        one tensor in the plain model."""
+        self.by_value = by_value
         self.watched = [(name, tensor, marks[i], tensor._version, _span(tensor)) for what, value, marks in received
                         if marks for i, (name, tensor) in enumerate(_named(what, value))
                         if i in marks and tensor.numel()]
@@ -54,6 +57,14 @@ class Watch:
         """Raise :class:`ChainError` if the layers wrote into a watched tensor (``j``: the
         micro-batch, if known)."""
         for what, tensor, others, version, _ in self.watched:
+            if tensor._version != version and self.by_value:
+                raise ChainError(
+                    f"{stage}: its layers write in place into {what}{'' if j is None else f' (micro-batch {j})'}, "
+                    f"which arrives equal to {' and '.join(sorted(others))}: the torch.distributed engine sends "
+                    "each tensor on its own and cannot tell whether they are one tensor in the plain model (the "
+                    "write would then change both), so it refuses. Make the writing layer out of place (e.g. "
+                    "ReLU(inplace=False)), split the model elsewhere so that the stash and the write are in one "
+                    "stage, or run the plan in-process (autopipe.Pipeline), which tells copies apart")
             if tensor._version != version:
                 raise ChainError(
                     f"{stage}: its layers write in place into {what}{'' if j is None else f' (micro-batch {j})'}, "
