@@ -43,7 +43,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .._vocab import CheckpointChoice, EngineName, Schedule
-from .._checks import loaded
+from .._checks import is_positive_int, loaded
 from ..errors import OptionError
 from ..profiling.profiles import Profile
 from ..timeline import Event
@@ -67,7 +67,7 @@ def replica_counts(devices: int, batch_size: int, replicas: int | str, equal: bo
     if replicas == "auto":
         return [r for r in range(1, devices + 1)
                 if devices % r == 0 and r <= batch_size and not (equal and batch_size % r)]
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+    if not is_positive_int(replicas):
         raise OptionError(f"replicas must be 'auto' or a positive integer, got {replicas!r}")
     if devices % replicas:
         divisors = [r for r in range(1, devices + 1) if devices % r == 0]
