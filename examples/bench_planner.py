@@ -1,7 +1,7 @@
 """Planning time and proven gap on synthetic chains (goal: every case under 1 s, gap ≤ 2%).
 
 Run: ``.venv/bin/python examples/bench_planner.py [--time-limit SECONDS] [--cases NAMES]
-[--chunks M,...] [LAYERSxDEVICES ...]``.  Each instance is a random chain (tests/synthetic.py:
+[--chunks M,...] [--auto] [LAYERSxDEVICES ...]``.  Each instance is a random chain (tests/synthetic.py:
 uneven layer times, batch 64, profiled sizes 1..64) planned with checkpoint="auto", the
 micro-batch count chosen and ``plan(..., time_limit=...)``.  Cases:
 
@@ -18,7 +18,11 @@ bound (0: optimal for the cost model).  ``--placement search`` also searches whi
 stage runs on (a few orders at these sizes; the gap then covers the orders searched).
 ``--chunks 5,11`` plans each case once per micro-batch count given (``plan(..., chunks=m)``)
 instead of choosing it: the exact search then gets most of the time, which is where a step
-could run past the limit.
+could run past the limit.  ``--auto`` leaves the stages per device to ``plan()``'s default
+(``interleave="auto"``: one and two stages per device, each search a share of the time), as a
+user who passes nothing gets: the gap then covers both, and the interleaved search's bound is
+the weaker (a chain bound: one micro-batch through the stages, the least copy at each cut over
+the device counts searched, no skips).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ CASES = ["equal", "pairs", "speeds", "interleaved", "small"]
 
 
 def bench(case: str, layers: int, devices: int, time_limit: float | None, placement: str,
-          chunks: int | None = None) -> str:
+          chunks: int | None = None, auto: bool = False) -> str:
     rng = random.Random(layers * 1000 + devices)
     pairs = case == "pairs"
     profile = random_profile(rng, layers, devices, per_pair=pairs, skips=max(2, layers // 20) if pairs else 0,
@@ -48,11 +52,12 @@ def bench(case: str, layers: int, devices: int, time_limit: float | None, placem
     speeds = [(1.0, 1.5, 2.0)[d % 3] for d in range(devices)] if case == "speeds" else None
     start = time.perf_counter()
     chosen = plan(profile, speeds=speeds, time_limit=time_limit, placement=placement, chunks=chunks,
-                  interleave=2 if case == "interleaved" else 1)
+                  interleave="auto" if auto else 2 if case == "interleaved" else 1)
     seconds = time.perf_counter() - start
     gap = chosen.predicted.gap or 0.0
+    shared = "" if chosen.interleave == 1 else f" ({chosen.interleave} a device)"
     return (f"{case:>11} {layers:>5} x {devices:>3}: {seconds:6.2f} s  gap {100 * gap:6.2f}%  -> "
-            f"{len(chosen.stages)} stages, m={chosen.chunks}, {chosen.checkpoint}, "
+            f"{len(chosen.stages)} stages{shared}, m={chosen.chunks}, {chosen.checkpoint}, "
             f"{chosen.predicted.iteration_ms:.1f} ms (bound {chosen.predicted.lower_bound_ms:.1f})")
 
 
@@ -73,6 +78,7 @@ def main() -> None:
     parser.add_argument("--placement", default="given", choices=["given", "search"],
                         help="plan()'s placement: also search which device each stage runs on")
     parser.add_argument("--chunks", default="", help="comma-separated micro-batch counts to fix, one run each")
+    parser.add_argument("--auto", action="store_true", help="plan()'s default interleave='auto' for every case")
     args = parser.parse_args()
     counts = [int(m) for m in args.chunks.split(",") if m] or [None]
     for case in args.cases.split(","):
@@ -82,7 +88,8 @@ def main() -> None:
         for size in args.sizes:
             layers, devices = (int(v) for v in size.lower().split("x"))
             for chunks in counts:
-                print(bench(case, layers, devices, args.time_limit or None, args.placement, chunks), flush=True)
+                print(bench(case, layers, devices, args.time_limit or None, args.placement, chunks, args.auto),
+                      flush=True)
     print("goal: every case under 1 s with gap <= 2%")
 
 

@@ -40,10 +40,16 @@ class Budget:
         """A budget of ``1 / parts`` of the time left (all of it when unlimited), ending no
         later than this one."""
         part = Budget(None)
-        part.rates = self.rates  # the same machine's
+        part.rates, part.slowest = self.rates, self.slowest  # the same machine's
         if math.isfinite(self.end):
             part.end = time.perf_counter() + max(self.end - time.perf_counter(), 0.0) / parts
         return part
+
+    def absorb(self, part: Budget) -> None:
+        """Take over what a :meth:`share` of this budget found: whether its time ran out and
+        whether a search in it stopped for memory."""
+        self.spent = self.spent or part.spent
+        self.crowded = self.crowded or part.crowded
 
     def out(self, expected: float = 0.0) -> bool:
         """Whether the time is up, or would be after a step ``expected`` to take that many

@@ -68,6 +68,7 @@ class _Bound:
     least: float
     cap: float
     low: float
+    priced: bool = True  # whether a DP gave it (else it is the least chain time at its floor, no split)
 
 
 class Chains:
@@ -92,7 +93,9 @@ class Chains:
 
     def split(self, count: int) -> tuple[int, ...] | None:
         """A split into ``count`` stages (bounded first) of least ``Σ Q + Σ 2c`` within its
-        bound's cap (``None`` if none keeps every lane within it)."""
+        bound's cap (``None`` if none keeps every lane within it, or no DP priced the count)."""
+        if not self.bounds[count].priced:
+            return None
         speeds = self.stage_speeds(count)
         cap = np.array([self.bounds[count].cap])
         tables = list(_sums(self.first, [(self.lane, cap)], self.cuts, speeds))
@@ -170,7 +173,15 @@ class Chains:
                      for n in counts}
         if shared:
             return _Grid(self, counts, floors, lowest, highs, above, budget).bounds
-        return {n: _Grid(self, [n], floors, lowest, highs, above, budget).bounds[n] for n in counts}
+        # a grid per count, the most stages first (their bounds are the least, the ones that
+        # matter); a count reached after the time is up keeps what holds without a DP
+        bounds = {}
+        for n in sorted(counts, reverse=True):
+            if bounds and budget is not None and budget.out():
+                bounds[n] = _Bound(self.weight * floors[n] + lowest[n], math.inf, floors[n], priced=False)
+            else:
+                bounds[n] = _Grid(self, [n], floors, lowest, highs, above, budget).bounds[n]
+        return bounds
 
     def _lowest(self, count: int, top: float) -> float:
         """``D_count(∞)`` at least: every layer's ``Q`` at the ``top`` speed and the

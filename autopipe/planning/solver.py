@@ -162,20 +162,26 @@ def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: 
     ``model``'s order: the best plan found faster than ``incumbent`` (``None`` if none is) and
     a lower bound on every plan searched."""
     choice, lower, seeds = incumbent, math.inf, []
-    for factor in options.interleaves if "gpipe" in options.schedules else []:
-        if factor == 1:
-            outcome = solve_within(model, options.candidates, options.modes, limits, budget, choice)
+    families = [factor for factor in options.interleaves if "gpipe" in options.schedules]
+    families += ["1f1b"] if "1f1b" in options.schedules else []
+    for index, family in enumerate(families):
+        # each family gets an equal share of the time left: one that finishes early leaves the
+        # rest to the next (at 1,000 layers x 64 devices with per-pair copies the fill-drain search
+        # used the whole second, and the interleaved one, with no time, missed a 2.7% faster plan)
+        part = budget.share(len(families) - index)
+        if family == 1:
+            outcome = solve_within(model, options.candidates, options.modes, limits, part, choice)
             seeds += [] if outcome.choice is None else [outcome.choice.bounds]
+        elif family != "1f1b":
+            outcome = interleaved.search(model, options.candidates, options.modes, limits, family, choice, part)
         else:
-            outcome = interleaved.search(model, options.candidates, options.modes, limits, factor, choice, budget)
-        choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
-    if "1f1b" in options.schedules:
-        if "gpipe" not in options.schedules and 1 in options.interleaves:
-            # the best fill-drain split seeds the 1F1B search, found in half the time left
-            seed = solve_within(model, options.candidates, options.modes, limits, budget.share(2)).choice
-            seeds += [] if seed is None else [seed.bounds]
-        outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, budget,
-                                     options.interleaves, seeds)
+            if "gpipe" not in options.schedules and 1 in options.interleaves:
+                # the best fill-drain split seeds the 1F1B search, found in half the time left
+                seed = solve_within(model, options.candidates, options.modes, limits, part.share(2)).choice
+                seeds += [] if seed is None else [seed.bounds]
+            outcome = one_f_one_b.search(model, options.candidates, options.modes_1f1b, limits, choice, part,
+                                         options.interleaves, seeds)
+        budget.absorb(part)
         choice, lower = outcome.choice or choice, min(lower, outcome.lower_bound)
     return None if choice is incumbent else choice, lower
 
