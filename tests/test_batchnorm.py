@@ -75,3 +75,29 @@ def test_convert_shares_parameters_and_buffers() -> None:
     converted = DeferredBatchNorm.convert(model)
     assert converted is model and isinstance(model[1], DeferredBatchNorm)
     assert model[1].weight is bn.weight and model[1].running_mean is bn.running_mean
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{"deferred_batch_norm": True, "devices": ["cpu", "cpu"]},
+                                     {"replicas": 2, "devices": ["cpu"] * 4}])
+def test_a_top_level_batch_norm_stays_the_models(options: dict) -> None:
+    """A layer that is itself a batch norm becomes deferred in place: ``model.eval()``,
+    ``.double()`` and ``model.state_dict()`` reach the module the pipeline runs (a new module
+    in its place was the pipeline's alone: after ``model.eval()`` the pipeline normalised by
+    the batch and moved the running statistics, outputs off by up to 1.7; after ``.double()``
+    and a step the model's statistics stayed at 0)."""
+    model = conv_bn()
+    pipe = autopipe.Pipeline(model, balance=[2, 3], chunks=2, **options)
+    assert isinstance(model[1], DeferredBatchNorm) and pipe[1] is model[1]
+    pipe.double()
+    x = torch.randn(8, 3, 8, 8, dtype=torch.float64) * 2 + 1
+    pipe(x).sum().backward()
+    state = pipe.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    assert model[1].running_mean.abs().sum() > 0
+    model.eval()
+    before = model[1].running_mean.clone()
+    with torch.no_grad():
+        assert_close(pipe(x), model(x), "eval output")
+    assert torch.equal(model[1].running_mean, before)

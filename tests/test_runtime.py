@@ -6,13 +6,15 @@ pipeline does where batch norm trains per micro-batch.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from helpers import assert_transparent, balances, mlp
+from helpers import assert_training_matches, assert_transparent, balances, mlp
 from models import skip_model
 
 
@@ -39,6 +41,82 @@ def test_interleaved_mlp(balance: list[int], interleave: int, chunks: int, check
 def test_inplace_layer_first_in_a_stage() -> None:
     # The split right before ReLU(inplace=True): the stage's input must not be a leaf.
     assert_transparent(mlp(), torch.randn(8, 6, requires_grad=True), [3, 4], 2, "never")
+
+
+class PassOn(nn.Module):
+    """Its input passed on unchanged beside ``exp`` of it (which saves its output, not ``x``)."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, torch.exp(x)
+
+
+class NegateFirst(nn.Module):
+    """Writes into the first tensor it receives."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
+        return a.neg_() * b
+
+
+@autopipe.skippable(stash=["kept"])
+class StashInput(nn.Module):
+    def forward(self, x: Tensor):
+        yield autopipe.stash("kept", x)
+        return torch.tanh(x)
+
+
+@autopipe.skippable(pop=["kept"])
+class ScalePopped(nn.Module):
+    """Writes into the skip it pops."""
+
+    def forward(self, h: Tensor):
+        kept = yield autopipe.pop("kept")
+        return h + kept.mul_(3.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("middle", ["output", "skip"])
+def test_a_write_into_an_input_the_sender_passed_on(middle: str, checkpoint: str) -> None:
+    """A stage passes its input on (as output or skip) and the next writes into it in place:
+    on one device that is the sender's own saved input, so the receiver's recomputation must
+    work on a copy, or the sender's recomputation after it reads the written values (gradients
+    10-70% off from the second step, without an error)."""
+    layers = [PassOn(), NegateFirst()] if middle == "output" else [StashInput(), ScalePopped()]
+    model = nn.Sequential(nn.Linear(3, 3), *layers, nn.Linear(3, 1)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 1, 2], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+    inputs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    assert_training_matches(pipe, model, reference, inputs, chunks=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_eval_between_a_forward_and_its_backward(checkpoint: str) -> None:
+    """Validation run between a training forward and its backward: without checkpointing the
+    gradients are the forward's; a checkpointed stage, which would recompute its forward in
+    eval mode (running statistics: gradients off by 1.8), refuses with what to do, and the
+    next step is exact."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4),
+                          nn.Linear(4, 1)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[3, 3], devices=["cpu", "cpu"], chunks=1, checkpoint=checkpoint)
+    x = torch.randn(8, 4, dtype=torch.float64) * 2 + 1
+    out, expected = pipe(x), reference(x)
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        pipe(x), reference(x)
+    expected.sum().backward()
+    if checkpoint == "never":
+        out.sum().backward()
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad)
+        return
+    with pytest.raises(RuntimeError, match=r"train\(\)/eval\(\) changed between this step's forward and its"):
+        out.sum().backward()
+    pipe.train(), reference.train()
+    reference.zero_grad(), model.zero_grad()
+    assert_training_matches(pipe, model, reference, [x], chunks=1)
 
 
 def resnet18() -> nn.Module:

@@ -97,7 +97,7 @@ class Span(nn.Module):
 
     def __init__(self, members: Sequence[Layer]) -> None:
         super().__init__()
-        # Called by path, so a module replaced in place (DeferredBatchNorm.convert) is the one run.
+        # Called by path, so a module the model is given at that path later is the one run.
         self.paths = [layer.state_prefix for layer in members]
         for layer in members:
             attach(self, layer.state_prefix, layer.module)

@@ -49,27 +49,15 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
-        """``module`` with every ``nn.BatchNorm1d/2d/3d`` (tracking running statistics)
-        replaced, in place, by a ``DeferredBatchNorm`` sharing its parameters and buffers."""
-        if _convertible(module):
-            return cls._from(module)  # type: ignore[arg-type]
-        for name, child in list(module._modules.items()):  # a repeated child at each position
-            if child is None:
-                continue
-            converted = cls.convert(child)
-            if converted is not child:
-                setattr(module, name, converted)
+        """``module`` with every ``nn.BatchNorm1d/2d/3d`` in it (tracking running statistics),
+        itself included, made a ``DeferredBatchNorm`` in place: the same objects, so the model,
+        its hooks, ``train()``/``eval()`` and ``.to()`` still reach them (a new module at a
+        top-level layer was the pipeline's alone: ``model.eval()`` left it training)."""
+        for child in module.modules():
+            if _convertible(child):
+                child.__class__ = cls
+                child._step, child._stepping = None, False
         return module
-
-    @classmethod
-    def _from(cls, bn: _BatchNorm) -> DeferredBatchNorm:
-        deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                       device="meta")
-        for name, param in bn.named_parameters(recurse=False):
-            setattr(deferred, name, param)
-        for name, buffer in bn.named_buffers(recurse=False):
-            setattr(deferred, name, buffer)
-        return deferred.train(bn.training)
 
     def begin_step(self) -> None:
         """Start collecting statistics: the micro-batches of one mini-batch follow."""

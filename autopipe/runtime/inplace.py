@@ -1,13 +1,15 @@
 """Keeping a stage's inputs as they arrived when its first layer writes into them in place.
 
-Two computations must not change the tensors they read: a checkpointed micro-batch's no-grad
-forward (its backward recomputes from the same saved inputs) and stage 0's (its inputs are
-views of the caller's batch).  A first layer such as ``LeakyReLU(inplace=True)``,
-``Dropout(inplace=True)`` or ``x.add_(1)`` does exactly that, so such a stage must compute on
-copies.  Whether it does is measured, not guessed, from the tensors' version counters: the
-first guarded computation in each training mode runs on copies and looks whether they were
-written; if not, later ones run on the originals and are still checked, so a stage that
-writes only on some inputs is reported as an error rather than giving a wrong result.
+Three computations must not change the tensors they read: a checkpointed micro-batch's no-grad
+forward (its backward recomputes from the same saved inputs), its recomputation (on one device a
+received tensor can be the sender's own saved input, passed on as output or skip, which the
+sender's recomputation reads after it) and stage 0's (its inputs are views of the caller's
+batch).  A first layer such as ``LeakyReLU(inplace=True)``, ``Dropout(inplace=True)`` or
+``x.add_(1)`` does exactly that, so such a stage must compute on copies.  Whether it does is
+measured, not guessed, from the tensors' version counters: the first guarded computation in each
+training mode runs on copies and looks whether they were written; if not, later ones run on the
+originals and are still checked, so a stage that writes only on some inputs is reported as an
+error rather than giving a wrong result.
 """
 from __future__ import annotations
 

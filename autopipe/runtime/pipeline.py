@@ -180,7 +180,8 @@ class Pipeline(nn.Module):
         _check_shared(layers, list(balance), groups[0])
         if deferred_batch_norm or replicas > 1:
             _check_deferrable(layers, "deferred_batch_norm=True" if deferred_batch_norm else f"replicas={replicas}")
-            layers = [_deferred(layer) for layer in layers]
+            for layer in layers:
+                DeferredBatchNorm.convert(layer.module)
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
@@ -415,13 +416,6 @@ def _check_deferrable(layers: Sequence[Layer], why: str) -> None:
             "batch norm is an operation (they would update once per micro-batch, and replicas at once). "
             "Make the model's forward traceable by torch.fx (batch norms then stay modules), capture it in "
             "eval mode, or train with deferred_batch_norm=False and replicas=1")
-
-
-def _deferred(layer: Layer) -> Layer:
-    module = DeferredBatchNorm.convert(layer.module)
-    if module is layer.module:
-        return layer
-    return Layer(layer.name, module, layer.stash, layer.pop, layer.prefix)
 
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device],

@@ -63,7 +63,8 @@ class Saved:
     ``args`` and ``skips`` hold the received leaves (the stage's inputs); ``output`` and
     ``leaving`` the results with their autograd graph, or ``None`` for a checkpointed
     micro-batch, whose backward recomputes them replaying ``rng`` on ``buffers`` (copies of
-    the stage's buffers as the forward found them).
+    the stage's buffers as the forward found them) in ``modes`` (its modules' ``training``
+    flags at the forward, which the recomputation must find again).
     """
 
     args: tuple[Any, ...]
@@ -72,6 +73,7 @@ class Saved:
     leaving: dict[SkipKey, Value] | None = None
     rng: RngStates | None = None
     buffers: list[Tensor] | None = None
+    modes: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)

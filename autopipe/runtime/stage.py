@@ -73,6 +73,7 @@ class Stage:
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
+        self.submodules = [m for module in self.modules for m in module.modules()]
 
     @property
     def buffers(self) -> dict[str, Tensor]:
@@ -133,7 +134,7 @@ class Stage:
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips, watch)
         if run.grad_enabled:
-            saved = Saved(args, skips, rng=rng, buffers=kept)
+            saved = Saved(args, skips, rng=rng, buffers=kept, modes=self._modes() if checkpointed else None)
             if not checkpointed:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
@@ -270,9 +271,20 @@ class Stage:
             run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
+    def _modes(self) -> tuple[bool, ...]:
+        """Each of the stage's modules' ``training`` flag."""
+        return tuple(m.training for m in self.submodules)
+
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
+        if self._modes() != saved.modes:  # batch norm and dropout would recompute another forward
+            raise RuntimeError(
+                f"{self.name}: train()/eval() changed between this step's forward and its backward; a "
+                "checkpointed stage recomputes its forward in the modes it finds, which would give other "
+                "gradients: call backward() before switching modes (or use checkpoint='never')")
         with torch.enable_grad(), self.random.replay(saved.rng):
-            output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=self.index == 0)
+            # keep: a received tensor may be the sender's own saved input (a stage that passes its
+            # input on, as output or skip), which the sender's recomputation reads after this one
+            output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=True)
             return output, leaving
 
     def _as_at_forward(self, saved: Saved) -> contextlib.AbstractContextManager[None]:
