@@ -93,6 +93,18 @@ def test_plan_and_pipeline_take_a_path_and_refuse_other_objects(saved: tuple[aut
         autopipe.Pipeline(mlp(), 42)  # type: ignore[arg-type]
 
 
+def test_a_pipeline_of_a_plan_refuses_the_options_the_plan_sets(saved: tuple[autopipe.Profile, str]) -> None:
+    """Each option of the manual form beside a plan is refused by name (``chunks=8`` and
+    ``checkpoint="always"`` ran the plan's 1 and ``never``, silently); with none the plan runs."""
+    chosen = autopipe.plan(saved[1], 2, replicas=1, chunks=1, checkpoint="never")
+    with pytest.raises(TypeError, match="give either a plan or chunks, checkpoint, schedule, not both"):
+        autopipe.Pipeline(mlp(), chosen, chunks=8, checkpoint="always", schedule="1f1b")
+    with pytest.raises(TypeError, match="give either a plan or turns, not both"):
+        autopipe.Pipeline(mlp(), chosen, turns="breadth_first")
+    pipe = autopipe.Pipeline(mlp(), chosen)
+    assert (pipe.chunks, pipe.checkpoint, pipe.replicas) == (1, "never", 1)
+
+
 @pytest.mark.parametrize("call", [
     lambda: autopipe.profile(42, torch.randn(8, 6), ["cpu", "cpu"]),
     lambda: autopipe.partition("resnet", torch.randn(8, 6), ["cpu", "cpu"]),

@@ -137,7 +137,7 @@ class Pipeline(nn.Module):
             (manual form).
 
     Raises:
-        TypeError: neither a plan nor a balance, or both a plan and balance/devices.
+        TypeError: neither a plan nor a balance, or both a plan and any option of the manual form.
         OptionError: the plan was made for another model; a balance, chunks, checkpoint mode,
             interleave, replica count, schedule or turn rule that does not fit (a ``ValueError``).
         FormatError: the plan file is corrupt or of another schema.
@@ -153,25 +153,29 @@ class Pipeline(nn.Module):
         *,
         balance: Sequence[int] | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
-        chunks: int = 1,
-        checkpoint: CheckpointMode = "except_last",
+        chunks: int | None = None,
+        checkpoint: CheckpointMode | None = None,
         deferred_batch_norm: bool = False,
-        interleave: int = 1,
-        replicas: int = 1,
-        schedule: Schedule = "gpipe",
-        turns: TurnRule = "depth_first",
+        interleave: int | None = None,
+        replicas: int | None = None,
+        schedule: Schedule | None = None,
+        turns: TurnRule | None = None,
     ) -> None:
         super().__init__()
+        manual = {"balance": balance, "devices": devices, "chunks": chunks, "checkpoint": checkpoint,
+                  "interleave": interleave, "replicas": replicas, "schedule": schedule, "turns": turns}
         if plan is not None:
             plan = loaded(plan, Plan, "plan")
             layers = layer_chain(model)
-            balance, devices, chunks, checkpoint, interleave, replicas, schedule = _from_plan(
-                plan, layers, balance, devices)
+            balance, devices, chunks, checkpoint, interleave, replicas, schedule = _from_plan(plan, layers, manual)
             turns = plan.turns
         elif balance is None:
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
         else:
             layers = balance_units(model)
+            chunks, interleave, replicas = (1 if v is None else v for v in (chunks, interleave, replicas))
+            checkpoint = "except_last" if checkpoint is None else checkpoint
+            schedule, turns = schedule or "gpipe", turns or "depth_first"
         _check(layers, list(balance), chunks, checkpoint, interleave, replicas, schedule, turns)
         per_replica = len(balance) // interleave
         resolved = resolve_devices(devices if devices is not None else ["cpu"] * (per_replica * replicas))
@@ -342,10 +346,13 @@ def _adopt_tensors(holder: nn.Module, module: nn.Module) -> None:
         holder.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
 
 
-def _from_plan(plan: Plan, layers: list[Layer], balance: object,
-               devices: object) -> tuple[list[int], list[str], int, CheckpointMode, int, int, Schedule]:
-    if balance is not None or devices is not None:
-        raise TypeError("give either a plan or balance/devices, not both")
+def _from_plan(plan: Plan, layers: list[Layer],
+               manual: dict[str, object]) -> tuple[list[int], list[str], int, CheckpointMode, int, int, Schedule]:
+    given = [name for name, value in manual.items() if value is not None]
+    if given:  # the plan sets them all: one given beside it would be silently overridden
+        raise TypeError(f"give either a plan or {', '.join(given)}, not both: the plan sets balance, devices, "
+                        "chunks, checkpoint, interleave, replicas, schedule and turns; to change one, plan again "
+                        "with it (autopipe.plan(..., chunks=8)) or give all of them without a plan")
     check_made_for(plan.model, layers, "plan", "plan this model again")
     devices_used = [name for group in plan.replica_devices for name in group[: plan.device_count]]
     return (plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas,
