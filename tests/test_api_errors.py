@@ -105,6 +105,18 @@ def test_a_pipeline_of_a_plan_refuses_the_options_the_plan_sets(saved: tuple[aut
     assert (pipe.chunks, pipe.checkpoint, pipe.replicas) == (1, "never", 1)
 
 
+def test_a_pipeline_is_not_pickled_or_copied_but_says_what_to_save(tmp_path: Any) -> None:
+    import copy
+    import io
+
+    pipe = autopipe.Pipeline(mlp(), balance=[2, 3], devices=["cpu", "cpu"])
+    for attempt in (lambda: copy.deepcopy(pipe), lambda: torch.save(pipe, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied: save pipe.state_dict\(\)"):
+            attempt()
+    torch.save(pipe.state_dict(), tmp_path / "state.pt")
+    mlp().load_state_dict(torch.load(tmp_path / "state.pt"))
+
+
 @pytest.mark.parametrize("call", [
     lambda: autopipe.profile(42, torch.randn(8, 6), ["cpu", "cpu"]),
     lambda: autopipe.partition("resnet", torch.randn(8, 6), ["cpu", "cpu"]),

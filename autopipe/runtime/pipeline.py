@@ -219,6 +219,12 @@ class Pipeline(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._layers)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # its stages hold threads, locks and streams: neither pickle nor deepcopy can take them
+        raise TypeError("an autopipe.Pipeline cannot be pickled or copied: save pipe.state_dict() (the model's own "
+                        "keys) and build the pipeline again from the model (autopipe.Pipeline(model, plan)), or "
+                        "copy the model before partitioning it")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
         grad = torch.is_grad_enabled()
