@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,8 @@ def partition(
     """Partition ``model`` over ``devices`` and return the ready :class:`~autopipe.Pipeline`.
 
     Args:
-        model: the model, read as a chain of layers (:func:`autopipe.layer_chain`).
+        model: the model, read as a chain of layers (:func:`autopipe.layer_chain`), captured and
+            profiled in train mode (each module's own mode is restored after).
         sample_input: one full training batch (a tensor, a tuple of tensors, or a mapping of
             keyword arguments: a transformers model's ``{"input_ids": ids, "labels": ids}``,
             the pipeline then called ``pipe(**batch)``); its batch size is what the plan is
@@ -69,14 +71,30 @@ def partition(
     """
     check_keywords("partition", plan_options, _PLAN_OPTIONS)
     resolved = resolve_devices(devices)
-    layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
-    inputs = sample_tensors(layers, sample_input)
-    plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))
-    measured = _profile_for(layers, sample_input, inputs, resolved, profile, quiet)
+    with _training(model):
+        layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
+        inputs = sample_tensors(layers, sample_input)
+        plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))
+        measured = _profile_for(layers, sample_input, inputs, resolved, profile, quiet)
     if plan_options.get("replicas", "auto") == "auto" and undeferrable(layers):
         plan_options["replicas"] = 1  # replicas defer batch norm, which an exported graph's cannot
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)
+
+
+@contextmanager
+def _training(model: nn.Module) -> Iterator[None]:
+    """``model`` in train mode meanwhile, each module's own flag restored after: a partition plans
+    training, so the chain is captured (torch.export keeps the mode it sees) and profiled as it
+    trains, also for a model in eval mode (transformers' ``from_pretrained`` returns one)."""
+    modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
+    for module, _ in modes:
+        module.training = True
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _sample_batch(inputs: tuple[Tensor, ...], asked: object) -> int:

@@ -167,6 +167,33 @@ def test_plan_from_measured_profile_runs() -> None:
     pipe.close()
 
 
+@pytest.mark.slow
+def test_partition_of_a_model_in_eval_mode_plans_its_training() -> None:
+    """``from_pretrained`` returns a model in eval mode: partition captures and profiles it as
+    it trains (the export of an eval-mode model refused the profiler's train-mode run), gives
+    every module its own mode back, and the pipeline gives the model's training loss and
+    gradients."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model.eval()
+    model.transformer.h[0].train()  # modes are restored module by module
+    modes = [m.training for m in model.modules()]
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = autopipe.partition(model, sample, devices=["cpu", "cpu"], chunks=2, replicas=1)
+    assert [m.training for m in model.modules()] == modes
+    model.train()
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+    have, have_grads = _output_and_grads(pipe, model, sample)
+    _assert_close(want.loss, have.loss, "loss")
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()
+
+
 def test_caches_off_while_capturing_and_restored() -> None:
     model = _t5()  # the decoder keeps its own copy of the config
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
