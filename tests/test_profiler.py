@@ -9,11 +9,12 @@ import torch
 import torchvision
 from torch import Tensor, nn
 
+import autopipe
 from autopipe.cli import profile as profile_cli
-from autopipe.model import layer_chain
+from autopipe.model import Layer, layer_chain
 from autopipe.profiling.profiler import ProfileError, fit_copy, profile
 from autopipe.profiling.profiles import Profile
-from autopipe.model.skip import skippable, stash
+from autopipe.model.skip import SkipTracker, skippable, stash, use_skip_tracker
 from models import Add
 
 FAST = {"warmup": 0, "repeats": 1, "copy_sizes": (4096, 65536), "quiet": True}
@@ -106,6 +107,116 @@ def test_saved_bytes_add_up_to_the_whole_chain() -> None:
     x = torch.randn(4, 3, 8, 8)
     result = run(model, x, [4])
     assert sum(layer.saved_bytes[4] for layer in result.layers) == whole_chain_saved_bytes(model, x.clone())
+
+
+class Residual(nn.Module):
+    """Captured as a (stashes x), b (passes a's output on beside a new one), c (pops x), d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.d(self.c(torch.relu(self.b(h))) + h + x)
+
+
+class Concat(nn.Module):
+    """Captured with layers passing earlier outputs on to a final concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.a(x)
+        b = self.b(a)
+        return self.d(torch.cat([x, a, b, self.c(b)], dim=1))
+
+
+class TwoNewOutputs(nn.Module):
+    """Captured as a, b, c: b returns two new tensors (y, h), and only h is saved (by c)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        h = h * 1
+        h += y
+        return self.c(h) + y
+
+
+class RelayedInput(nn.Module):
+    """The second input needs no gradient and is passed on by the first layer: ``b * y`` then
+    keeps ``y`` only, not ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.c(self.b(self.a(x)) * y)
+
+
+def chain_saved_bytes(layers: list[Layer], inputs: tuple[Tensor, ...]) -> int:
+    """Reference: run the chain as one graph (skips through a tracker) and count the distinct
+    storages autograd saves, minus parameters, buffers, the chain's inputs and popped skips
+    (the profile counts those with ``stash_bytes``)."""
+    state = [t for layer in layers for t in [*layer.module.parameters(), *layer.module.buffers()]]
+    excluded = {t.untyped_storage().data_ptr() for t in [*state, *inputs]}
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tracker, args = SkipTracker(), inputs
+    with use_skip_tracker(tracker), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in layers:
+            excluded |= {tracker.tensors[key].untyped_storage().data_ptr() for key in layer.pop}
+            args = (layer.module(*args),)
+    return sum(n for ptr, n in storages.items() if ptr not in excluded)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)), [(8,)]),
+    (lambda: torchvision.models.resnet18(num_classes=3), [(3, 32, 32)]),
+    (Residual, [(8,)]),
+    (Concat, [(8,)]),
+    (TwoNewOutputs, [(8,)]),
+    (RelayedInput, [(8,), (8,)]),
+], ids=["sequential", "resnet18", "residual", "cat", "two-new-outputs", "relayed-input"])
+def test_saved_bytes_add_up_to_what_autograd_saves_over_the_chain(make, shape) -> None:
+    torch.manual_seed(0)
+    model = make()
+    inputs = tuple(torch.randn(4, *s) for s in shape)
+    layers = autopipe.chain(model, inputs if len(inputs) > 1 else inputs[0])
+    result = run(layers, inputs if len(inputs) > 1 else inputs[0], [2, 4])
+    for b in (2, 4):
+        truth = chain_saved_bytes(layers, tuple(t[:b].clone() for t in inputs))
+        assert sum(layer.saved_bytes[b] for layer in result.layers) == truth
+
+
+def test_a_value_passed_on_beside_new_ones_is_counted_once_with_its_maker() -> None:
+    # Residual: a makes h (saved by b's Linear); b makes relu(y) (saved by ReLU and c's Linear)
+    # and passes h on; c makes c(relu(y)) + h + x (saved by d's Linear); d's output is saved by
+    # nobody.  Each is 8 floats per sample.
+    result = run(autopipe.chain(Residual(), torch.randn(4, 8)), torch.randn(4, 8), [1, 4])
+    assert [layer.name for layer in result.layers] == ["a", "b", "c", "d"]
+    assert saved(result) == [{b: b * 8 * F32 for b in (1, 4)}] * 3 + [{1: 0, 4: 0}]
+
+
+def test_of_two_new_outputs_only_the_saved_one_is_counted() -> None:
+    # a makes h (saved by b's Linear); b makes y (saved by nobody: the adds keep nothing) and
+    # h * 1 + y (saved by c's Linear); c keeps nothing.  8 floats per sample each.
+    result = run(autopipe.chain(TwoNewOutputs(), torch.randn(4, 8)), torch.randn(4, 8), [1, 4])
+    assert [layer.name for layer in result.layers] == ["a", "b", "c"]
+    assert saved(result) == [{b: b * 8 * F32 for b in (1, 4)}] * 2 + [{1: 0, 4: 0}]
+    # b's output is half saved: not "among the saved bytes" as a whole
+    assert [layer.output_saved for layer in result.layers] == [True, False, False]
 
 
 # --- in-place layers ----------------------------------------------------------------------------

@@ -3,12 +3,13 @@ each, sizes per sample."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 from torch import Tensor
 
 from ..model import Layer
-from ._layer_runs import Measure, nbytes
+from ._layer_runs import Measure, Origin, nbytes
 from .profiles import LayerProfile
 
 __all__: list[str] = []
@@ -22,35 +23,57 @@ def per_sample(count: int, size: int) -> int:
 def attribute(measures: list[Measure]) -> list[int]:
     """Saved bytes per layer, each boundary tensor counted once, with the layer that made it.
 
-    A tensor between layers i and i+1 may be saved by i (ReLU saves its output), by i+1 (a
-    Linear saves its input) or both; in-place and view layers pass the same storage on.  The
-    profiler ran each layer on its own copy of its input, so the sharing is rebuilt here from
-    each layer's flags.  The chain's own input belongs to nobody (the planner adds stage inputs).
+    A tensor between layers may be saved by the layer that made it (ReLU saves its output), by
+    any later layer it reaches (a Linear saves its input), or both; a layer may pass some of its
+    inputs on (in place, as views, or as they are beside new outputs).  The profiler ran each
+    layer on its own copy of its inputs, so the sharing is rebuilt here tensor by tensor.  The
+    chain's own input belongs to nobody (the planner adds stage inputs).
     """
-    counted, _ = _boundaries(measures)
-    return [m.internal_saved + (m.new_output_storage if counted[i] else 0) for i, m in enumerate(measures)]
+    made, _ = _trace(measures)
+    return [m.internal_saved + sum(t.nbytes for t in made[i] if t.saved) for i, m in enumerate(measures)]
 
 
 def outputs_saved(measures: list[Measure]) -> list[bool]:
-    """Per layer: whether its output's storage is in the saved bytes of the layer that made it
-    (itself, or the layer before an in-place or view layer)."""
-    counted, producers = _boundaries(measures)
-    return [producer is not None and counted[producer] for producer in producers]
+    """Per layer: whether every tensor of its output is in the saved bytes of the layer that made
+    it (itself, or an earlier layer whose tensor it passes on).  The schema's flag is one bit for
+    all of them, so a partly saved output is ``False``: its unsaved part is not lost to the
+    planner, which then counts the whole output once more (an upper bound)."""
+    _, outputs = _trace(measures)
+    return [bool(tensors) and all(t.saved and t.producer is not None for t in tensors) for tensors in outputs]
 
 
-def _boundaries(measures: list[Measure]) -> tuple[list[bool], list[int | None]]:
-    """Which layers' new outputs some layer saves, and which layer made each layer's output."""
-    counted = [False] * len(measures)
-    producers: list[int | None] = []
-    producer: int | None = None
+@dataclass
+class _Tensor:
+    """One tensor of the chain, the same object wherever it is passed on."""
+
+    producer: int | None  # the layer that made it; None: the chain's input, a skip or state
+    nbytes: int
+    saved: bool = False
+
+
+def _trace(measures: list[Measure]) -> tuple[list[list[_Tensor]], list[list[_Tensor]]]:
+    """Follow each tensor along the chain: per layer, the tensors it made and its outputs,
+    each marked saved if any layer saves it."""
+    current = [_Tensor(None, 0) for _ in measures[0].input_saved] if measures else []
+    made: list[list[_Tensor]] = []
+    outputs: list[list[_Tensor]] = []
     for index, measure in enumerate(measures):
-        if measure.saves_input and producer is not None:
-            counted[producer] = True
-        if not measure.aliases_input:
-            producer = index
-            counted[index] = counted[index] or measure.saves_output
-        producers.append(producer)
-    return counted, producers
+        for tensor, saves in zip(current, measure.input_saved):
+            tensor.saved = tensor.saved or saves
+        made.append([_Tensor(index, n, saves) for n, saves in zip(measure.new_bytes, measure.new_saved)])
+        current = [_pick(origin, current, made[-1]) for origin in measure.output_origins]
+        outputs.append(current)
+    return made, outputs
+
+
+def _pick(origin: Origin, inputs: list[_Tensor], made: list[_Tensor]) -> _Tensor:
+    """The tensor one output is: an input passed on, one the layer made, or a skip or state
+    tensor (counted elsewhere, so a fresh one that no layer owns)."""
+    if origin.kind == "input" and origin.index < len(inputs):
+        return inputs[origin.index]
+    if origin.kind == "new":
+        return made[origin.index]
+    return _Tensor(None, 0)
 
 
 def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],

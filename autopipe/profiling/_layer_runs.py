@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +22,25 @@ from .profiles import Stat
 __all__: list[str] = []
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where one output tensor's storage comes from: ``"input"`` (input position ``index``,
+    passed on as is or as a view), ``"new"`` (the layer's new storage ``index``) or ``"other"``
+    (a popped skip, a parameter or a buffer: counted with ``stash_bytes`` or ``param_bytes``)."""
+
+    kind: Literal["input", "new", "other"]
+    index: int = 0
+
+
 @dataclass
 class Measure:
     """What one layer did at one micro-batch size.
 
-    The ``saves_*``/``aliases_input`` flags and ``new_output_storage`` let :func:`attribute`
-    count each tensor on a layer boundary once, with the layer that produced it.
+    The profiler runs each layer on its own copies of its inputs, so tensors are told apart by
+    their position in the flattened main inputs and outputs (``tensors_of`` order; the next
+    layer's inputs are this layer's outputs in that order).  ``input_saved``,
+    ``output_origins``, ``new_bytes`` and ``new_saved`` let :func:`attribute` follow each
+    tensor along the chain and count it once, with the layer that made it.
     """
 
     forward: Stat
@@ -35,10 +48,11 @@ class Measure:
     output_bytes: int
     stash_bytes: dict[str, int]
     internal_saved: int
-    saves_input: bool
-    saves_output: bool
     aliases_input: bool
-    new_output_storage: int
+    input_saved: list[bool]  # per main input position: does this layer save that tensor
+    output_origins: list[Origin]  # per main output position
+    new_bytes: list[int]  # per new output storage: its bytes
+    new_saved: list[bool]  # per new output storage: does this layer save it
     workspace: int = 0
     output: Any = None
     stashed: dict[SkipKey, Tensor] = field(default_factory=dict)
@@ -117,9 +131,10 @@ class Run:
 class LayerRun:
     """Runs one layer forward and backward on fresh copies of its inputs.
 
-    Inputs are detached leaves (requiring grad except for the chain's first layer, whose input
-    needs no gradient in a pipeline either) and each run feeds the layer a *clone* of them: an
-    in-place first op (``ReLU(inplace=True)``) would otherwise modify a leaf that requires grad
+    Inputs are detached leaves, requiring grad where the tensor did when the layer before made
+    it (never for the chain's first layer, whose input needs no gradient in a pipeline either;
+    the runtime sets the same flags on what a stage receives), and each run feeds the layer a
+    *clone* of them: an in-place first op (``ReLU(inplace=True)``) would otherwise modify a leaf that requires grad
     (an autograd error) or corrupt the input of the next run.  The clone is made before the
     timer starts; its backward passes the gradient through unchanged.
     """
@@ -213,28 +228,54 @@ class LayerRun:
             self.backward(run)
         workspace = max(forward_extra, counter.peak[self] - kept)
         output, stashed = run.output, run.stashed
-        inputs = {storage(t)[0] for t in tensors_of(run.args)}
-        pops = {storage(t)[0] for t in run.popped.values()}
+        input_ptrs = [storage(t)[0] for t in tensors_of(run.args)]
+        others = {storage(t)[0] for t in run.popped.values()} | self.state_storages
         outputs = dict(map(storage, tensors_of(output)))
-        new_outputs = set(outputs) - inputs
+        origins, new = _origins(input_ptrs, [storage(t)[0] for t in tensors_of(output)], others)
         return Measure(
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
             output_bytes=sum(nbytes(t) for t in tensors_of(output)),
             stash_bytes={str(k): nbytes(t) for k, t in stashed.items()},
             internal_saved=sum(n for ptr, n in saved.items()
-                               if ptr not in self.state_storages | inputs | pops | set(outputs)),
-            saves_input=bool(inputs & set(saved)),
-            saves_output=bool(new_outputs & set(saved)),
-            aliases_input=bool(inputs & set(outputs)),
-            new_output_storage=sum(outputs[ptr] for ptr in new_outputs),
+                               if ptr not in others | set(input_ptrs) | set(outputs)),
+            aliases_input=bool(set(input_ptrs) & set(outputs)),
+            input_saved=[ptr in saved for ptr in input_ptrs],
+            output_origins=origins,
+            new_bytes=[outputs[ptr] for ptr in new],
+            new_saved=[ptr in saved for ptr in new],
             workspace=workspace,
-            output=map_tensors(output, lambda t: t.detach()),
-            stashed={k: t.detach() for k, t in stashed.items()},
+            output=map_tensors(output, _detached),
+            stashed={k: _detached(t) for k, t in stashed.items()},
         )
 
 
+def _origins(inputs: list[int], outputs: list[int], others: set[int]) -> tuple[list[Origin], list[int]]:
+    """Each output storage's :class:`Origin`, and the new storages in order (a storage that
+    several outputs share is one new storage: its bytes exist once)."""
+    new: list[int] = []
+    origins: list[Origin] = []
+    for ptr in outputs:
+        if ptr in inputs:
+            origins.append(Origin("input", inputs.index(ptr)))
+        elif ptr in others:
+            origins.append(Origin("other"))
+        else:
+            if ptr not in new:
+                new.append(ptr)
+            origins.append(Origin("new", new.index(ptr)))
+    return origins, new
+
+
+def _detached(tensor: Tensor) -> Tensor:
+    """``tensor`` cut from its graph, still saying whether it needs a gradient (as the runtime
+    tells a stage which received tensors need one)."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
 def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
-    return tensor.detach().requires_grad_(requires_grad and tensor.is_floating_point())
+    """A leaf of ``tensor`` that requires grad if allowed and the tensor needs a gradient: a
+    relayed chain input does not, and autograd saves less for it (``b * y`` keeps no ``b``)."""
+    return tensor.detach().requires_grad_(requires_grad and tensor.requires_grad and tensor.is_floating_point())
 
 
 def storage(tensor: Tensor) -> tuple[int, int]:
