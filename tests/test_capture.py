@@ -11,7 +11,7 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.model.capture import CaptureError, CapturedLayer, chain
+from autopipe.model.capture import CaptureError, CapturedCallError, CapturedLayer, chain
 from autopipe.errors import ChainError
 from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
@@ -692,3 +692,233 @@ def test_augmented_assignment_writes_through_every_name_as_in_the_model() -> Non
         finally:
             pipe.close()
     assert ran >= len(layers)
+
+
+class _TrainingBranch(nn.Module):
+    """A forward that reads ``self.training`` itself: fx keeps only the branch of the capture's mode."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.functional = functional
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if self.functional:
+            h = nn.functional.dropout(h, p=0.5, training=self.training)
+        elif self.training:
+            h = h * 0.5
+        return self.c(self.b(h))
+
+
+def _pipe(layers: list[Layer], chunks: int = 2) -> autopipe.Pipeline:
+    return autopipe.Pipeline(layers, balance=[1, len(layers) - 1], devices=["cpu", "cpu"], chunks=chunks)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("captured_in", ["train", "eval"])
+def test_forward_reading_the_mode_keeps_the_capture_mode(functional: bool, captured_in: str) -> None:
+    """fx bakes ``if self.training:`` and ``F.dropout(training=self.training)`` in: the pipeline
+    equals the model in the capture's mode and refuses the other (its output was 0.08-0.24 off)."""
+    model = getattr(_TrainingBranch(functional), captured_in)()
+    layers = chain(model, torch.randn(6, 8))
+    assert model.training == (captured_in == "train")
+    pipe = _pipe(layers, chunks=1)
+    try:
+        x = torch.randn(6, 8)
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+        other = "eval" if captured_in == "train" else "train"
+        getattr(pipe, other)()
+        with pytest.raises(CapturedCallError, match=f"captured with torch.fx in {captured_in} mode.*{other} mode"):
+            pipe(x)
+    finally:
+        pipe.close()
+
+
+class _LeafModes(nn.Module):
+    """Dropout and batch norm as modules: calls in the graph, whose mode stays free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.drop, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 3)
+        self.frozen = nn.Linear(3, 3).eval()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.frozen(self.b(self.drop(self.norm(self.a(x)))))
+
+
+def test_mode_free_capture_runs_in_both_modes_and_keeps_every_flag() -> None:
+    """Capturing traces the forward in both modes: every module's own flag is put back (a frozen
+    part stays in eval) and a graph that does not read the flag runs in either mode."""
+    model = _LeafModes()
+    reference = copy.deepcopy(model)
+    layers = chain(model, torch.randn(6, 8))
+    assert model.training and model.norm.training and not model.frozen.training
+    pipe = _pipe(layers, chunks=1)
+    try:
+        x = torch.randn(6, 8)
+        for mode in ("train", "eval"):
+            getattr(pipe, mode)(), getattr(reference, mode)()
+            _assert_same(_output_and_grads(reference, reference, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+
+
+class _NoGradBlock(nn.Module):
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        self.autocast = autocast
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        block = torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else torch.no_grad()
+        with block:
+            t = self.b(h)
+        return self.c(h + t.float())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grad_mode_and_autocast_blocks_are_exported(autocast: bool) -> None:
+    """fx drops ``with torch.no_grad():`` and ``torch.autocast`` (the pipeline differentiated ``b``,
+    gradients 1.9 off): such a forward is exported, which keeps them, or refused without a sample."""
+    model = _NoGradBlock(autocast)
+    with pytest.raises(CaptureError, match="changes grad mode or autocast.*pass sample_input"):
+        chain(model)
+    layers = chain(model, torch.randn(6, 8))
+    assert layers[0].module.exported_mode is not None
+    pipe = _pipe(layers, chunks=1)  # bfloat16 rounds a split batch's products otherwise
+    try:
+        x = torch.randn(6, 8)
+        expected = _output_and_grads(model, model, x)
+        assert ("b.weight" in expected[1]) == autocast
+        _assert_same(expected, _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+
+
+class _PerSampleNorm(nn.Module):
+    """A forward fx cannot trace (a branch on a size), with a per-sample reshape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] == 8:
+            x = x * 1.0
+        h = self.a(x)
+        return self.b(h) / h.reshape(h.size(0), -1).pow(2).sum(-1, keepdim=True)
+
+
+def test_exported_batch_of_one_refuses_other_batch_sizes() -> None:
+    """torch.export fixes a sample's batch of 1 in the graph (with only a warning; a batch of 4 was
+    0.69 off): other micro-batch sizes are refused, micro-batches of 1 and samples of 2 work."""
+    model = _PerSampleNorm()
+    x = torch.randn(4, 8)
+    layers = chain(model, torch.randn(1, 8))
+    assert layers[0].module.batch_sizes == (1,)
+    for chunks, refused in ((1, True), (4, False)):
+        pipe = _pipe(layers, chunks)
+        try:
+            if refused:
+                with pytest.raises(CapturedCallError, match=r"first sizes \[1\].*at least 2"):
+                    pipe(x)
+            else:
+                _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+        finally:
+            pipe.close()
+    layers = chain(model, torch.randn(2, 8))
+    assert layers[0].module.batch_sizes is None
+    pipe = _pipe(layers, chunks=1)
+    try:
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        return self.c(self.b(h))
+
+
+class _InputNamed(nn.Module):
+    """An argument named as another's prefix (``input_ids``, ``input``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, input_ids: Tensor, input: Tensor | None = None) -> Tensor:  # noqa: A002
+        h = self.a(input_ids)
+        return self.b(h if input is None else h + input)
+
+
+def test_arguments_with_defaults_that_the_sample_passes_are_inputs() -> None:
+    """fx fixed every argument with a default, even one the sample passes (the mask was dropped,
+    then a TypeError), and lost ``input_ids`` next to ``input=None`` (a bare StopIteration)."""
+    model = _Masked()
+    x, mask = torch.randn(6, 8), (torch.rand(6, 8) > 0.5).float()
+    pipe = _pipe(chain(model, (x, mask)))
+    try:
+        expected = _output_and_grads(lambda t: model(t, mask), model, x)
+        _assert_same(expected, _output_and_grads(lambda t: pipe(t, mask), model, x))
+        _assert_same(expected, _output_and_grads(lambda t: pipe(t, mask=mask), model, x))
+    finally:
+        pipe.close()
+    model = _InputNamed()
+    pipe = _pipe(chain(model, x))
+    try:
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.c(self.b(self.a(x)) * y)
+
+
+def test_traced_model_takes_its_arguments_by_name() -> None:
+    """A model captured by fx is called with its arguments by name, positionally or both, as the
+    model is (keyword arguments were refused as if the capture had not seen them)."""
+    model = _TwoInputs()
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    pipe = _pipe(chain(model, {"x": x, "y": y}))
+    try:
+        expected = _output_and_grads(lambda t: model(t, y), model, x)
+        for call in (lambda t: pipe(x=t, y=y), lambda t: pipe(t, y=y), lambda t: pipe(t, y)):
+            _assert_same(expected, _output_and_grads(call, model, x))
+        with pytest.raises(TypeError, match=r"missing \['y'\], unexpected \['z'\]"):
+            pipe(x, z=y)
+    finally:
+        pipe.close()
+
+
+class _ExtraKeywords(_TwoInputs):
+    def forward(self, x: Tensor, **settings: Any) -> Tensor:  # type: ignore[override]
+        return self.c(self.b(self.a(x)))
+
+
+def test_unread_variadic_arguments_are_not_inputs() -> None:
+    """An unread ``**settings`` was a placeholder of the first layer, which then split its one
+    input tensor into rows; it is not an input, and the pipeline equals the model."""
+    model = _ExtraKeywords()
+    layers = chain(model)
+    x = torch.randn(6, 8)
+    pipe = _pipe(layers)
+    try:
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()

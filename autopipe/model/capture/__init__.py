@@ -17,10 +17,10 @@ from ..skip import Namespace
 from ._building import build
 from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
-from ._layer import CapturedLayer
+from ._layer import CapturedCallError, CapturedLayer
 from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, trace
 
-__all__ = ["chain", "CapturedLayer", "CaptureError"]
+__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError"]
 
 
 def chain(
@@ -34,7 +34,13 @@ def chain(
 
     The model is traced with torch.fx (symbolically: no batch size is baked in), or, where fx
     cannot and a ``sample_input`` is given, exported with torch.export (only the batch dimension
-    stays dynamic; Python branches, other sizes and the train/eval mode are the sample's).  The
+    stays dynamic; Python branches, other sizes and the train/eval mode are the sample's; a sample
+    of batch 1 fixes the batch too, so its layers refuse other micro-batch sizes).  A forward that
+    changes grad mode or autocast (``with torch.no_grad():``), which fx does not record, is exported.
+    A traced forward that reads ``self.training`` keeps the capture's mode, and its layers refuse
+    the other (modules such as ``nn.Dropout`` are calls, free of it).  fx's inputs are the forward's
+    arguments, by position or name, except those with defaults that the sample does not give as
+    tensors, which are fixed.  The
     nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
     input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made), but never
     above an operation that may write in place, which stays where it is; a value that the next
@@ -76,6 +82,9 @@ def chain(
             the way out; a buffer assigned names the buffer), or a transformers model comes
             without a sample batch.
         ValueError: ``granularity`` is not one of the two.
+
+    The layers raise :class:`CapturedCallError` when called in a way their graph does not cover
+    (the other train/eval mode, a batch size the export fixed).
     """
     hf = is_hf_model(model)
     if hf:

@@ -101,6 +101,9 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             keywords=traced.keywords if index == 0 else (),
             input_sizes=traced.input_sizes if index == 0 else None,
             output_spec=traced.output_spec if last else None,
+            traced_mode=traced.traced_mode,
+            argument_names=traced.argument_names if index == 0 else (),
+            batch_sizes=traced.batch_sizes if index == 0 else None,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers

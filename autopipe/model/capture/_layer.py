@@ -6,11 +6,18 @@ from typing import Any, Callable, Sequence
 from torch import Tensor, fx
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
+from ..layers import ChainError
 from ..skip import Skippable, pop, stash
 
-__all__ = ["CapturedLayer"]
+__all__ = ["CapturedLayer", "CapturedCallError"]
 
 _MODES = {True: "train", False: "eval"}
+
+
+class CapturedCallError(ChainError, RuntimeError):
+    """A captured layer called in a way its graph does not cover (the other train/eval mode, a
+    batch size export fixed, arguments it does not take): the graph would compute something else.
+    A ``TypeError`` (as a :class:`ChainError`) and a ``RuntimeError`` (as the mode refusal was)."""
 
 
 class CapturedLayer(Skippable):
@@ -31,9 +38,15 @@ class CapturedLayer(Skippable):
         keywords: Sequence[str] = (),
         output_spec: TreeSpec | None = None,
         input_sizes: Sequence[tuple[int, ...] | None] | None = None,
+        traced_mode: bool | None = None,
+        argument_names: Sequence[str] = (),
+        batch_sizes: Sequence[int | None] | None = None,
     ) -> None:
         super().__init__()
         self.keywords = tuple(keywords)
+        self.argument_names = tuple(argument_names)
+        self.batch_sizes = None if batch_sizes is None else tuple(batch_sizes)
+        self.traced_mode = traced_mode
         self.input_sizes = None if input_sizes is None else tuple(input_sizes)
         self.output_spec = output_spec
         self._modules.update(code._modules)
@@ -49,6 +62,8 @@ class CapturedLayer(Skippable):
         self.exported_mode = exported_mode
         if exported_mode is not None:
             self.train(exported_mode)
+        elif traced_mode is not None:
+            self.training = traced_mode  # its modules keep their own flags (a frozen part stays in eval)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The model's call arguments as this (first) layer's positional inputs: the keyword
@@ -67,6 +82,8 @@ class CapturedLayer(Skippable):
     def _keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if not kwargs and not self.keywords:
             return args
+        if self.argument_names and not self.keywords:
+            return self._by_name(args, kwargs)
         missing = [name for name in self.keywords if name not in kwargs]
         extra = [name for name in kwargs if name not in self.keywords]
         if missing or extra:
@@ -76,6 +93,20 @@ class CapturedLayer(Skippable):
                 "(autopipe.chain(model, {name: tensor, ...}))"
             )
         return args + tuple(kwargs[name] for name in self.keywords)
+
+    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """A traced forward's arguments, given positionally then by name, in the forward's order."""
+        named = self.argument_names[len(args):]
+        missing = [name for name in named if name not in kwargs]
+        extra = [name for name in kwargs if name not in named]
+        if missing or extra:
+            raise CapturedCallError(
+                f"the model's traced forward takes {list(self.argument_names)} and is called with {len(args)} "
+                f"positional and the keyword arguments {list(kwargs)}: missing {missing}, unexpected {extra} "
+                "(arguments with defaults that the sample did not pass were fixed to their defaults; "
+                "capture again with a sample that passes them)"
+            )
+        return args + tuple(kwargs[name] for name in named)
 
     def _check_sizes(self, inputs: tuple[Any, ...]) -> None:
         assert self.input_sizes is not None
@@ -96,15 +127,42 @@ class CapturedLayer(Skippable):
 
     def forward(self, *main: Any) -> Any:
         """``main`` is the previous layer's value (a tensor or a tuple), or the model's inputs."""
+        self._check_mode()
+        if self.batch_sizes is not None:
+            self._check_batch(self._inputs(main))
+        if self.pop_names or self.stash_names:
+            return self._drive(self._steps(main))
+        return self._main(self._code(self, *self._inputs(main)))
+
+    def _check_mode(self) -> None:
         if self.exported_mode is not None and self.training != self.exported_mode:
-            raise RuntimeError(
+            raise CapturedCallError(
                 f"this layer was captured with torch.export in {_MODES[self.exported_mode]} mode, which "
                 f"the exported graph keeps; call autopipe.chain again with the model in "
                 f"{_MODES[self.training]} mode"
             )
-        if self.pop_names or self.stash_names:
-            return self._drive(self._steps(main))
-        return self._main(self._code(self, *self._inputs(main)))
+        if self.traced_mode is not None and self.training != self.traced_mode:
+            raise CapturedCallError(
+                f"this layer was captured with torch.fx in {_MODES[self.traced_mode]} mode, and the forward it "
+                "traced (the model's or a submodule's) reads the train/eval flag (`if self.training:`, "
+                "`F.dropout(x, training=self.training)`), "
+                f"so the traced graph keeps the {_MODES[self.traced_mode]} branch; call autopipe.chain again "
+                f"with the model in {_MODES[self.training]} mode, or make the mode-dependent part a submodule "
+                "kept whole with leaf_modules=[...]"
+            )
+
+    def _check_batch(self, inputs: list[Any]) -> None:
+        """Refuses inputs whose first size differs from one export fixed: the graph would run with
+        the sample's batch size built into its reshapes and reductions."""
+        assert self.batch_sizes is not None
+        given = [t.shape[0] if t.dim() else None for t in tree_leaves(inputs) if isinstance(t, Tensor)]
+        if any(fixed is not None and size != fixed for size, fixed in zip(given, self.batch_sizes)):
+            raise CapturedCallError(
+                f"the model was captured with torch.export on a sample whose first sizes {list(self.batch_sizes)} "
+                f"export fixed in its graph (it specialises a batch of 1; None is dynamic), and this layer is "
+                f"called with {given}; capture it again on a sample of at least 2 (autopipe.chain(model, batch)), "
+                "or run micro-batches of the sample's size"
+            )
 
     def _steps(self, main: tuple[Any, ...]) -> Any:
         inputs = self._inputs(main)

@@ -131,8 +131,25 @@ for _target in AUGMENTED:
     setattr(_Proxy, f"__{_target.__name__}__", _in_place(_target))
 
 
+class _ChangesGradMode(Exception):
+    """The traced forward switches grad mode or autocast (``with torch.no_grad():``), which fx does not record."""
+
+    def __str__(self) -> str:
+        return (
+            "its forward changes grad mode or autocast (`with torch.no_grad():`, `with torch.autocast(...):`), "
+            "which torch.fx does not record: the chain would differentiate and cast as if the block were not there"
+        )
+
+
+def _grad_state() -> tuple[Any, ...]:
+    """Grad mode and each device type's autocast state: what a ``with`` block in forward changes."""
+    autocast = [(torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")]
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *autocast
+
+
 class _Tracer(fx.Tracer):
-    """An fx tracer that remembers the innermost module whose forward failed to trace."""
+    """An fx tracer that remembers the innermost module whose forward failed to trace, and
+    whether grad mode or autocast changed while nodes were made (a ``with`` block fx drops)."""
 
     def __init__(self, leaves: LeafRule) -> None:
         super().__init__()
@@ -141,6 +158,17 @@ class _Tracer(fx.Tracer):
         self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.failed_in: str | None = None
+        self.start_state: tuple[Any, ...] = ()
+        self.state_changed = False
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self.start_state, self.state_changed = _grad_state(), False
+        return super().trace(root, concrete_args)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        if not self.state_changed and _grad_state() != self.start_state:
+            self.state_changed = True
+        return super().create_node(*args, **kwargs)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -171,6 +199,9 @@ class Traced:
     output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
     state: frozenset[str] | None = None  # exported: the model's state-dict keys
     input_sizes: tuple[tuple[int, ...] | None, ...] | None = None  # exported: fixed non-batch sizes
+    traced_mode: bool | None = None  # fx: the capture's mode, if the graph reads the train/eval flag
+    argument_names: tuple[str, ...] = ()  # fx: the forward's arguments in the graph, in order (none if variadic)
+    batch_sizes: tuple[int | None, ...] | None = None  # exported: first sizes the graph fixed, per tensor input
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
@@ -181,13 +212,14 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         return _exported(model, leaves, sample_input, f"cannot capture {type(model).__name__}: torch.export failed")
     tracer = _Tracer(leaves)
     try:
-        return _symbolic(model, tracer)
+        return _symbolic(model, tracer, sample_input)
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
         failure = _trace_failure(model, tracer.failed_in or "", error)
         if isinstance(error, _AssignsBuffers):  # export would drop the assignment: no way out there
             raise CaptureError(failure) from error
         if sample_input is None:
-            raise CaptureError(f"{failure} (or pass sample_input to let torch.export try)") from error
+            way_out = "pass sample_input" if isinstance(error, _ChangesGradMode) else "or pass sample_input"
+            raise CaptureError(f"{failure} ({way_out} to let torch.export try)") from error
         return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
 
 
@@ -202,22 +234,88 @@ def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: st
         raise CaptureError(f"{failure}: {summary}") from error
 
 
-def _symbolic(model: nn.Module, tracer: _Tracer) -> Traced:
-    """The fx graph; arguments with defaults are fixed to them (they are not micro-batched)."""
+def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Traced:
+    """The fx graph.  An argument with a default is fixed to it unless the sample passes it (they
+    are not micro-batched): a tensor the sample passes is an input, a non-tensor value is fixed to
+    that value.  A graph that reads the train/eval flag (``if self.training:``,
+    ``F.dropout(x, training=self.training)``) keeps the capture's mode, and its layers refuse the other."""
+    signature = inspect.signature(model.forward)
+    passed = _passed(signature, sample_input)
     defaults = {
-        name: p.default
-        for name, p in inspect.signature(model.forward).parameters.items()
+        name: passed.get(name, p.default)
+        for name, p in signature.parameters.items()
         if p.default is not inspect.Parameter.empty
+        and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(passed.get(name)))
     }
+    graph = _graph(model, tracer, defaults)
+    mode = None if _same_in_both_modes(model, tracer.leaves, defaults, graph) else model.training
+    inputs = _input_names(signature, defaults)
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.target not in inputs]:
+        _erase_with_users(graph, node)  # a fixed argument's placeholders are named `mask_1`, `mask_2`...
+    for node in [n for n in graph.nodes if n.op == "placeholder" and str(n.target).startswith("*") and not n.users]:
+        graph.erase_node(node)  # an unread `*args` or `**kwargs` would take a micro-batch's place
+    names = tuple(str(n.target) for n in graph.nodes if n.op == "placeholder")
+    calls = [node for node in graph.nodes if node.op == "call_module"]
+    named = not any(name.startswith("*") for name in names)
+    return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)},
+                  traced_mode=mode, argument_names=names if named else ())
+
+
+def _passed(signature: inspect.Signature, sample_input: Any) -> dict[str, Any]:
+    """The forward's arguments that the sample gives (none without a sample, or if it does not bind)."""
+    if sample_input is None:
+        return {}
+    if isinstance(sample_input, Mapping):
+        args, kwargs = (), dict(sample_input)
+    else:
+        args, kwargs = (sample_input if isinstance(sample_input, tuple) else (sample_input,)), {}
+    try:
+        return dict(signature.bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _input_names(signature: inspect.Signature, fixed: Mapping[str, Any]) -> list[str]:
+    """The targets of the placeholders fx makes for the arguments not fixed, in order (``*args``
+    for a variadic one)."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [stars.get(p.kind, "") + name for name, p in signature.parameters.items() if name not in fixed]
+
+
+def _graph(model: nn.Module, tracer: _Tracer, defaults: dict[str, Any]) -> fx.Graph:
+    """fx's graph of the forward, refused if the forward assigns buffers or changes grad mode."""
     with _buffers_kept(model) as assigned:
         graph = tracer.trace(model, concrete_args=defaults or None)
     if assigned:
         raise _AssignsBuffers(assigned)
-    fixed = [n for n in graph.nodes if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in defaults]
-    for node in fixed:
-        _erase_with_users(graph, node)
-    calls = [node for node in graph.nodes if node.op == "call_module"]
-    return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)})
+    if tracer.state_changed:
+        raise _ChangesGradMode()
+    return graph
+
+
+def _same_in_both_modes(model: nn.Module, leaves: LeafRule, defaults: dict[str, Any], graph: fx.Graph) -> bool:
+    """Whether tracing with every module's train/eval flag flipped gives the same code.  Leaf
+    modules (``nn.Dropout``, ``nn.BatchNorm2d``) are calls in the graph, so their modes stay free;
+    only a forward traced through that reads ``self.training`` bakes one mode in."""
+    try:
+        with _flags_flipped(model):
+            other = _graph(model, _Tracer(leaves), defaults)
+    except Exception:  # noqa: BLE001 - the other mode's forward does not even trace: it differs
+        return False
+    return other.python_code("self").src == graph.python_code("self").src
+
+
+@contextlib.contextmanager
+def _flags_flipped(model: nn.Module) -> Iterator[None]:
+    """Every module's own ``training`` flag negated inside the block, each put back after."""
+    flags = [(module, module.training) for module in model.modules()]
+    for module, flag in flags:
+        module.training = not flag
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
 
 
 @contextlib.contextmanager
@@ -276,7 +374,8 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
     with _assignments(model) as assigned:
-        root = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic).module()
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic)
+    root = program.module()
     if assigned:
         raise CaptureError(f"cannot capture {type(model).__name__}: {_AssignsBuffers(assigned)}")
     graph = root.graph
@@ -292,7 +391,18 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
             calls[node], previous = (path, run), path
     sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in tree_leaves((args, kwargs)))
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
-                  frozenset(model.state_dict()), sizes)
+                  frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program))
+
+
+def _fixed_batch(program: torch.export.ExportedProgram) -> tuple[int | None, ...] | None:
+    """For each tensor input in order, the first dimension's size if export fixed it in the graph
+    (a sample of batch 1, which export specialises with only a warning, or a forward that needs
+    the sample's batch size); None if it fixed none."""
+    inputs = set(program.graph_signature.user_inputs)
+    values = [node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    sizes = tuple(int(v.shape[0]) if v.dim() and not isinstance(v.shape[0], torch.SymInt) else None
+                  for v in values if isinstance(v, torch.Tensor))
+    return sizes if any(size is not None for size in sizes) else None
 
 
 def _batch_dynamic(value: Any) -> dict[int, Any] | None:
@@ -329,7 +439,7 @@ def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
-    if isinstance(error, _AssignsBuffers):
+    if isinstance(error, (_AssignsBuffers, _ChangesGradMode)):
         return f"cannot capture {type(model).__name__}: {error}"
     module = model.get_submodule(path)
     where = f"module '{path}' ({type(module).__name__})" if path else f"{type(model).__name__}.forward"
