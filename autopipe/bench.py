@@ -18,12 +18,13 @@ from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
 from .runtime import Pipeline
 from .runtime.memory import optimizer_state_bytes
+from .runtime.microbatch import Value, map_tensors, tensors_of
 from .planning.simulate import Simulation, simulate_plan
 from .planning import build_plan
 from .timeline import Event
 
 __all__ = [
-    "synthetic_batch", "StepTime", "Trainer", "round_robin", "medians",
+    "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
     "make_optimizer", "plan_optimizer", "measure_memory",
 ]
@@ -36,13 +37,15 @@ T = TypeVar("T")
 
 
 def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
-                    seed: int = 0) -> tuple[Tensor, Tensor]:
-    """A random input batch and a regression target of the model's output shape.
+                    seed: int = 0) -> tuple[Tensor, Value]:
+    """A random input batch and a regression target of the model's output's structure: a random
+    tensor of each output tensor's shape (a tuple or dict output gets a tuple or dict of them).
 
     Synthetic data is enough to time a step; the target comes from one no-grad forward so any
-    model (classifier or not) gets a well-defined loss.  That forward is also the first call of
-    the model on ``shape``, so its failure (most often a shape the model does not take) is raised
-    as one ``ValueError`` naming the shape, not as an error from deep inside the model.
+    model (classifier or not) gets a well-defined loss (:func:`regression_loss`).  That forward is
+    also the first call of the model on ``shape``, so its failure (most often a shape the model
+    does not take) is raised as one ``ValueError`` naming the shape, not as an error from deep
+    inside the model; so is an output with no floating-point tensor, which no loss can train.
     """
     generator = torch.Generator().manual_seed(seed)
     batch = torch.randn(batch_size, *shape, generator=generator)
@@ -53,7 +56,25 @@ def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
         raise ValueError(f"the model's forward on a random batch of shape {list(batch.shape)} failed: "
                          f"{type(error).__name__}: {error}; check that the model takes samples of shape "
                          f"{list(shape)}") from error
-    return batch, torch.randn(output.shape, generator=generator)
+    if not any(t.is_floating_point() for t in tensors_of(output)):
+        raise ValueError(f"the model's output ({_described(output)}) has no floating-point tensor, so bench "
+                         "has no loss to train it with; bench a model that returns its float outputs "
+                         "(e.g. logits rather than their argmax)")
+    # integer outputs keep themselves as their target: regression_loss skips them
+    return batch, map_tensors(output, lambda t: torch.randn(t.shape, generator=generator)
+                              if t.is_floating_point() else t.clone())
+
+
+def _described(output: Value) -> str:
+    shapes = [f"{t.dtype} {tuple(t.shape)}" for t in tensors_of(output)]
+    return ", ".join(shapes) if shapes else f"a {type(output).__name__} without tensors"
+
+
+def regression_loss(output: Value, target: Value) -> Tensor:
+    """The sum of each floating-point output tensor's MSE against its target tensor (the tensor
+    at the same place of :func:`synthetic_batch`'s target), so every output trains alike."""
+    pairs = zip(tensors_of(output), tensors_of(target))
+    return sum(nn.functional.mse_loss(o, t.to(o.device)) for o, t in pairs if o.is_floating_point())
 
 
 @dataclass(frozen=True)
@@ -104,8 +125,8 @@ class Trainer:
     pipeline's trace of each step is kept for the per-stage figures.
     """
 
-    def __init__(self, module: nn.Module, batch: Tensor, target: Tensor, *,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = nn.functional.mse_loss,
+    def __init__(self, module: nn.Module, batch: Tensor, target: Value, *,
+                 loss_fn: Callable[[Value, Value], Tensor] = regression_loss,
                  devices: Sequence[torch.device | str] = ("cpu",), lr: float = 1e-3,
                  optimizer: str = "sgd") -> None:
         self.module = module
@@ -130,7 +151,7 @@ class Trainer:
         begin = self._now()
         output = self.module(self.batch)
         middle = self._now()
-        loss = self.loss_fn(output, self.target.to(output.device))
+        loss = self.loss_fn(output, _on_device_of(self.target, output))
         loss.backward()
         end = self._now()
         self.optimizer.step()
@@ -148,6 +169,13 @@ class Trainer:
         losses stay: those were training steps all the same)."""
         self.times.clear()
         self.traces.clear()
+
+
+def _on_device_of(target: Value, output: Value) -> Value:
+    """``target`` on the device of ``output``'s first tensor (a pipeline's outputs are all on its
+    last stage's device)."""
+    device = tensors_of(output)[0].device
+    return map_tensors(target, lambda t: t.to(device))
 
 
 def round_robin(trainers: Mapping[str, Trainer], steps: int, warmup: int = 1) -> None:
@@ -300,7 +328,7 @@ def _step_json(step: StepTime) -> dict[str, float]:
             "iteration_ms": round(step.iteration_ms, 4), "step_ms": round(step.step_ms, 4)}
 
 
-def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Tensor, *, steps: int,
+def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, steps: int,
                warmup: int = 1) -> BenchResult:
     """Train ``model`` as ``plan``'s pipeline and as one module on ``plan.devices[0]``, in
     alternating steps, and compare the pipeline's medians with the plan's predictions.

@@ -1,8 +1,10 @@
 """``bench``: the structure of its table and JSON, and the figures it derives from traces."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +24,32 @@ def tiny_model() -> nn.Module:
     """The model the CLI builds from the spec ``test_bench:tiny_model``."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class TwoHeads(nn.Module):
+    """Two outputs, as a tuple or a dict: logits and features."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.as_dict = as_dict
+        self.a, self.b, self.c = nn.Linear(FEATURES, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.a(x).relu()
+        logits, features = self.c(self.b(h).relu()), h.mean(dim=1)
+        return {"logits": logits, "features": features} if self.as_dict else (logits, features)
+
+
+def tuple_model() -> nn.Module:
+    """The spec ``test_bench:tuple_model``."""
+    torch.manual_seed(0)
+    return TwoHeads(as_dict=False)
+
+
+def dict_model() -> nn.Module:
+    """The spec ``test_bench:dict_model``."""
+    torch.manual_seed(0)
+    return TwoHeads(as_dict=True)
 
 
 @pytest.fixture(autouse=True)
@@ -142,3 +170,38 @@ def test_a_plan_from_the_cli_names_its_model_and_shape(tmp_path: Path, capsys: p
     capsys.readouterr()
     assert main(["bench", "--plan", str(plan_path), "--steps", "1", "--warmup", "0"]) == 0
     assert any(line.startswith("iteration ") for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("build", [tuple_model, dict_model])
+def test_a_tuple_or_dict_output_gets_a_target_per_tensor_and_trains_like_the_plain_model(build: Any) -> None:
+    model = build()
+    batch, target = synthetic_batch(model, [FEATURES], BATCH)
+    output = model(batch)
+    keys = output.keys() if isinstance(output, dict) else range(len(output))
+    assert all(target[k].shape == output[k].shape for k in keys)
+    trainer = Trainer(copy.deepcopy(model), batch, target)
+    trainer.step()
+    expected = sum(nn.functional.mse_loss(output[k], target[k]) for k in keys)
+    assert trainer.losses == [pytest.approx(expected.item())]
+
+
+@pytest.mark.parametrize("spec", ["tuple_model", "dict_model"])
+def test_bench_runs_a_model_with_tuple_or_dict_outputs(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", f"test_bench:{spec}", "--input-shape", str(FEATURES), "--batch-size", str(BATCH),
+                 "--devices", "cpu,cpu", "--chunks", "2", "--steps", "1", "--warmup", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "speedup" in captured.out.splitlines()[-1]
+
+
+def test_bench_refuses_a_model_without_a_float_output_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(FEATURES, 4), Argmax())
+    with pytest.raises(ValueError, match="no floating-point tensor"):
+        synthetic_batch(model, [FEATURES], BATCH)
+
+
+class Argmax(nn.Module):
+    """An integer output: nothing to regress."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=1)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from autopipe.runtime._model_calls import join_outputs
 from autopipe.runtime.microbatch import gather, map_tensors, scatter, split_sizes, tensors_of
 
 
@@ -48,3 +49,15 @@ def test_map_tensors_keeps_structure_and_order() -> None:
     doubled = map_tensors(value, lambda t: t + 2)
     assert doubled[1][1] == 3 and doubled[2] == "s"
     assert [t.item() for t in tensors_of(doubled)] == [2.0, 3.0]
+
+
+def test_join_outputs_refuses_a_dim_0_that_is_not_the_micro_batch_only_when_joining() -> None:
+    batch = [(torch.zeros(2, 3), (torch.ones(2), torch.tensor(1.0))),
+             (torch.zeros(1, 3), (torch.ones(1), torch.tensor(4.0)))]
+    first, (second, mean) = join_outputs(batch, [2, 1])
+    assert first.shape == (3, 3) and second.shape == (3,) and mean.item() == 2.0  # (2·1 + 1·4) / 3
+    with pytest.raises(ValueError, match=r"output \[1\]\[0\] has shape \(5,\) in a micro-batch of 2 samples"):
+        join_outputs([(torch.zeros(2), (torch.ones(5),)), (torch.zeros(1), (torch.ones(5),))], [2, 1])
+    with pytest.raises(ValueError, match=r"output \['state'\] has shape \(3, 2\) in a micro-batch of 2 samples"):
+        join_outputs([{"state": torch.ones(3, 2)}, {"state": torch.ones(3, 1)}], [2, 1])
+    assert join_outputs([torch.ones(5)], [2]).shape == (5,)  # one micro-batch: nothing joined

@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import re
+from typing import Any
 
 import pytest
 import torch
@@ -460,3 +462,105 @@ def test_the_callers_autocast_applies_on_the_workers() -> None:
     assert_close(out.float(), expected.float(), "output", rel=1e-2)
     out.float().sum().backward()  # recomputation under autocast too
     assert all(p.grad is not None for p in pipe.parameters())
+
+
+# -- outputs: joined along the batch dim ---------------------------------------------------
+
+class Nested(nn.Module):
+    """Returns ``(h, (2h, 3h))``: a tuple output with a tuple inside."""
+
+    def forward(self, h: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        return h, (h * 2, h * 3)
+
+
+class WithExtra(nn.Module):
+    """Returns ``h`` with a second output whose dim 0 is not the batch: ``extra(h)``."""
+
+    def __init__(self, extra: Any) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return h, self.extra(h)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("used", ["all", "first", "nested"])
+def test_nested_tuple_outputs_get_gradients_like_the_plain_model(used: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Nested())
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=2)
+    x = torch.randn(6, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = pipe(x), reference(x_ref)
+    torch.testing.assert_close(out, ref)
+
+    def loss(value: Any) -> Tensor:
+        first, (second, third) = value
+        return {"all": first.sum() + second.pow(2).sum() + third.mean(), "first": first.sum(),
+                "nested": third.pow(2).sum()}[used]
+
+    loss(out).backward()
+    loss(ref).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("extra, shape", [
+    (lambda h: torch.ones(5), (5,)),                                # batch-independent
+    (lambda h: h.unsqueeze(0).expand(3, -1, -1), (3, 2, 8)),        # batch in dim 1, as LSTM's h_n
+])
+def test_an_output_whose_dim_0_is_not_the_batch_is_refused(extra: Any, shape: tuple[int, ...]) -> None:
+    pipe = autopipe.Pipeline(nn.Sequential(nn.Linear(8, 8), WithExtra(extra)), balance=[1, 1],
+                             devices=["cpu", "cpu"], chunks=3)
+    message = rf"output \[1\] has shape {re.escape(str(shape))} in a micro-batch of 2 .* along dim 0"
+    for grad in (True, False):  # a second call fails alike: the first left nothing behind
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=message):
+            pipe(torch.randn(6, 8))
+
+
+@pytest.mark.timeout(30)
+def test_with_one_micro_batch_any_output_passes_and_a_scalar_is_the_batch_mean() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), WithExtra(lambda h: torch.ones(5)))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    one = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=1)
+    torch.testing.assert_close(one(x), reference(x))
+    one.close()
+    model = nn.Sequential(nn.Linear(8, 8), WithExtra(lambda h: h.pow(2).mean()))
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=4)  # sizes 2, 2, 1, 1
+    out, ref = pipe(x), reference(x)
+    torch.testing.assert_close(out, ref)
+    out[1].backward()
+    ref[1].backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+class Heads(nn.Module):
+    """A dict output: ``{"logits": ..., "hidden": ...}``, as many models return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, h: Tensor) -> dict[str, Tensor]:
+        return {"logits": self.head(h), "hidden": h}
+
+
+@pytest.mark.timeout(30)
+def test_dict_outputs_join_by_key_with_the_plain_models_gradients() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Heads())
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu", "cpu"], chunks=3)
+    x = torch.randn(7, 8)
+    out, ref = pipe(x), reference(x)
+    assert list(out) == ["logits", "hidden"]
+    torch.testing.assert_close(out, ref)
+    (out["logits"].pow(2).sum() + out["hidden"].sum()).backward()
+    (ref["logits"].pow(2).sum() + ref["hidden"].sum()).backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
