@@ -922,3 +922,33 @@ def test_unread_variadic_arguments_are_not_inputs() -> None:
         _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
     finally:
         pipe.close()
+
+
+class HeadFirst(nn.Module):
+    """Registers its head before the body it runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_parameters_are_listed_in_the_models_order() -> None:
+    """``pipe.parameters()`` and ``state_dict()`` follow the model's registration order, not
+    forward order: an optimizer state saved with the plain model, which ``load_state_dict``
+    maps by position, lands on the same tensors (in forward order, head's momentum went to
+    the body's weight when the shapes allowed it, silently)."""
+    x = torch.randn(6, 8)
+    names = [name for name, _ in HeadFirst().named_parameters()]
+    keys = list(HeadFirst().state_dict())
+    for build in (lambda m: autopipe.Pipeline(m, balance=[2, 1], devices=["cpu", "cpu"]),
+                  lambda m: autopipe.Pipeline(autopipe.chain(m, x), balance=[2, 1], devices=["cpu", "cpu"]),
+                  lambda m: autopipe.partition(m, x, devices=["cpu", "cpu"], replicas=1)):
+        model = HeadFirst()
+        pipe = build(model)
+        assert [name for name, _ in pipe.named_parameters()] == names
+        assert list(pipe.state_dict()) == keys
+        assert [id(p) for p in pipe.parameters()] == [id(p) for p in model.parameters()]

@@ -15,8 +15,8 @@ from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers", "sequential_units",
-    "positions", "resnet_layers", "is_torchvision_resnet",
+    "Chain", "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers",
+    "sequential_units", "positions", "resnet_layers", "is_torchvision_resnet",
 ]
 
 
@@ -38,6 +38,22 @@ class Layer:
     @property
     def state_prefix(self) -> str:
         return self.name if self.prefix is None else self.prefix
+
+
+class Chain(list):  # type: ignore[type-arg]
+    """A model's layers in forward order (a list of :class:`Layer`) that also knows the paths of
+    the model's modules in the model's own order (``named_modules``): the pipeline lists
+    parameters in that order, as ``model.parameters()`` does, so that an optimizer state saved
+    with the plain model (indexed by position) loads onto the same tensors."""
+
+    def __init__(self, layers: Sequence[Layer] = (), module_order: Sequence[str] = ()) -> None:
+        super().__init__(layers)
+        self.module_order = tuple(module_order)
+
+    @staticmethod
+    def of(model: nn.Module, layers: Sequence[Layer]) -> Chain:
+        """``layers`` of ``model``, with its modules' order."""
+        return Chain(layers, [path for path, _ in model.named_modules(remove_duplicate=False)])
 
 
 def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:

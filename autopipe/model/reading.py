@@ -9,7 +9,7 @@ from torch import nn
 
 from ..errors import ChainError
 from .capture import CapturedLayer, chain
-from .layers import (Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
+from .layers import (Chain, Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
                      sequential_layers, sequential_units)
 from .skip import verify_skippables
 
@@ -30,6 +30,8 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
     is captured with :func:`autopipe.chain` (torch.fx, else torch.export on ``sample_input``;
     a transformers model always on its sample batch).
     """
+    if isinstance(model, Chain):
+        return model
     if isinstance(model, (list, tuple)):
         layers = list(model)
     elif isinstance(model, nn.Sequential):
@@ -44,7 +46,7 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
         layers = chain(model, sample_input)
     if not layers:
         raise ChainError(f"{type(model).__name__} has no layers to partition")
-    return layers
+    return Chain.of(model, layers) if isinstance(model, nn.Module) else Chain(layers)
 
 
 def balance_units(model: nn.Module | Sequence[Layer]) -> list[Layer]:
@@ -54,7 +56,7 @@ def balance_units(model: nn.Module | Sequence[Layer]) -> list[Layer]:
         verify_skippables(model)
         if not len(model):
             raise ChainError("the Sequential has no layers to partition")
-        return sequential_units(model)
+        return Chain.of(model, sequential_units(model))
     return layer_chain(model)
 
 

@@ -332,16 +332,19 @@ class Pipeline(nn.Module):
         ``nn.Module`` containers made for their paths: their tensors are registered at the path
         on a module of the pipeline's own, for a container attached there would take in the
         modules that other layers attach under the path (``encoder.pos_embedding``'s container
-        would hold ``encoder.layers``: another stage's parameters and buffers)."""
-        for layer in layers:
-            for name, module in layer.module.named_modules(remove_duplicate=False):
-                if not (module._parameters or module._buffers):
-                    continue
-                path = ".".join(p for p in (layer.state_prefix, name) if p)
-                if path and type(module) is not nn.Module:
-                    attach(self, path, module)
-                else:
-                    _adopt_tensors(module_at(self, path), module)
+        would hold ``encoder.layers``: another stage's parameters and buffers).  They are
+        registered in the model's order of its modules where the chain knows it (a
+        :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()`` lists
+        them as ``model.parameters()`` does."""
+        held = [(".".join(p for p in (layer.state_prefix, name) if p), module)
+                for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)
+                if module._parameters or module._buffers]
+        order = {path: index for index, path in reversed(list(enumerate(getattr(layers, "module_order", ()))))}
+        for path, module in sorted(held, key=lambda entry: order.get(entry[0], len(order))):
+            if path and type(module) is not nn.Module:
+                attach(self, path, module)
+            else:
+                _adopt_tensors(module_at(self, path), module)
 
 
 def _adopt_tensors(holder: nn.Module, module: nn.Module) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from ..layers import Layer
+from ..layers import Chain
 from ..skip import Namespace
 from ._building import build
 from ._hf import caches_off, check_sample, is_hf_model
@@ -29,7 +29,7 @@ def chain(
     granularity: Granularity = "module",
     *,
     leaf_modules: Iterable[LeafSpec] = (),
-) -> list[Layer]:
+) -> Chain:
     """The layers of ``model`` in forward order, with every long-lived value routed as a skip.
 
     The model is traced with torch.fx (symbolically: no batch size is baked in), or, where fx
@@ -93,6 +93,6 @@ def chain(
     with caches_off(model) if hf else nullcontext():
         traced = trace(model, leaves, sample_input, fx_first=not hf)
     groups = group(traced)
-    return build(traced, groups, Namespace(type(model).__name__))
+    return Chain.of(model, build(traced, groups, Namespace(type(model).__name__)))
 
 
