@@ -65,3 +65,14 @@ def test_truncated_and_missing_files(saved, tmp_path):
         Plan.load(path)
     with pytest.raises(FormatError, match="no such plan file"):
         Plan.load(tmp_path / "none.json")
+
+
+@pytest.mark.parametrize("limit", [float("inf"), [None, float("inf"), 1e12]])
+def test_an_infinite_memory_limit_is_no_limit_in_the_file(tmp_path, limit):
+    """``memory_limit=float("inf")`` plans as no limit and saves (JSON has no infinity: the plan
+    could not be written)."""
+    profile = make_profile([1.0, 2.0, 3.0], sizes=(1, 2), devices=3)
+    chosen = plan(profile, memory_limit=limit)
+    loaded = Plan.load(chosen.save(tmp_path / "p.json"))
+    assert loaded.options["memory_limit_bytes"][:2] == [None, None]
+    assert loaded.options["memory_limit"] in (None, [None, None, 1e12])

@@ -64,9 +64,14 @@ class Options:
     def record(self) -> dict[str, Any]:
         """The options as JSON for the plan file."""
         limit = self.given["memory_limit"]
-        shown = list(limit) if isinstance(limit, (list, tuple)) else limit
+        shown = [_finite(v) for v in limit] if isinstance(limit, (list, tuple)) else _finite(limit)
         return {**self.given, "memory_limit": shown,
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
+
+
+def _finite(limit: Any) -> Any:
+    """A limit as JSON can hold it: an infinite one (no limit) as ``None``."""
+    return None if isinstance(limit, float) and math.isinf(limit) else limit
 
 
 def _schedules(asked: Schedule | str, engine: EngineName) -> list[Schedule]:
