@@ -178,3 +178,18 @@ def test_cli_plan_replicas_compare_and_show(tmp_path, capsys) -> None:
     assert "replicas=3 does not divide the 2 devices" in capsys.readouterr().err
     assert main(["plan", str(path), "--replicas", "1", "-o", str(out)]) == 0
     assert Plan.load(out).replicas == 1
+
+
+def test_no_replica_count_fitting_names_each_counts_smallest_limit_as_its_own() -> None:
+    """Each replica count's error names the smallest limit for its own plans; the message says
+    so and the least of them fits (each read alone claimed to be 'the smallest')."""
+    import re
+
+    profile = make_profile([1.0] * 4, sizes=(1, 2, 4, 8), devices=2, param_bytes=1000, saved_bytes=100)
+    with pytest.raises(PlanningError, match=r"no replica count \(1, 2\) fits .* the least of them fits") as error:
+        plan(profile, memory_limit=10, time_limit=None)
+    named = [int(n) for n in re.findall(r"is (\d+) bytes", str(error.value))]
+    assert len(named) == 2
+    assert plan(profile, memory_limit=min(named), time_limit=None).stages
+    with pytest.raises(PlanningError):
+        plan(profile, memory_limit=min(named) - 1, time_limit=None)

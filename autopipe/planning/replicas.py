@@ -200,7 +200,7 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
             if not isinstance(error, PlanningError) and (count == 1 or replicas != "auto"):
                 raise
             tried[str(count)] = None
-            failures.append(f"{count} replicas: {error}")
+            failures.append(f"{count} replica{'s' if count > 1 else ''}: {error}")
             continue
         tried[str(count)] = candidate.predicted.iteration_ms
         bound = candidate.predicted.lower_bound_ms
@@ -208,7 +208,9 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
         if best is None or candidate.predicted.iteration_ms < best.predicted.iteration_ms:
             best = candidate
     if best is None:
-        raise PlanningError("no replica count fits the memory limits; " + " | ".join(failures))
+        raise PlanningError(f"no replica count ({', '.join(map(str, counts))}) fits the memory limits; the smallest "
+                            "limit named for a count is for that count's plans, the least of them fits: "
+                            + " | ".join(failures))
     if lowest is not None:  # each count's bound (its pipeline's; the reduction adds to it) holds
         best.predicted = replace(best.predicted, lower_bound_ms=min(lowest, best.predicted.iteration_ms))
     measured = reduction_time(profile, engine, 2, 1.0)[1]
