@@ -952,3 +952,30 @@ def test_parameters_are_listed_in_the_models_order() -> None:
         assert [name for name, _ in pipe.named_parameters()] == names
         assert list(pipe.state_dict()) == keys
         assert [id(p) for p in pipe.parameters()] == [id(p) for p in model.parameters()]
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_leaf_modules_that_name_nothing_are_refused_with_the_close_names() -> None:
+    """A mistyped path was ignored and an instance failed inside ``isinstance``; one path given
+    alone is taken as a list of one."""
+    x = torch.randn(4, 8)
+    with pytest.raises(CaptureError, match=r"no submodule 'block.1' .*e.g. blocks.1"):
+        autopipe.chain(Blocks(), x, leaf_modules=["block.1"])
+    with pytest.raises(CaptureError, match="neither a dotted path nor a module class"):
+        autopipe.chain(Blocks(), x, leaf_modules=[nn.Sequential()])
+    with pytest.raises(CaptureError, match="must be a torch.nn.Module, got function"):
+        autopipe.chain(lambda t: t, x)
+    alone = [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules="blocks.1")]
+    assert alone == [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules=["blocks.1"])]
+    assert "blocks.1" in alone

@@ -86,9 +86,14 @@ def chain(
     The layers raise :class:`CapturedCallError` when called in a way their graph does not cover
     (the other train/eval mode, a batch size the export fixed).
     """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"the model must be a torch.nn.Module, got {type(model).__name__}; build it first "
+                           "(e.g. torchvision.models.resnet50())")
     hf = is_hf_model(model)
     if hf:
         check_sample(model, sample_input)
+    if isinstance(leaf_modules, (str, type)):
+        leaf_modules = [leaf_modules]  # one path or class given alone
     leaves = LeafRule(model, granularity, tuple(leaf_modules))
     with caches_off(model) if hf else nullcontext():
         traced = trace(model, leaves, sample_input, fx_first=not hf)

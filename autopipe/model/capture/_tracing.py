@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import operator
 import os
@@ -61,11 +62,25 @@ class LeafRule:
     def __post_init__(self) -> None:
         if self.granularity not in ("module", "finer"):
             raise ValueError(f"granularity must be 'module' or 'finer', not {self.granularity!r}")
+        self._check_extra()
         paths = self._module_level()
         if self.granularity == "finer":
             paths = [p for path in paths for p in self._finer(path)]
         self.paths = set(paths)
         self.ancestors = {path.rsplit(".", i)[0] for path in paths for i in range(1, path.count(".") + 1)}
+
+    def _check_extra(self) -> None:
+        """Refuse a leaf spec that names nothing: a mistyped path was ignored silently."""
+        known = {path for path, _ in self.model.named_modules() if path}
+        for spec in self.extra:
+            if isinstance(spec, str) and spec not in known:
+                close = difflib.get_close_matches(spec, sorted(known), n=3)
+                raise CaptureError(f"leaf_modules: the model has no submodule '{spec}' (give dotted paths as "
+                                   f"model.named_modules() names them{', e.g. ' + ', '.join(close) if close else ''}"
+                                   ", or module classes)")
+            if not isinstance(spec, str) and not (isinstance(spec, type) and issubclass(spec, nn.Module)):
+                raise CaptureError(f"leaf_modules: {spec!r} is neither a dotted path nor a module class; give "
+                                   "['encoder.block'] or [MyBlock], not a module instance")
 
     def is_extra(self, module: nn.Module, path: str) -> bool:
         return any(spec == path if isinstance(spec, str) else isinstance(module, spec) for spec in self.extra)
