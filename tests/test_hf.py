@@ -43,6 +43,14 @@ def _t5() -> nn.Module:
         decoder_start_token_id=0, pad_token_id=0))
 
 
+def _bert_mlm() -> nn.Module:
+    """Tied input and output embeddings, and an output bias that export lists twice (an alias
+    nothing reads, which once merged the whole model into one layer)."""
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16))
+
+
 def _tokens(generator: torch.Generator) -> Tensor:
     return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
 
@@ -64,6 +72,7 @@ def _classification_batch(generator: torch.Generator) -> dict[str, Tensor]:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], dict[str, Tensor]], list[str]]] = {
     "gpt2": (_gpt2, _lm_batch, ["transformer.h.0", "transformer.h.1"]),
     "bert": (_bert, _classification_batch, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+    "bert_mlm": (_bert_mlm, _lm_batch, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
     "llama": (_llama, _lm_batch, ["model.layers.0", "model.layers.1"]),
     "t5": (_t5, _lm_batch, ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]),
 }

@@ -102,6 +102,8 @@ def _merge_shared_state(traced: Traced, where: dict[fx.Node, int], count: int) -
     its owner updates it for the next micro-batch."""
     uses: dict[int, list[int]] = {}
     for node in traced.graph.nodes:
+        if node.op == "get_attr" and not node.users:
+            continue  # read by nothing (an alias left in the graph): it holds no layer's state
         for tensor in _state_of(traced.root, node):
             layers = uses.setdefault(id(tensor), [])
             layers.append(where[node])
