@@ -165,12 +165,19 @@ class Reused(nn.Module):
 
 
 def test_layers_sharing_parameters_are_merged() -> None:
-    """A parameter lives on one stage, so the layers between its uses become one."""
+    """A parameter lives on one stage, so the layers between the calls of its module become
+    one; a later read of the weight by attribute gets it as a skip (``last`` stays apart)."""
     model = Reused()
     layers = chain(model)
-    assert [layer.name for layer in layers] == ["inner", "head"]
+    assert [layer.name for layer in layers] == ["inner", "last", "head"]
     x = torch.randn(3, 5)
     _assert_same(_output_and_grads(model, model, x), _output_and_grads(_sequential(layers), model, x))
+    for bounds in all_splits(3, 3):
+        model = Reused()
+        balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+        pipe = autopipe.Pipeline(chain(model), balance=balance, devices=["cpu"] * len(balance), chunks=2)
+        _assert_same(_output_and_grads(model, model, x), _output_and_grads(pipe, model, x))
+        pipe.close()
 
 
 class Gate(nn.Module):
@@ -979,3 +986,35 @@ def test_leaf_modules_that_name_nothing_are_refused_with_the_close_names() -> No
     alone = [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules="blocks.1")]
     assert alone == [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules=["blocks.1"])]
     assert "blocks.1" in alone
+
+
+class TiedHead(nn.Module):
+    """An embedding whose weight the head reads again (tied input and output embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.m = nn.Linear(8, 8)
+        self.n = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.n(torch.tanh(self.m(self.emb(ids)))) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_tied_weights_read_by_attribute_travel_as_a_skip(checkpoint: str) -> None:
+    """The head reading ``emb.weight`` no longer merges the chain into one layer: the weight
+    lives with ``emb`` and reaches the head as a skip, and the gradients of both uses add up
+    over every split (outputs and gradients equal the plain model's)."""
+    original = TiedHead().double()
+    ids = [torch.randint(0, 10, (6, 5)) for _ in range(2)]
+    assert [layer.name for layer in chain(copy.deepcopy(original), ids[0])] == ["emb", "m", "n"]
+    for bounds in all_splits(3, 3):
+        model, reference = copy.deepcopy(original), copy.deepcopy(original)
+        balance = [stop - start for start, stop in zip(bounds, bounds[1:])]
+        pipe = autopipe.Pipeline(chain(model, ids[0]), balance=balance, devices=["cpu"] * len(balance), chunks=3,
+                                 checkpoint=checkpoint)
+        try:
+            assert_training_matches(pipe, model, reference, ids, chunks=3, what=f"{balance}: ")
+        finally:
+            pipe.close()

@@ -51,11 +51,26 @@ def _place(traced: Traced) -> dict[fx.Node, int]:
         if node in writes:
             floor = where[node]
     last = max(layer, 0)
+    called = _called_state(traced, where)
     for node in reversed(traced.graph.nodes):
         if node.op != "output" and node not in where:
             users = [last if user.op == "output" else where[user] for user in node.users]
-            where[node] = min(users, default=0)
+            # a parameter that a module call holds too (tied weights) starts where that call is,
+            # and travels to later readers as a skip
+            held = [called[id(t)] for t in _state_of(traced.root, node)
+                    if isinstance(t, nn.Parameter) and id(t) in called]
+            where[node] = min(users + held, default=0)
     return where
+
+
+def _called_state(traced: Traced, where: dict[fx.Node, int]) -> dict[int, int]:
+    """Per tensor that a module call holds, the first layer calling it."""
+    first: dict[int, int] = {}
+    for node in traced.graph.nodes:
+        if node.op == "call_module" and node in where:
+            for tensor in _state_of(traced.root, node):
+                first[id(tensor)] = min(first.get(id(tensor), where[node]), where[node])
+    return first
 
 
 def _feeding(traced: Traced, writes: set[fx.Node]) -> set[fx.Node]:
