@@ -455,3 +455,37 @@ def test_several_cpu_devices_time_under_load_of_a_twin_chain() -> None:
     Logged.forwards = 0
     profile(model, torch.randn(2, 3), ["cpu", "cpu"], [2], **FAST, under_load=False)
     assert Logged.forwards == 2
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose weight the head reads again: the weight travels to the head as a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.m = nn.Linear(8, 8)
+        self.n = nn.Linear(8, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.n(self.m(self.emb(ids))) @ self.emb.weight.t()
+
+
+def test_a_skip_that_does_not_grow_with_the_batch_is_priced_per_micro_batch(tmp_path) -> None:
+    """A weight stashed for a tied head measures the same bytes at every size: it is recorded as
+    fixed bytes per micro-batch (per sample it was 1/b of the weight, so every micro-batch's copy
+    was priced at a fraction of it), and the planner's skip is the weight's bytes at any size."""
+    from autopipe.planning.cost import CostModel
+
+    measured = profile(_TiedHead(), torch.randint(0, 10, (8, 5)), ["cpu", "cpu"], batch_sizes=[2, 8],
+                       warmup=0, repeats=1, quiet=True)
+    weight = 10 * 8 * 4
+    emb = measured.layers[0]
+    assert list(emb.stash_fixed_bytes.values()) == [weight] and list(emb.stash_bytes.values()) == [0]
+    loaded = Profile.load(measured.save(tmp_path / "p.json"))
+    assert loaded.layers[0].stash_fixed_bytes == emb.stash_fixed_bytes
+    model = CostModel(loaded, loaded.devices, [1.0, 1.0], 8, "momentum", "local")
+    assert [list(model.at(b).skip_bytes) for b in (2, 8)] == [[weight], [weight]]
+    document = json.loads((tmp_path / "p.json").read_text())
+    del document["layers"][0]["stash_fixed_bytes"]  # a profile from before the field: per sample only
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    assert Profile.load(tmp_path / "old.json").layers[0].stash_fixed_bytes == {}

@@ -243,7 +243,8 @@ class CostModel:
                                       [bool(layer.aliases_input) for layer in layers], self.own_copies)
         return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), params,
                          _prefix([layer.buffer_bytes for layer in layers]), inputs, outputs,
-                         np.asarray([s.bytes_per_sample * b for s in self.chain.skips], dtype=float), tables)
+                         np.asarray([s.bytes_per_sample * b + s.fixed_bytes for s in self.chain.skips], dtype=float),
+                         tables)
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""

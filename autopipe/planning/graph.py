@@ -24,6 +24,7 @@ class Skip:
     stash: int
     pop: int
     bytes_per_sample: int
+    fixed_bytes: int = 0  # per micro-batch, whatever its size (a weight stashed for a tied head)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def build_graph(profile: Profile) -> nx.MultiDiGraph:
                 raise ValueError(f"skip '{name}' is popped by layer {index} ({layer.name}) but not "
                                  "stashed by an earlier layer (or popped twice); fix the skippable layers")
             size = profile.layers[source].stash_bytes.get(name, 0)
-            graph.add_edge(source, index, kind="skip", name=name, bytes=size)
+            fixed = profile.layers[source].stash_fixed_bytes.get(name, 0)
+            graph.add_edge(source, index, kind="skip", name=name, bytes=size, fixed_bytes=fixed)
     if stashed:
         raise ValueError(f"skips {sorted(stashed)} are stashed but never popped; pop them or remove the stash")
     return graph
@@ -76,6 +78,6 @@ def chain_of(graph: nx.MultiDiGraph) -> Chain:
         if data["kind"] == "main":
             output[source] = int(data["bytes"])
         else:
-            skips.append(Skip(data["name"], source, target, int(data["bytes"])))
+            skips.append(Skip(data["name"], source, target, int(data["bytes"]), int(data.get("fixed_bytes", 0))))
     skips.sort(key=lambda s: (s.stash, s.pop, s.name))
     return Chain(count, output, skips)

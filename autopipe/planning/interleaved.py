@@ -357,7 +357,7 @@ def _copy_lanes(model: CostModel, bounds: np.ndarray,
     first = np.arange(rows) * stages  # each row's first entry in flat
     apart = ~np.eye(devices, dtype=bool)  # one device copies nothing
     latency, per_byte = (np.ravel(apart * table[:devices, :devices]) for table in (model.latency, model.per_byte))
-    skips = [skip for skip in model.chain.skips if skip.bytes_per_sample > 0]
+    skips = [skip for skip in model.chain.skips if skip.bytes_per_sample > 0 or skip.fixed_bytes > 0]
     if skips:  # each layer's stage: the cuts up to it
         owner = np.zeros((rows, model.layers + 1), dtype=np.int16)
         owner[np.arange(rows)[:, None], bounds[:, 1:-1]] = 1  # a split's cuts are distinct
@@ -366,9 +366,9 @@ def _copy_lanes(model: CostModel, bounds: np.ndarray,
         src, dst = owner[:, skip.stash], owner[:, skip.pop]
         pair, back = where[src] * devices + where[dst], where[dst] * devices + where[src]
         into, out = first + dst, first + src
-        flat[0, into] += latency[pair]
+        flat[0, into] += latency[pair] + skip.fixed_bytes * per_byte[pair]
         flat[1, into] += skip.bytes_per_sample * per_byte[pair]
-        flat[2, out] += latency[back]
+        flat[2, out] += latency[back] + skip.fixed_bytes * per_byte[back]
         flat[3, out] += skip.bytes_per_sample * per_byte[back]
     return (lanes[0], lanes[2]), (lanes[1], lanes[3])
 

@@ -96,8 +96,21 @@ def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         param_count=sum(p.nelement() for p in params),
         stash=[str(k) for k in layer.stash],
         pop=[str(k) for k in layer.pop],
-        stash_bytes={name: per_sample(n, largest) for name, n in top.stash_bytes.items()},
+        **_stash_bytes(by_size, index),
     )
+
+
+def _stash_bytes(by_size: dict[int, list[Measure]], index: int) -> dict[str, dict[str, int]]:
+    """Each skip's bytes per sample, or, for one that measured the same bytes at every profiled
+    size (more than one: a weight stashed for a tied head), its fixed bytes per micro-batch."""
+    largest = max(by_size)
+    measured = {name: {b: m[index].stash_bytes[name] for b, m in by_size.items()}
+                for name in by_size[largest][index].stash_bytes}
+    fixed = {name: sizes[largest] for name, sizes in measured.items()
+             if len(sizes) > 1 and len(set(sizes.values())) == 1 and sizes[largest] > 0}
+    return {"stash_bytes": {name: 0 if name in fixed else per_sample(sizes[largest], largest)
+                            for name, sizes in measured.items()},
+            "stash_fixed_bytes": fixed}
 
 
 def _unique(tensors: Iterator[Tensor]) -> list[Tensor]:

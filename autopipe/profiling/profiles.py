@@ -79,7 +79,9 @@ class LayerProfile:
     input needs no gradient (a pipeline's first stage does not compute it either).
 
     ``output_bytes`` is per sample: every tensor the layer returns (what crosses a stage
-    boundary after it).  ``stash_bytes`` is per sample per skip name (``str(SkipKey)``).
+    boundary after it).  ``stash_bytes`` is per sample per skip name (``str(SkipKey)``);
+    ``stash_fixed_bytes`` the bytes of a skip whose size does not grow with the micro-batch (a
+    weight stashed for a tied head), per micro-batch, whatever its size.
 
     ``saved_bytes[b]`` is what autograd keeps alive for this layer's backward at micro-batch
     size ``b`` (measured with ``saved_tensors_hooks``; each storage counted once), such that the
@@ -119,6 +121,7 @@ class LayerProfile:
     stash: list[str] = field(default_factory=list)
     pop: list[str] = field(default_factory=list)
     stash_bytes: dict[str, int] = field(default_factory=dict)
+    stash_fixed_bytes: dict[str, int] = field(default_factory=dict)
     workspace_bytes: dict[int, int] = field(default_factory=dict)
     output_saved: bool | None = None
     aliases_input: bool | None = None
@@ -137,6 +140,7 @@ class LayerProfile:
             "stash": self.stash,
             "pop": self.pop,
             "stash_bytes": self.stash_bytes,
+            **({"stash_fixed_bytes": self.stash_fixed_bytes} if self.stash_fixed_bytes else {}),
             **({"workspace_bytes": {str(b): n for b, n in sorted(self.workspace_bytes.items())}}
                if self.workspace_bytes else {}),
             **({} if self.output_saved is None else {"output_saved": self.output_saved}),
@@ -158,6 +162,8 @@ class LayerProfile:
             stash=f.str_list("stash"),
             pop=f.str_list("pop"),
             stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
+            stash_fixed_bytes=({k: f.get("stash_fixed_bytes").int(k, 0) for k in f.get("stash_fixed_bytes").keys()}
+                               if f.has("stash_fixed_bytes") else {}),
             workspace_bytes=(_by_batch(f.get("workspace_bytes"), _bad, _count)
                              if f.has("workspace_bytes") else {}),
             output_saved=_flag(f, "output_saved"),
@@ -403,6 +409,9 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
         if sorted(layer.stash_bytes) != sorted(layer.stash):
             raise f.error(f"has names {sorted(layer.stash_bytes)}, expected the layer's stash "
                           f"{sorted(layer.stash)}", f"layers[{index}].stash_bytes")
+        if not set(layer.stash_fixed_bytes) <= set(layer.stash):
+            raise f.error(f"has names {sorted(layer.stash_fixed_bytes)} that are not in the layer's stash "
+                          f"{sorted(layer.stash)}", f"layers[{index}].stash_fixed_bytes")
     for index, fit in enumerate(profile.copies):
         if not (0 <= fit.src < len(profile.devices) and 0 <= fit.dst < len(profile.devices)):
             raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", f"copies[{index}]")
