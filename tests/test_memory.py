@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from autopipe import Pipeline
 from autopipe._jsonio import write_json_atomic
 from autopipe.profiling._meter import AllocationCounter
 from autopipe.bench import Trainer, measure_memory, plan_of
+from autopipe.planning._assembly import build_plan
+from autopipe.planning.cost import CostModel
+from autopipe.planning.plans import Plan
 from autopipe.profiling.profiler import profile
 from autopipe.profiling.profiles import Profile
 
@@ -147,3 +151,122 @@ def _without_memory_fields(document: dict) -> dict:
         for key in ("workspace_bytes", "output_saved", "aliases_input"):
             layer.pop(key, None)
     return document
+
+
+# -- backpressure on input gradients, and the 1F1B loss: the prediction bounds the measurement --
+
+def narrowing() -> nn.Sequential:
+    """Three Linear+ReLU pairs then a Linear to 8 outputs: with balance [6, 1] the last stage is
+    far faster than the first, so without backpressure its input gradients wait in stage 0's
+    inbox, up to one per micro-batch (each charged to the last stage, which made it)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D), nn.ReLU(),
+                         nn.Linear(D, 8))
+
+
+def measured_peaks(pipe: Pipeline, step: Callable[[], None]) -> list[int]:
+    """The pipeline's own per-stage peaks over a second step (the first makes the gradients)."""
+    for measure in (False, True):
+        pipe.zero_grad(set_to_none=True)
+        pipe.measure_memory = measure
+        step()
+    peaks = pipe.last_memory()
+    assert peaks is not None
+    return [peak.peak_bytes for peak in peaks]
+
+
+def plan_1f1b(profile_: Profile, balance: list[int], chunks: int) -> Plan:
+    """A hand-picked 1F1B plan costed by the planner's own model (as ``plan_of`` for fill-drain)."""
+    bounds = [0, balance[0], sum(balance)]
+    model = CostModel(profile_, ["cpu", "cpu"], [1.0, 1.0], profile_.batch_size, "sgd")
+    options = {"balance": balance, "chunks": chunks, "checkpoint": "never", "optimizer_state": "sgd",
+               "optimizer_state_factor": 0.0}
+    return build_plan(profile_, model, bounds, chunks, "never", options, schedule="1f1b")
+
+
+@pytest.mark.parametrize("chunks", [8, 16])
+def test_a_fast_last_stage_keeps_one_input_gradient_alive_as_predicted(chunks):
+    torch.set_num_threads(1)
+    x, y = torch.randn(BATCH, D), torch.randn(BATCH, 8)
+    prof = profile(narrowing(), x, ["cpu", "cpu"], batch_sizes=[BATCH // chunks, BATCH], warmup=0, repeats=1,
+                   quiet=True)
+    plan = plan_of(prof, ["cpu", "cpu"], [6, 1], chunks, "never", optimizer_state="sgd")
+    pipe = Pipeline(narrowing(), plan)
+    try:
+        measured = measured_peaks(pipe, lambda: nn.functional.mse_loss(pipe(x), y).backward())
+    finally:
+        pipe.close()
+    for stage, (got, bound) in enumerate(zip(measured, (s.memory_bytes for s in plan.stages))):
+        assert got <= bound, f"stage {stage}: measured {got}, predicted {bound}"
+
+
+@pytest.mark.parametrize("chunks", [8, 16])
+def test_1f1b_keeps_only_the_value_of_each_micro_batch_loss(chunks):
+    """Each micro-batch's loss with its graph would keep the last stage's input leaf and its
+    gradient until the step ends."""
+    torch.set_num_threads(1)
+    x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    prof = profile(mlp()[:4], x, ["cpu", "cpu"], batch_sizes=[BATCH // chunks, BATCH], warmup=0, repeats=1,
+                   quiet=True)
+    plan = plan_1f1b(prof, [2, 2], chunks)
+    pipe = Pipeline(mlp()[:4], plan)
+    try:
+        measured = measured_peaks(pipe, lambda: pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss))
+    finally:
+        pipe.close()
+    values = chunks * 16  # the losses' values train_step sums at the end (a scalar each), which no plan counts
+    for stage, (got, bound) in enumerate(zip(measured, (s.memory_bytes for s in plan.stages))):
+        assert got <= bound + values, f"stage {stage}: measured {got}, predicted {bound}"
+
+
+class FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed``."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if FailsInBackward.armed:
+            raise ValueError("broken backward")
+        return grad
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FailsInBackward.apply(x)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule,interleave", [("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("1f1b", 2)])
+def test_a_backward_that_raises_under_backpressure_surfaces_and_the_next_call_works(schedule, interleave):
+    """Stage 0 fails in its first backward while the later stages wait for its credits: they
+    abort, the caller gets the layer's own exception, and the next call (a new run, new credits)
+    trains as usual."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), Fails(), nn.ReLU(), nn.Linear(D, D), nn.ReLU(), nn.Linear(D, 8))
+    pipe = Pipeline(model, balance=[2, 1, 2, 1], devices=["cpu"] * (4 // interleave), chunks=8,
+                    interleave=interleave, schedule=schedule)
+    x, y = torch.randn(BATCH, D), torch.randn(BATCH, 8)
+
+    def step() -> torch.Tensor:
+        if schedule == "gpipe":
+            loss = nn.functional.mse_loss(pipe(x), y)
+            loss.backward()
+            return loss.detach()
+        return pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+
+    try:
+        FailsInBackward.armed = True
+        with pytest.raises(ValueError, match="broken backward"):
+            step()
+        FailsInBackward.armed = False
+        pipe.zero_grad(set_to_none=True)
+        assert torch.isfinite(step())
+        assert all(p.grad is not None for p in pipe.parameters())
+    finally:
+        FailsInBackward.armed = True
+        pipe.close()

@@ -22,7 +22,13 @@ from ..timeline import Event
 if TYPE_CHECKING:
     from .memory import StageMeter
 
-__all__ = ["Run", "Saved", "Loss", "Aborted"]
+__all__ = ["Run", "Saved", "Loss", "Aborted", "Credits", "GRADIENT_WINDOW"]
+
+#: Input gradients of one stage that may be alive at once: the one its previous stage is using
+#: and the one its own backward is making.  Two keep the backward pipelined (stage ``s``
+#: computes a micro-batch while stage ``s - 1`` computes the one before) and make true the
+#: planner's count of one gradient ``g`` beside a backward (:mod:`autopipe.planning.memory`).
+GRADIENT_WINDOW = 2
 
 
 class Aborted(Exception):
@@ -54,6 +60,43 @@ class Inbox:
     def wake(self) -> None:
         with self._ready:
             self._ready.notify_all()
+
+
+class Credits:
+    """Backpressure on input gradients: per stage, how many more backwards it may start.
+
+    Without it a fast stage sends the gradients of its inputs (``dy``) faster than the slower
+    stage before it uses them, and they pile up in that stage's inbox, up to one per
+    micro-batch.  Stage ``s >= 1`` takes a credit before each backward; stage ``s - 1`` gives
+    it back once its own backward of that micro-batch is done and the gradient is dropped.
+    Every stage runs its backwards in the same micro-batch order, so the credit given back is
+    always for a backward stage ``s`` already ran: the wait never forms a cycle."""
+
+    def __init__(self, run: Run, stages: int, window: int = GRADIENT_WINDOW) -> None:
+        self._run = run
+        self._changed = threading.Condition()
+        self._free = [window] * stages
+
+    def take(self, stage: int) -> None:
+        """Wait for one of ``stage``'s credits; raises :class:`Aborted` as soon as any stage has failed."""
+        with self._changed:
+            while not self._free[stage]:
+                if self._run.error is not None:
+                    raise Aborted
+                self._changed.wait()
+            if self._run.error is not None:
+                raise Aborted
+            self._free[stage] -= 1
+
+    def give(self, stage: int) -> None:
+        """Give one of ``stage``'s credits back: an input gradient of it is gone."""
+        with self._changed:
+            self._free[stage] += 1
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
 
 @dataclass
@@ -98,6 +141,7 @@ class Run:
     threads: int
     stages: int
     inboxes: list[Inbox] = field(init=False)
+    credits: Credits = field(init=False)  # of each stage's input gradients (Credits)
     saved: list[dict[int, Saved]] = field(init=False)
     outputs: dict[int, Value] = field(default_factory=dict)
     output_grads: list[list[Tensor | None]] = field(default_factory=list)
@@ -117,6 +161,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]
+        self.credits = Credits(self, self.stages)
         self.saved = [{} for _ in range(self.stages)]
         self.t0 = time.perf_counter()
         self._done = threading.Condition()
@@ -142,6 +187,7 @@ class Run:
                 self.error = error
         for inbox in self.inboxes:
             inbox.wake()
+        self.credits.wake()
 
     def begin_phase(self) -> None:
         self._pending = self.stages

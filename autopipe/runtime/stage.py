@@ -11,10 +11,11 @@ order.  For micro-batch ``j`` it
   to the next stage and each leaving skip straight to its consumer, and keeps what its
   backward needs (everything, or for a checkpointed micro-batch only the inputs and a copy
   of the stage's buffers);
-* backward: takes the gradient of its output and of each leaving skip, recomputes if
-  checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
-  on this thread, and sends each leaf's gradient back to where the leaf came from (the
-  previous stage, a skip's producer, or the caller for stage 0).
+* backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
+  at most two of them alive), the gradient of its output and of each leaving skip, recomputes
+  if checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
+  on this thread, sends each leaf's gradient back to where the leaf came from (the previous
+  stage, a skip's producer, or the caller for stage 0), and gives the next stage its credit back.
 """
 from __future__ import annotations
 
@@ -244,6 +245,22 @@ class Stage:
     # -- backward ----------------------------------------------------------------------
 
     def _backward(self, run: Run, j: int) -> None:
+        """Micro-batch ``j``'s backward, under backpressure on input gradients (:class:`~autopipe.runtime.run.Credits`).
+
+        The credit is taken before the device's turn (a stage waiting for one while holding the
+        turn would stall the stages it shares the device with) and the next stage's given back
+        once the gradient of this stage's output is dropped, when :meth:`_backward_of` returns."""
+        if self.index > 0:
+            run.credits.take(self.index)
+        self._backward_of(run, j)
+        if not self.is_last:
+            run.credits.give(self.index + 1)
+        elif run.loss is not None:
+            # train_step reads only the loss's value; its graph would keep this stage's input
+            # leaves and their gradients alive until the step ends, one set per micro-batch
+            run.outputs[j] = map_tensors(run.outputs[j], Tensor.detach)
+
+    def _backward_of(self, run: Run, j: int) -> None:
         saved = run.saved[self.index].pop(j)
         inbox = run.inboxes[self.index]
         if self.is_last and run.loss is not None:
