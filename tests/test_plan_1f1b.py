@@ -32,12 +32,15 @@ def test_1f1b_memory_by_hand() -> None:
     bounds = [0, 2, 4, 6, 8]
     never = [lane.memory for lane in model.stage_lanes(bounds, 8, "never", schedule="1f1b")]
     # per in-flight micro-batch: 2 layers x 1000 saved and the stage's 10-byte output (held for the
-    # next stage, not among its saved tensors); plus the output's 10-byte gradient in backward
+    # next stage, not among its saved tensors); plus the output's 10-byte gradient in backward and,
+    # in the steady state (a forward refills the in-flight set between backwards), the 10-byte
+    # gradient of the stage's input from the backward before, which the stage before may not
+    # have used yet (none for stage 0)
     held = [4, 3, 2, 1]
-    assert never == [n * 2010 + 10 for n in held]
+    grad_in = [0, 10, 10, 10]
+    assert never == [n * 2010 + 10 + g for n, g in zip(held, grad_in)]
     # checkpointed: one micro-batch's saved tensors, every in-flight output, the input's gradient
     # (none for stage 0) and the output's gradient beside the recomputed output (20 transient)
-    grad_in = [0, 10, 10, 10]
     always = [lane.memory for lane in model.stage_lanes(bounds, 8, "always", schedule="1f1b")]
     assert always == [2000 + n * 10 + g + 20 for n, g in zip(held, grad_in)]
     # except_last: stages with a warm-up hold the last micro-batch's saved tensors while recomputing

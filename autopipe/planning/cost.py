@@ -277,9 +277,10 @@ class CostModel:
         return self.memory_terms(costs, start, stop, chunks, mode, skip_bytes).total
 
     def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
-                     skip_bytes: Any, held: int | None = None) -> MemoryTerms:
+                     skip_bytes: Any, held: int | None = None, refilled: Any = False) -> MemoryTerms:
         """:meth:`memory` term by term (:mod:`autopipe.planning.memory`) with ``held``
-        micro-batches in flight (default all ``chunks``, as in fill-drain)."""
+        micro-batches in flight (default all ``chunks``, as in fill-drain), ``refilled`` by a
+        forward between two backwards (1F1B)."""
         first = np.asarray(start) == 0
         inputs = costs.input_bytes[start]
         return stage_memory(
@@ -290,7 +291,7 @@ class CostModel:
             backward=costs.backward_peaks.peaks(start, stop),
             checkpointed=recomputations(mode, chunks) > 0, optimizer=self.optimizer_state_factor,
             own_copies=self.own_copies,
-            received=inputs * ~first if self.relayed else 0.0)
+            received=inputs * ~first if self.relayed else 0.0, refilled=refilled)
 
     def schedule_memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                               schedule: Schedule, stage: int, stages: int) -> MemoryTerms:
@@ -298,7 +299,9 @@ class CostModel:
         ``schedule``: those of its micro-batches in flight, plus the saved tensors it holds beyond
         what that counts (bounds may be index arrays)."""
         held = in_flight(schedule, stage, stages, chunks)
-        terms = self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held)
+        refilled = (np.asarray(held) < chunks) & (schedule == "1f1b")  # a steady state: forwards between backwards
+        terms = self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held,
+                                  refilled)
         extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
         if np.any(extra):
             terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop))

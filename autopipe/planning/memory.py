@@ -116,7 +116,7 @@ class MemoryTerms:
 def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_saved: Any,
                  input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: Any,
                  checkpointed: bool, optimizer: float, own_copies: bool,
-                 received: Any = 0.0) -> MemoryTerms:
+                 received: Any = 0.0, refilled: bool = False) -> MemoryTerms:
     """The terms for a stage (or arrays of candidate stages), every byte count at size ``b``.
 
     Args:
@@ -133,6 +133,8 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         optimizer: optimizer-state bytes per parameter byte.
         own_copies: whether a received tensor is a copy in this device's memory.
         received: bytes per micro-batch of the distributed engine's receive buffer.
+        refilled: whether a forward runs between two backwards (1F1B), so a later backward
+            still finds ``in_flight`` micro-batches held, not one fewer.
     """
     extra = output * (1 - output_saved)  # O: the output, unless among the saved bytes
     gradient = input_bytes * (1 - np.asarray(first, dtype=float))  # g: the first stage's input needs none
@@ -142,9 +144,11 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         before, after = outputs, outputs + gradient
     else:
         activations, outputs, input_grad = saved * in_flight, extra * in_flight, gradient * 0.0
-        before, after = (saved + extra) * (in_flight - 1), (saved + extra) * (in_flight - 2) + gradient
+        before = (saved + extra) * (in_flight - 1)
+        after = (saved + extra) * (in_flight - 2 + refilled) + gradient
     peak = in_first + before - params  # the gradients of the first backward are in in_first
-    peak = np.where((np.asarray(in_flight) > 1) | checkpointed, np.maximum(peak, in_later + after), peak)
+    later = (np.asarray(in_flight) > 1) | checkpointed | refilled
+    peak = np.where(later, np.maximum(peak, in_later + after), peak)
     terms = dict(parameters=params, gradients=params, optimizer=optimizer * params, buffers=buffers,
                  activations=activations, outputs=outputs,
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
