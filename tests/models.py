@@ -216,3 +216,17 @@ class Regain(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.gain = self.gain * 1.5
         return x * self.gain
+
+
+class TiedHead(nn.Module):
+    """An embedding whose weight the head reads again (tied input and output embeddings): the
+    weight lives with ``emb`` and travels to the head as a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.m = nn.Linear(8, 8)
+        self.n = nn.Linear(8, 8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.n(torch.tanh(self.m(self.emb(ids)))) @ self.emb.weight.t()

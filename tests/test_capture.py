@@ -17,7 +17,7 @@ from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
 from helpers import all_splits, assert_training_matches, untimed
-from models import TinyTransformer, TwoBranch, UNet
+from models import TiedHead, TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
 
@@ -986,19 +986,6 @@ def test_leaf_modules_that_name_nothing_are_refused_with_the_close_names() -> No
     alone = [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules="blocks.1")]
     assert alone == [layer.name for layer in autopipe.chain(Blocks(), x, leaf_modules=["blocks.1"])]
     assert "blocks.1" in alone
-
-
-class TiedHead(nn.Module):
-    """An embedding whose weight the head reads again (tied input and output embeddings)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.m = nn.Linear(8, 8)
-        self.n = nn.Linear(8, 8)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.n(torch.tanh(self.m(self.emb(ids)))) @ self.emb.weight.t()
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])

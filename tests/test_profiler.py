@@ -15,7 +15,7 @@ from autopipe.model import Layer, layer_chain
 from autopipe.profiling.profiler import ProfileError, fit_copy, profile
 from autopipe.profiling.profiles import Profile
 from autopipe.model.skip import SkipTracker, skippable, stash, use_skip_tracker
-from models import Add
+from models import Add, TiedHead
 
 FAST = {"warmup": 0, "repeats": 1, "copy_sizes": (4096, 65536), "quiet": True}
 F32 = 4
@@ -457,26 +457,13 @@ def test_several_cpu_devices_time_under_load_of_a_twin_chain() -> None:
     assert Logged.forwards == 2
 
 
-class _TiedHead(nn.Module):
-    """An embedding whose weight the head reads again: the weight travels to the head as a skip."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 8)
-        self.m = nn.Linear(8, 8)
-        self.n = nn.Linear(8, 8)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.n(self.m(self.emb(ids))) @ self.emb.weight.t()
-
-
 def test_a_skip_that_does_not_grow_with_the_batch_is_priced_per_micro_batch(tmp_path) -> None:
     """A weight stashed for a tied head measures the same bytes at every size: it is recorded as
     fixed bytes per micro-batch (per sample it was 1/b of the weight, so every micro-batch's copy
     was priced at a fraction of it), and the planner's skip is the weight's bytes at any size."""
     from autopipe.planning.cost import CostModel
 
-    measured = profile(_TiedHead(), torch.randint(0, 10, (8, 5)), ["cpu", "cpu"], batch_sizes=[2, 8],
+    measured = profile(TiedHead(), torch.randint(0, 10, (8, 5)), ["cpu", "cpu"], batch_sizes=[2, 8],
                        warmup=0, repeats=1, quiet=True)
     weight = 10 * 8 * 4
     emb = measured.layers[0]
