@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +14,7 @@ from .device import resolve_devices
 from .errors import OptionError
 from .model.fingerprint import check_made_for
 from .model import Layer, layer_chain
+from .model.layers import training_flags
 from .profiling.profiler import check_sample, profile as measure, sample_tensors
 from .profiling.profiles import Profile
 from .runtime import Pipeline
@@ -71,7 +72,9 @@ def partition(
     """
     check_keywords("partition", plan_options, _PLAN_OPTIONS)
     resolved = resolve_devices(devices)
-    with _training(model):
+    # a partition plans training: the chain is captured (torch.export keeps the mode it sees) and
+    # profiled as it trains, also for a model in eval mode (transformers' from_pretrained returns one)
+    with training_flags(model, lambda _: True) if isinstance(model, nn.Module) else nullcontext():
         layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
         inputs = sample_tensors(layers, sample_input)
         plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))
@@ -80,21 +83,6 @@ def partition(
         plan_options["replicas"] = 1  # replicas defer batch norm, which an exported graph's cannot
     chosen = choose_plan(measured, resolved, **plan_options)
     return Pipeline(layers, chosen, deferred_batch_norm=deferred_batch_norm)
-
-
-@contextmanager
-def _training(model: nn.Module) -> Iterator[None]:
-    """``model`` in train mode meanwhile, each module's own flag restored after: a partition plans
-    training, so the chain is captured (torch.export keeps the mode it sees) and profiled as it
-    trains, also for a model in eval mode (transformers' ``from_pretrained`` returns one)."""
-    modes = [(m, m.training) for m in model.modules()] if isinstance(model, nn.Module) else []
-    for module, _ in modes:
-        module.training = True
-    try:
-        yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
 
 
 def _sample_batch(inputs: tuple[Tensor, ...], asked: object) -> int:

@@ -6,8 +6,9 @@ Skippable layers carry the keys they stash and pop, which are the skip edges of 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
@@ -16,7 +17,7 @@ from .skip import SkipKey, skip_keys
 
 __all__ = [
     "Chain", "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers",
-    "sequential_units", "positions", "resnet_layers", "is_torchvision_resnet",
+    "sequential_units", "positions", "resnet_layers", "is_torchvision_resnet", "training_flags",
 ]
 
 
@@ -54,6 +55,20 @@ class Chain(list):  # type: ignore[type-arg]
     def of(model: nn.Module, layers: Sequence[Layer]) -> Chain:
         """``layers`` of ``model``, with its modules' order."""
         return Chain(layers, [path for path, _ in model.named_modules(remove_duplicate=False)])
+
+
+@contextmanager
+def training_flags(model: nn.Module, new: Callable[[bool], bool]) -> Iterator[None]:
+    """Every module's own ``training`` flag set to ``new(flag)`` inside the block and each put back
+    after (not ``train()``: a frozen submodule in eval mode keeps its place in the model's modes)."""
+    flags = [(module, module.training) for module in model.modules()]
+    for module, flag in flags:
+        module.training = new(flag)
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
 
 
 def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:

@@ -76,8 +76,20 @@ def _pick(origin: Origin, inputs: list[_Tensor], made: list[_Tensor]) -> _Tensor
     return _Tensor(None, 0)
 
 
-def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
-                   saved: dict[int, list[int]]) -> LayerProfile:
+def attributed(by_size: dict[int, list[Measure]]) -> tuple[dict[int, list[int]], list[bool]]:
+    """Per size, each layer's saved bytes (:func:`attribute`), and each layer's output flag at
+    the largest size (:func:`outputs_saved`): the chain's tensors followed once for each."""
+    return {b: attribute(measures) for b, measures in by_size.items()}, outputs_saved(by_size[max(by_size)])
+
+
+def layer_profiles(layers: list[Layer], by_size: dict[int, list[Measure]]) -> list[LayerProfile]:
+    """Every layer's profile from its measures at each size."""
+    saved, flags = attributed(by_size)
+    return [_layer_profile(layer, i, by_size, saved, flags[i]) for i, layer in enumerate(layers)]
+
+
+def _layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
+                   saved: dict[int, list[int]], output_saved: bool) -> LayerProfile:
     largest = max(by_size)
     top = by_size[largest][index]
     params = _unique(layer.module.parameters())
@@ -89,7 +101,7 @@ def layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         output_bytes=per_sample(top.output_bytes, largest),
         saved_bytes={b: counts[index] for b, counts in saved.items()},
         workspace_bytes={b: m[index].workspace for b, m in by_size.items()},
-        output_saved=outputs_saved(by_size[largest])[index],
+        output_saved=output_saved,
         aliases_input=top.aliases_input,
         param_bytes=sum(nbytes(p) for p in params),
         buffer_bytes=sum(nbytes(t) for t in _unique(layer.module.buffers())),

@@ -33,7 +33,7 @@ from .._checks import is_positive_int
 from ..errors import OptionError, ProfileError
 from ..model import Layer, layer_chain, sample_arguments
 from ..model.fingerprint import environment_fingerprint, model_fingerprint
-from ._attribution import attribute, layer_profile, per_sample
+from ._attribution import layer_profiles, per_sample
 from ._copies import DEFAULT_COPY_SIZES, fit_copy, measure_copies
 from ._layer_runs import LayerRun, Measure, nbytes, record_size
 from ._load import Load, time_passes
@@ -114,7 +114,6 @@ def profile(
         reductions = measure_reduction(resolved, repeats=repeats, warmup=warmup)
     finally:
         progress.close()
-    saved = {b: attribute(measures) for b, measures in by_size.items()}
     return Profile(
         model=model_fingerprint(layers),
         environment={**environment_fingerprint(resolved), "timed_under_load": under_load},
@@ -123,7 +122,7 @@ def profile(
         input_bytes=sum(per_sample(nbytes(t), batch) for t in inputs),
         batch_size=batch,
         batch_sizes=list(by_size),
-        layers=[layer_profile(layer, i, by_size, saved) for i, layer in enumerate(layers)],
+        layers=layer_profiles(layers, by_size),
         copies=copies,
         reductions=reductions,
     )

@@ -161,14 +161,18 @@ class LayerProfile:
             param_count=f.int("param_count", 0),
             stash=f.str_list("stash"),
             pop=f.str_list("pop"),
-            stash_bytes={k: f.get("stash_bytes").int(k, 0) for k in f.get("stash_bytes").keys()},
-            stash_fixed_bytes=({k: f.get("stash_fixed_bytes").int(k, 0) for k in f.get("stash_fixed_bytes").keys()}
-                               if f.has("stash_fixed_bytes") else {}),
+            stash_bytes=_by_name(f.get("stash_bytes")),
+            stash_fixed_bytes=_by_name(f.get("stash_fixed_bytes")) if f.has("stash_fixed_bytes") else {},
             workspace_bytes=(_by_batch(f.get("workspace_bytes"), _bad, _count)
                              if f.has("workspace_bytes") else {}),
             output_saved=_flag(f, "output_saved"),
             aliases_input=_flag(f, "aliases_input"),
         )
+
+
+def _by_name(f: Fields) -> dict[str, int]:
+    """A table of non-negative byte counts by skip name."""
+    return {name: f.int(name, 0) for name in f.keys()}
 
 
 def _flag(f: Fields, key: str) -> bool | None:

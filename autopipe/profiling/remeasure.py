@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..device import ops_for
 from ..model import layer_chain
 from ..model.fingerprint import first_difference, model_fingerprint
-from ._attribution import attribute, outputs_saved
+from ._attribution import attributed
 from ._layer_runs import record_size
 from ._progress import Progress
 from .profiler import _untouched
@@ -52,8 +52,7 @@ def remeasure_memory(profile: Profile, model: nn.Module, sample_input: Tensor, *
                        for b in profile.batch_sizes}
     finally:
         progress.close()
-    saved = {b: attribute(measures) for b, measures in by_size.items()}
-    flags = outputs_saved(by_size[max(by_size)])
+    saved, flags = attributed(by_size)
     return dataclasses.replace(profile, layers=[
         dataclasses.replace(layer, saved_bytes={b: saved[b][i] for b in by_size},
                             workspace_bytes={b: by_size[b][i].workspace for b in by_size},

@@ -49,6 +49,11 @@ from .turns import Turns
 __all__ = ["Pipeline", "undeferrable"]
 
 
+#: The manual form's options that a plan would set, and their values without one (torchgpipe's).
+_MANUAL_DEFAULTS: dict[str, Any] = {"chunks": 1, "checkpoint": "except_last", "interleave": 1, "replicas": 1,
+                                    "schedule": "gpipe", "turns": "depth_first"}
+
+
 class Pipeline(nn.Module):
     """A model run as a pipeline of stages, one worker thread per stage.
 
@@ -173,9 +178,8 @@ class Pipeline(nn.Module):
             raise TypeError("give a plan, or balance=[layers per stage] (and devices=[...])")
         else:
             layers = balance_units(model)
-            chunks, interleave, replicas = (1 if v is None else v for v in (chunks, interleave, replicas))
-            checkpoint = "except_last" if checkpoint is None else checkpoint
-            schedule, turns = schedule or "gpipe", turns or "depth_first"
+            chunks, checkpoint, interleave, replicas, schedule, turns = (
+                _MANUAL_DEFAULTS[name] if manual[name] is None else manual[name] for name in _MANUAL_DEFAULTS)
         _check(layers, list(balance), chunks, checkpoint, interleave, replicas, schedule, turns)
         per_replica = len(balance) // interleave
         resolved = resolve_devices(devices if devices is not None else ["cpu"] * (per_replica * replicas))

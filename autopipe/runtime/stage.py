@@ -63,7 +63,8 @@ class Stage:
         self.routes = routes
         self.neighbours = neighbours  # every stage, by index, for sending
         self.random = RandomGuard(device)
-        self.deferred = [m for module in self.modules for m in module.modules() if isinstance(m, DeferredBatchNorm)]
+        self.submodules = [m for module in self.modules for m in module.modules()]
+        self.deferred = [m for m in self.submodules if isinstance(m, DeferredBatchNorm)]
         # what a checkpointed micro-batch keeps a copy of: the buffers later forwards may change
         # before its recomputation (a deferred batch norm's statistics change only at a step's end)
         self.replayed = buffer_slots(self.modules, skip={id(bn) for bn in self.deferred})
@@ -74,7 +75,6 @@ class Stage:
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
-        self.submodules = [m for module in self.modules for m in module.modules()]
 
     @property
     def buffers(self) -> dict[str, Tensor]:

@@ -16,7 +16,7 @@ from torch import fx, nn
 from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
-from ..layers import ChainError
+from ..layers import ChainError, training_flags
 
 __all__: list[str] = []
 
@@ -313,24 +313,11 @@ def _same_in_both_modes(model: nn.Module, leaves: LeafRule, defaults: dict[str, 
     modules (``nn.Dropout``, ``nn.BatchNorm2d``) are calls in the graph, so their modes stay free;
     only a forward traced through that reads ``self.training`` bakes one mode in."""
     try:
-        with _flags_flipped(model):
+        with training_flags(model, lambda flag: not flag):
             other = _graph(model, _Tracer(leaves), defaults)
     except Exception:  # noqa: BLE001 - the other mode's forward does not even trace: it differs
         return False
     return other.python_code("self").src == graph.python_code("self").src
-
-
-@contextlib.contextmanager
-def _flags_flipped(model: nn.Module) -> Iterator[None]:
-    """Every module's own ``training`` flag negated inside the block, each put back after."""
-    flags = [(module, module.training) for module in model.modules()]
-    for module, flag in flags:
-        module.training = not flag
-    try:
-        yield
-    finally:
-        for module, flag in flags:
-            module.training = flag
 
 
 @contextlib.contextmanager
