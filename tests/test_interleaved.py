@@ -332,7 +332,9 @@ def test_breadth_first_by_hand() -> None:
 def test_planner_records_the_faster_turn_rule_and_the_runtime_follows_it() -> None:
     rng = random.Random(11)
     chosen_rules = set()
-    for _ in range(12):
+    for _ in range(60):  # under the gradient window breadth-first wins about one in twelve
+        if len(chosen_rules) == 2:
+            break
         profile = random_profile(rng, rng.randint(4, 8), 2)
         chosen = plan(profile, interleave=2, time_limit=None)
         stages = [StageLanes(s.forward_ms, s.backward_ms, s.recompute_ms, s.copy_in_ms, s.copy_grad_ms, 0.0)

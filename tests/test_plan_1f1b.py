@@ -34,12 +34,12 @@ def test_1f1b_memory_by_hand() -> None:
     # per in-flight micro-batch: 2 layers x 1000 saved and the stage's 10-byte output (held for the
     # next stage, not among its saved tensors); plus the output's 10-byte gradient in backward and,
     # in the steady state (a forward refills the in-flight set between backwards), the 10-byte
-    # gradient of the stage's input from the backward before, which the stage before may not
-    # have used yet (none for stage 0)
+    # gradients of the stage's input from the two backwards before (the runtime's window of
+    # three), which the stage before may not have used yet (none for stage 0)
     held = [4, 3, 2, 1]
-    grad_in = [0, 10, 10, 10]
+    grad_in = [0, 20, 20, 20]
     assert never == [n * 2010 + 10 + g for n, g in zip(held, grad_in)]
-    # checkpointed: one micro-batch's saved tensors, every in-flight output, the input's gradient
+    # checkpointed: one micro-batch's saved tensors, every in-flight output, the input's gradients
     # (none for stage 0) and the output's gradient beside the recomputed output (20 transient)
     always = [lane.memory for lane in model.stage_lanes(bounds, 8, "always", schedule="1f1b")]
     assert always == [2000 + n * 10 + g + 20 for n, g in zip(held, grad_in)]

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from autopipe.planning.cost import StageLanes, phase_makespan
+from autopipe.planning.schedules import GRADIENT_WINDOW
 from autopipe.planning.simulate import simulate
 from autopipe.timeline import render
 
@@ -22,6 +23,8 @@ def random_stages(rng: random.Random, count: int, chunks: int, mode: str) -> lis
 
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
 def test_closed_form_equals_simulator(mode):
+    """One stage per device, fill-drain, any copies: the runtime's gradient window (three) never
+    holds a backward back beyond the flow shop's own waits."""
     rng = random.Random(mode)
     for _ in range(300):
         chunks = rng.randint(1, 8)
@@ -30,6 +33,44 @@ def test_closed_form_equals_simulator(mode):
         simulation = simulate(stages, chunks, mode)
         assert simulation.forward_ms == pytest.approx(forward, abs=1e-9)
         assert simulation.backward_ms == pytest.approx(backward, abs=1e-9)
+
+
+def test_a_window_of_two_would_delay_a_gradient_copy_by_hand():
+    """Backwards of 2 ms on both stages, the gradient's copy 2 ms, four micro-batches (no
+    forward work).  Without a window: stage 1 runs B3 B2 B1 B0 from 0 to 8, each copy follows,
+    stage 0 runs B3 at 4 ... B0 until 12.  With two: stage 1's B1 waits for stage 0's B3
+    (ends at 6), B0 for its B2 (8), so stage 0 ends at 14.  With three (the runtime's) B0 waits
+    for stage 0's B3 (6), which it passes anyway: 12."""
+    stages = [StageLanes(0.0, 2.0, 0.0, 0.0, 2.0, 0.0), StageLanes(0.0, 2.0, 0.0, 0.0, 0.0, 0.0)]
+    times = {window: simulate(stages, 4, "never", window=window).iteration_ms for window in (None, 2, 3)}
+    assert times == {None: pytest.approx(12.0), 2: pytest.approx(14.0), 3: pytest.approx(12.0)}
+    events = simulate(stages, 4, "never", window=2).events
+    starts = {(e.stage, e.kind, e.micro_batch): e.start_ms for e in events}
+    assert starts[(1, "B", 1)] == pytest.approx(6.0) and starts[(1, "B", 0)] == pytest.approx(8.0)
+    assert simulate(stages, 4, "never").iteration_ms == times[GRADIENT_WINDOW]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_no_backward_starts_before_its_credit(schedule):
+    """Random lanes, stages sharing devices, either turn rule: stage ``s``'s ``k``-th backward
+    starts after stage ``s - 1``'s ``(k - W)``-th ends (the runtime's backpressure, which also
+    makes these plans slower than without it, sometimes)."""
+    rng = random.Random(schedule)
+    slower = 0
+    for _ in range(150):
+        chunks, count = rng.randint(1, 8), 2 * rng.randint(1, 3)
+        stages = random_stages(rng, count, chunks, "never")
+        placement = [s % (count // 2) for s in range(count)]
+        turns = rng.choice(["depth_first", "breadth_first"])
+        simulation = simulate(stages, chunks, "never", placement, schedule, turns)
+        backwards = {s: sorted((e.start_ms, e.end_ms) for e in simulation.events if e.stage == s and e.kind == "B")
+                     for s in range(count)}
+        for s in range(1, count):
+            for k in range(GRADIENT_WINDOW, len(backwards[s])):
+                assert backwards[s][k][0] >= backwards[s - 1][k - GRADIENT_WINDOW][1] - 1e-9
+        free = simulate(stages, chunks, "never", placement, schedule, turns, window=None)
+        slower += simulation.iteration_ms > free.iteration_ms + 1e-9
+    assert slower > 0
 
 
 def test_simulated_events_by_hand():

@@ -19,11 +19,12 @@ stage's last layer it comes from the next stage)::
 
 In the first micro-batch's backward the gradients do not all exist yet: those of layers after
 ``l`` and ``l``'s own.  After it, every gradient exists and each finished micro-batch has freed
-its bytes, leaving the gradient of its input ``g`` with the previous stage.  So the peak is the
-larger of::
+its bytes, leaving gradients of its input ``g`` with the previous stage: ``W - 1`` of them
+(:data:`~autopipe.planning.schedules.GRADIENT_WINDOW` ``W``, the runtime's backpressure: one the
+stage before is using, one on its way).  So the peak is the larger of::
 
     first  P + opt·P + buffers + P(l..c) + (n-1)·H + max_l backward_l
-    later  P + P + opt·P + buffers + (n-2)·H + g + max_l backward_l       (n ≥ 2)
+    later  P + P + opt·P + buffers + (n-2)·H + (W-1)·g + max_l backward_l       (n ≥ 2)
 
 and, checkpointed, ``n·out`` (the outputs in flight) in place of ``(n-1)·H`` and ``(n-2)·H``.
 On devices with memory of their own, ``n`` copies of the input and of the skips received are
@@ -58,6 +59,7 @@ import numpy as np
 from ..errors import OptionError
 from ..profiling.profiles import LayerProfile
 from ._arrays import power_spans
+from .schedules import GRADIENT_WINDOW
 
 __all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor", "BackwardTables",
            "RangeMax", "estimated_workspace", "output_saved_flags"]
@@ -137,7 +139,8 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
             still finds ``in_flight`` micro-batches held, not one fewer.
     """
     extra = output * (1 - output_saved)  # O: the output, unless among the saved bytes
-    gradient = input_bytes * (1 - np.asarray(first, dtype=float))  # g: the first stage's input needs none
+    # (W-1)·g: the first stage's input needs none
+    gradient = input_bytes * (1 - np.asarray(first, dtype=float)) * (GRADIENT_WINDOW - 1)
     in_first, in_later = backward
     if checkpointed:
         activations, outputs, input_grad = saved, output * in_flight, gradient

@@ -20,6 +20,10 @@ backward of micro-batch 0 precedes its forward of micro-batch 1), so the runtime
 through :meth:`autopipe.Pipeline.train_step`.  Stages sharing a device (an interleaved plan)
 each keep their own order; the device serves them by :func:`priority` under the plan's turn
 rule, whichever the planner predicts faster.
+
+Backwards are also held back by :data:`GRADIENT_WINDOW` ``W``: stage ``s``'s ``k``-th backward
+starts only once stage ``s - 1`` has finished its ``(k - W)``-th (every stage runs its backwards
+in the same micro-batch order), so at most ``W`` gradients of a stage's input are alive.
 """
 from __future__ import annotations
 
@@ -29,11 +33,22 @@ import numpy as np
 
 from .._vocab import SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
-__all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "TurnRule", "order", "in_flight", "saved_sets", "priority",
-           "checkpointed"]
+__all__ = ["Schedule", "SCHEDULES", "Task", "TURN_RULES", "TurnRule", "GRADIENT_WINDOW", "order", "in_flight",
+           "saved_sets", "priority", "checkpointed"]
 
 #: one task of a stage: ``("F" | "B", micro-batch)``.
 Task = tuple[str, int]
+
+#: Input gradients of one stage that may be alive at once (the runtime holds backwards to it,
+#: :class:`autopipe.runtime.run.Credits`, and the simulator too): the one its previous stage is
+#: using, one on its way there and the one its own backward is making.  Three is the least that
+#: never delays one stage per device under fill-drain, whatever the copies take: over three
+#: micro-batches the wait's loop (``B`` on ``s``, its gradient's copy, ``B`` on ``s - 1``) is no
+#: longer than three turns of the slowest of those lanes, so the flow shop of
+#: :mod:`autopipe.planning.cost` stays exact (tests/test_simulate.py); with two, a gradient copy
+#: longer than the two backwards differ delays every second micro-batch.  The memory model counts
+#: ``W - 1`` finished gradients beside a backward (:mod:`autopipe.planning.memory`).
+GRADIENT_WINDOW = 3
 
 
 def order(schedule: str, stage: int, stages: int, chunks: int) -> list[Task]:

@@ -1,7 +1,9 @@
 """An event simulator of a schedule: the per-stage timeline the cost model predicts.
 
 Each stage's worker runs its tasks in the schedule's order (:func:`~autopipe.planning.schedules.order`);
-a task starts when the worker is free, its input has arrived and its device is free.  Inputs
+a task starts when the worker is free, its input has arrived and its device is free; a
+backward also waits for the one :data:`~autopipe.planning.schedules.GRADIENT_WINDOW` places
+before it on the stage before (the runtime's backpressure on input gradients).  Inputs
 arrive on copy lanes, each a resource of its own that serves its copies in order: ``C`` into
 stage ``s`` after stage ``s-1``'s forward, ``G`` into stage ``s`` after stage ``s+1``'s
 backward (skips are priced into these lanes, :mod:`autopipe.planning.cost`).  Stages placed on
@@ -25,7 +27,7 @@ from typing import Sequence
 from .._vocab import CheckpointMode, Lane, Schedule, TurnRule
 from .cost import CostModel, Evaluation, StageLanes
 from .plans import Plan
-from .schedules import checkpointed, order, priority
+from .schedules import GRADIENT_WINDOW, checkpointed, order, priority
 from ..timeline import Event
 
 __all__ = ["Simulation", "simulate", "simulate_plan", "evaluate"]
@@ -47,29 +49,35 @@ class Simulation:
         return self.forward_ms + self.backward_ms
 
 
+# A task of a lane, named by what it makes: ``(kind, stage, micro-batch)``.
+_Task = tuple[str, int, int]
+
+
 @dataclass
 class _Lane:
     """A worker or copy lane: its tasks in order, each ``(kind, micro-batch, duration, the
-    task it waits for)``, and the resource it uses (a device index, or its own negative id)."""
+    tasks it waits for)``, and the resource it uses (a device index, or its own negative id)."""
 
     stage: int
     lane: Lane
     resource: int
-    tasks: list[tuple[str, int, float, tuple[str, int, int] | None]] = field(default_factory=list)
+    tasks: list[tuple[str, int, float, tuple[_Task, ...]]] = field(default_factory=list)
     done: int = 0
 
 
 def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMode,
              placement: Sequence[int] | None = None, schedule: Schedule = "gpipe",
-             turns: TurnRule = "depth_first", timeline: bool = True) -> Simulation:
+             turns: TurnRule = "depth_first", timeline: bool = True,
+             window: int | None = GRADIENT_WINDOW) -> Simulation:
     """Run one iteration of ``schedule`` over ``chunks`` micro-batches.
 
     ``placement[s]`` is stage ``s``'s device (default: stage ``s`` on device ``s``); ``turns``
     the rule of a shared device (:func:`~autopipe.planning.schedules.priority`); without
     ``timeline`` the simulation keeps no events, only the phase lengths (what pricing a split
-    needs: a fifth faster at a thousand layers)."""
+    needs: a fifth faster at a thousand layers); ``window``: the input gradients a stage may
+    have alive (``None``: any number, the flow shop of :mod:`autopipe.planning.cost`)."""
     where = list(range(len(stages))) if placement is None else list(placement)
-    lanes = _lanes(stages, chunks, checkpoint, where, schedule)
+    lanes = _lanes(stages, chunks, checkpoint, where, schedule, window)
     events, finished = _run(lanes, turns, timeline)
     forward_end = max((t for (kind, _, _), t in finished.items() if kind in "FC"), default=0.0)
     end = max(finished.values(), default=0.0)
@@ -77,32 +85,37 @@ def simulate(stages: Sequence[StageLanes], chunks: int, checkpoint: CheckpointMo
 
 
 def _lanes(stages: Sequence[StageLanes], chunks: int, checkpoint: str, where: list[int],
-           schedule: str) -> dict[tuple[str, int], _Lane]:
+           schedule: str, window: int | None) -> dict[tuple[str, int], _Lane]:
     """Every stage's worker lane (``"compute"``) and copy lanes (``"C"`` and ``"G"``, in the
-    order their sender produces), keyed by ``(lane, stage)``; each task names the task it
+    order their sender produces), keyed by ``(lane, stage)``; each task names the tasks it
     waits for as ``(kind, stage, micro-batch)``."""
     count = len(stages)
     lanes: dict[tuple[str, int], _Lane] = {}
     for s, stage in enumerate(stages):
         work = lanes[("compute", s)] = _Lane(s, "compute", where[s])
+        backwards: list[int] = []  # the micro-batches of its backwards so far
         for kind, j in order(schedule, s, count, chunks):
             if kind == "F":
-                work.tasks.append(("F", j, stage.forward, ("C", s, j) if s > 0 else None))
+                work.tasks.append(("F", j, stage.forward, (("C", s, j),) if s > 0 else ()))
             else:
                 recompute = stage.recompute if checkpointed(checkpoint, j, chunks) else 0.0
-                work.tasks.append(("B", j, stage.backward + recompute, ("G", s, j) if s < count - 1 else None))
+                needs = (("G", s, j),) if s < count - 1 else ()
+                if s > 0 and window is not None and len(backwards) >= window:
+                    needs += (("B", s - 1, backwards[-window]),)  # the credit the stage before gives back
+                backwards.append(j)
+                work.tasks.append(("B", j, stage.backward + recompute, needs))
     for s, stage in enumerate(stages):
         for kind, sender, duration in (("C", s - 1, stage.copy_in), ("G", s + 1, stage.copy_grad)):
             if 0 <= sender < count:
                 lane = lanes[(kind, s)] = _Lane(s, "copy", -len(lanes) - 1)
                 made = "F" if kind == "C" else "B"
-                lane.tasks = [(kind, j, duration, (made, sender, j))
+                lane.tasks = [(kind, j, duration, ((made, sender, j),))
                               for task, j, _, _ in lanes[("compute", sender)].tasks if task == made]
     return lanes
 
 
 def _run(lanes: dict[tuple[str, int], _Lane], turns: str,
-         timeline: bool = True) -> tuple[list[Event], dict[tuple[str, int, int], float]]:
+         timeline: bool = True) -> tuple[list[Event], dict[_Task, float]]:
     """List-schedule the lanes' tasks; returns the events (of tasks that take time; none
     without ``timeline``) and the end of every task.
 
@@ -110,8 +123,8 @@ def _run(lanes: dict[tuple[str, int], _Lane], turns: str,
     priority)``.  A lane waits in the heap once its next task's input is there; a key only
     grows (when another lane takes the resource), so a stale key is recomputed on pop and
     pushed back."""
-    finished: dict[tuple[str, int, int], float] = {}  # (task kind, stage, micro-batch) → end
-    waiting: dict[tuple[str, int, int], tuple[str, int]] = {}  # missing input → lane that needs it
+    finished: dict[_Task, float] = {}  # (task kind, stage, micro-batch) → end
+    waiting: dict[_Task, list[tuple[str, int]]] = {}  # a missing input → the lanes that wait for it
     free = {lane.resource: 0.0 for lane in lanes.values()}
     ends = {name: 0.0 for name in lanes}
     heap: list[tuple[float, bool, tuple[int, int], tuple[str, int]]] = []
@@ -121,11 +134,11 @@ def _run(lanes: dict[tuple[str, int], _Lane], turns: str,
         lane = lanes[name]
         if lane.done == len(lane.tasks):
             return
-        needs = lane.tasks[lane.done][3]
-        if needs is None or needs in finished:
-            heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
+        missing = [task for task in lane.tasks[lane.done][3] if task not in finished]
+        if missing:
+            waiting.setdefault(missing[0], []).append(name)
         else:
-            waiting[needs] = name
+            heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
 
     for name in lanes:
         offer(name)
@@ -146,17 +159,17 @@ def _run(lanes: dict[tuple[str, int], _Lane], turns: str,
         made = (kind, lane.stage, j)
         finished[made] = finish
         offer(name)
-        if made in waiting:
-            offer(waiting.pop(made))
+        for other in waiting.pop(made, []):
+            offer(other)
     return events, finished
 
 
 def _key(lanes: dict[tuple[str, int], _Lane], name: tuple[str, int], free: dict[int, float],
-         ends: dict[tuple[str, int], float], finished: dict[tuple[str, int, int], float],
+         ends: dict[tuple[str, int], float], finished: dict[_Task, float],
          turns: str) -> tuple[float, bool, tuple[int, int], tuple[str, int]]:
     lane = lanes[name]
     kind, _, _, needs = lane.tasks[lane.done]
-    ready = max(ends[name], finished[needs] if needs is not None else 0.0)
+    ready = max([ends[name], *(finished[task] for task in needs)])
     return max(free[lane.resource], ready), lane.resource >= 0, priority(lane.stage, kind, turns), name
 
 

@@ -17,18 +17,13 @@ from .aliases import Marks
 from .checkpoint import RngStates
 from .microbatch import Value, tensors_of
 from ..model.skip import SkipKey
+from ..planning.schedules import GRADIENT_WINDOW
 from ..timeline import Event
 
 if TYPE_CHECKING:
     from .memory import StageMeter
 
-__all__ = ["Run", "Saved", "Loss", "Aborted", "Credits", "GRADIENT_WINDOW"]
-
-#: Input gradients of one stage that may be alive at once: the one its previous stage is using
-#: and the one its own backward is making.  Two keep the backward pipelined (stage ``s``
-#: computes a micro-batch while stage ``s - 1`` computes the one before) and make true the
-#: planner's count of one gradient ``g`` beside a backward (:mod:`autopipe.planning.memory`).
-GRADIENT_WINDOW = 2
+__all__ = ["Run", "Saved", "Loss", "Aborted", "Credits"]
 
 
 class Aborted(Exception):

@@ -12,7 +12,7 @@ order.  For micro-batch ``j`` it
   backward needs (everything, or for a checkpointed micro-batch only the inputs and a copy
   of the stage's buffers);
 * backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
-  at most two of them alive), the gradient of its output and of each leaving skip, recomputes
+  at most ``GRADIENT_WINDOW`` of them alive), the gradient of its output and of each leaving skip, recomputes
   if checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
   on this thread, sends each leaf's gradient back to where the leaf came from (the previous
   stage, a skip's producer, or the caller for stage 0), and gives the next stage its credit back.
