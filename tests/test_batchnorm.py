@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import autopipe
 from autopipe.runtime.batchnorm import DeferredBatchNorm
@@ -101,3 +102,68 @@ def test_a_top_level_batch_norm_stays_the_models(options: dict) -> None:
     with torch.no_grad():
         assert_close(pipe(x), model(x), "eval output")
     assert torch.equal(model[1].running_mean, before)
+
+
+class TwiceNormalised(nn.Module):
+    """One batch norm called twice in a forward (a weight-shared block)."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3, momentum=momentum)
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(self.linear(torch.tanh(self.bn(x))))
+
+
+def at_two_positions(momentum: float | None) -> nn.Sequential:
+    bn = nn.BatchNorm1d(3, momentum=momentum)
+    return nn.Sequential(nn.Linear(3, 3), bn, nn.Tanh(), bn, nn.Linear(3, 3))
+
+
+def twice_in_a_layer(momentum: float | None) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 3), TwiceNormalised(momentum), nn.Linear(3, 3))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "make,momentum,options",
+    [
+        (at_two_positions, 0.1, {"balance": [4, 1], "chunks": 1, "deferred_batch_norm": True}),
+        (at_two_positions, None, {"balance": [4, 1], "chunks": 3, "deferred_batch_norm": True}),
+        (twice_in_a_layer, 0.1, {"balance": [2, 1], "chunks": 2, "replicas": 2}),
+        (twice_in_a_layer, None, {"balance": [2, 1], "chunks": 2, "deferred_batch_norm": True,
+                                  "checkpoint": "always"}),
+    ],
+)
+def test_a_batch_norm_called_twice_per_forward_updates_twice(make: Any, momentum: float | None,
+                                                            options: dict) -> None:
+    """A batch norm called twice in each forward updates its running statistics twice per step,
+    in call order, as the plain model does: each call's from its micro-batches' statistics
+    together (one update from both calls' statistics pooled gave other statistics and half the
+    ``num_batches_tracked``).  With one micro-batch and one replica that is the plain model's
+    step itself; otherwise the reference is a plain batch norm run on each call's inputs of
+    every micro-batch, in call order."""
+    model = make(momentum).double()
+    per_micro_batch = copy.deepcopy(model)
+    prefix, bn = next((f"{name}.", m) for name, m in per_micro_batch.named_modules() if isinstance(m, nn.BatchNorm1d))
+    pooled = copy.deepcopy(bn)
+    inputs: list[Tensor] = []
+    bn.register_forward_pre_hook(lambda _, args: inputs.append(args[0].detach()))
+    replicas = options.get("replicas", 1)
+    pipe = autopipe.Pipeline(model, devices=["cpu"] * (2 * replicas), **options)
+    for _ in range(2):
+        x = torch.randn(12, 3, dtype=torch.float64) * 3 + 1
+        out = pipe(x)
+        g = torch.randn_like(out)
+        (out * g).sum().backward()
+        inputs.clear()
+        assert_close(out, reference_step(per_micro_batch, x, g, options["chunks"], replicas), "output")
+        for call in range(2):  # every micro-batch's forward called it twice
+            pooled(torch.cat(inputs[call::2]))
+    state = pipe.state_dict()
+    for name in ("running_mean", "running_var"):
+        assert_close(state[prefix + name], getattr(pooled, name), prefix + name)
+    assert state[prefix + "num_batches_tracked"].item() == 4
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, dict(per_micro_batch.named_parameters())[name].grad, name)

@@ -7,6 +7,9 @@ pipeline does where batch norm trains per micro-batch.
 from __future__ import annotations
 
 import copy
+import threading
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torchvision
 from torch import Tensor, nn
 
 import autopipe
-from helpers import assert_training_matches, assert_transparent, balances, mlp
+from helpers import assert_close, assert_step_matches, assert_training_matches, assert_transparent, balances, mlp
 from models import skip_model
 
 
@@ -214,3 +217,120 @@ def test_dropout_masks_replayed(checkpoint: str, how: str) -> None:
             assert torch.allclose((scale.weight * scale.weight.grad).sum(), total, rtol=1e-5)
         drawing = how == "on" or step > 0
         assert [stage.random.draws for stage in pipe.stages] == [drawing, drawing]
+
+
+# -- complex tensors between stages ---------------------------------------------------------
+
+class Spectrum(nn.Module):
+    """Real to complex: the FFT along the features (a spectral layer, as in FNet)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.fft.fft(x)
+
+
+class Mix(nn.Module):
+    """Complex to real."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z.real * 2 + z.imag
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_a_complex_tensor_from_a_checkpointed_micro_batch(checkpoint: str) -> None:
+    """A complex tensor that a checkpointed micro-batch sends to the next stage needs its
+    gradient as a real one does (taken for no gradient, it left the stage before without those
+    micro-batches' gradients)."""
+    model = nn.Sequential(nn.Linear(4, 4), Spectrum(), Mix(), nn.Linear(4, 2)).double()
+    assert_transparent(model, torch.randn(8, 4, dtype=torch.float64, requires_grad=True), [2, 2], 4, checkpoint)
+
+
+# -- the caller's backward taking input gradients only ------------------------------------
+
+def _input_gradient(model: nn.Module, x: Tensor, how: str) -> Tensor:
+    x = x.detach().requires_grad_()
+    loss = model(x).pow(2).sum()
+    if how == "autograd.grad":
+        return torch.autograd.grad(loss, x)[0]
+    loss.backward(inputs=[x])
+    assert x.grad is not None
+    return x.grad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=...)"])
+def test_an_input_gradient_alone_leaves_parameter_gradients_alone(how: str, checkpoint: str) -> None:
+    """``autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` give ``x`` its gradient and
+    leave every parameter's ``.grad`` as it was, as in the plain model: an adversarial step
+    takes the input's gradient and then trains on the perturbed input (the parameters got both
+    backwards' gradients).  Skips cross stages, so a stage's leaves include skips."""
+    model = skip_model().double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[1, 2, 2, 3], devices=["cpu"] * 4, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    mine, expected = (_input_gradient(m, x, how) for m in (pipe, reference))
+    assert_close(mine, expected, "input gradient")
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+    assert_step_matches(pipe, reference, x + 0.1 * expected.sign(), chunks=2)
+
+
+# -- a backward the caller abandons -----------------------------------------------------------
+
+class Gate(torch.autograd.Function):
+    """Identity whose backward waits for ``opened`` (up to half a second) and a little more: a
+    stage's slow backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, opened: threading.Event) -> Tensor:  # type: ignore[override]
+        ctx.opened = opened
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        if ctx.opened.wait(timeout=0.5):
+            time.sleep(0.1)
+        return grad, None
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = threading.Event()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Gate.apply(x, self.opened)
+
+
+class Fail(torch.autograd.Function):
+    """Identity whose backward opens ``opened`` and raises: the caller's own graph failing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, opened: threading.Event) -> Tensor:  # type: ignore[override]
+        ctx.opened = opened
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        ctx.opened.set()
+        raise MemoryError("the caller's backward failed")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_backward_of_the_caller_leaves_no_gradient_behind() -> None:
+    """The caller's backward fails in its own graph after the pipeline's backward began (the
+    input is data); the caller drops the gradients and trains on: no stage may add into
+    ``.grad`` once the caller's backward has raised (the abandoned step's gradients were added
+    into the next step's).  The stage's backward waits until the caller's failure unless the
+    pipeline waits for it first."""
+    model = nn.Sequential(nn.Linear(4, 4), Gated(), nn.Linear(4, 1)).double()
+    reference = nn.Sequential(copy.deepcopy(model[0]), nn.Identity(), copy.deepcopy(model[2]))
+    pipe = autopipe.Pipeline(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=1)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    weight = Fail.apply(torch.randn(6, 1, dtype=torch.float64, requires_grad=True), model[1].opened)
+    with pytest.raises(MemoryError, match="the caller's backward failed"):
+        (pipe(x) * weight).sum().backward()
+    model.zero_grad(set_to_none=True)
+    time.sleep(0.3)  # an abandoned stage would be adding into .grad now
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+    assert_step_matches(pipe, reference, x, chunks=1)

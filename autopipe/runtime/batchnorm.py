@@ -7,6 +7,11 @@ per step instead of one update of the mini-batch's.  ``DeferredBatchNorm`` norma
 micro-batch and merges each micro-batch's mean and variance into the step's statistics
 (Chan's parallel algorithm, so no cancellation), then updates ``running_mean`` and the
 **unbiased** ``running_var`` once, exactly as ``nn.BatchNorm`` would on the whole mini-batch.
+A module called several times in one forward (at two positions of the chain, or twice by one
+layer) updates them once per call, as the plain model does, in call order: the ``k``-th call
+of every micro-batch's forward is merged into the step's ``k``-th statistics.  Calls are
+numbered per thread within :func:`micro_batch_forward`, which the stage puts around each
+micro-batch's forward (replicas run one module on several threads at once).
 
 The pipeline brackets a step with :meth:`begin_step` and :meth:`end_step` (after the last
 micro-batch that actually ran: a small batch may give fewer than ``chunks``); with replicas,
@@ -16,7 +21,9 @@ used on its own) it behaves exactly like ``nn.BatchNorm``.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,14 +32,32 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "micro_batch_forward"]
 
 # Replicas of a pipeline run one module's micro-batches on several threads at once.
 _MERGING = threading.Lock()
 
+#: A micro-batch's count, mean and M2 (sum of squared deviations) at one call, or several merged.
+Statistics = tuple[float, Tensor, Tensor]
+
+# ``calls``: how often each deferred batch norm (by id) was called in this thread's micro-batch forward
+_forward = threading.local()
+
+
+@contextlib.contextmanager
+def micro_batch_forward() -> Iterator[None]:
+    """One micro-batch's forward on this thread: a deferred batch norm's calls in it are its
+    first, second, ... call of the step (module docstring)."""
+    _forward.calls = {}
+    try:
+        yield
+    finally:
+        del _forward.calls
+
 
 class DeferredBatchNorm(_BatchNorm):
-    """Batch norm over micro-batches with one running-statistics update per mini-batch.
+    """Batch norm over micro-batches with one running-statistics update per mini-batch (and
+    per call, for a module a forward calls more than once).
 
     Its parameters and buffers have the names of ``nn.BatchNorm*``'s, so ``state_dict`` keys
     are unchanged.
@@ -40,7 +65,7 @@ class DeferredBatchNorm(_BatchNorm):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._step: tuple[float, Tensor, Tensor] | None = None  # count, mean, M2 (sum of squares)
+        self._step: list[Statistics] = []  # the step's statistics of each call, in call order
         self._stepping = False
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -56,28 +81,32 @@ class DeferredBatchNorm(_BatchNorm):
         for child in module.modules():
             if _convertible(child):
                 child.__class__ = cls
-                child._step, child._stepping = None, False
+                child._step, child._stepping = [], False
         return module
 
     def begin_step(self) -> None:
         """Start collecting statistics: the micro-batches of one mini-batch follow."""
         self._stepping = True
-        self._step = None
+        self._step = []
 
     def end_step(self) -> None:
-        """Update the running statistics once from the micro-batches seen since :meth:`begin_step`."""
-        step, self._step, self._stepping = self._step, None, False
-        if step is None:
-            return
-        count, mean, m2 = step
+        """Update the running statistics once per call of a forward, in call order, from the
+        micro-batches seen since :meth:`begin_step`."""
+        step, self._step, self._stepping = self._step, [], False
+        for statistics in step:
+            self._update(*statistics)
+
+    @torch.no_grad()
+    def _update(self, count: float, mean: Tensor, m2: Tensor) -> None:
+        """What ``nn.BatchNorm``'s training forward does to the buffers on a batch of ``count``
+        with ``mean`` and ``m2``."""
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
-        with torch.no_grad():
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            variance = m2 / max(count - 1.0, 1.0)
-            self.running_mean.mul_(1.0 - factor).add_(mean, alpha=factor)
-            self.running_var.mul_(1.0 - factor).add_(variance, alpha=factor)
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        variance = m2 / max(count - 1.0, 1.0)
+        self.running_mean.mul_(1.0 - factor).add_(mean, alpha=factor)
+        self.running_var.mul_(1.0 - factor).add_(variance, alpha=factor)
 
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
@@ -85,37 +114,41 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if is_recomputing():  # the step's statistics already have this micro-batch
             return self._normalise(input, None, None)
-        if not self._stepping:
+        calls = getattr(_forward, "calls", None)
+        if not self._stepping or calls is None:  # used on its own, not by a stage's forward
             return super().forward(input)
+        call = calls.get(id(self), 0)
+        calls[id(self)] = call + 1
         assert self.running_mean is not None
         mean = torch.zeros_like(self.running_mean)
         variance = torch.ones_like(mean)
         # momentum 1 turns the "running" buffers into this micro-batch's mean and unbiased
         # variance, computed by batch_norm itself in the same pass that normalises.
         output = self._normalise(input, mean, variance)
-        self._merge(float(input.numel() // self.num_features), mean, variance)
+        self._merge(call, float(input.numel() // self.num_features), mean, variance)
         return output
 
     def _normalise(self, input: Tensor, mean: Tensor | None, variance: Tensor | None) -> Tensor:
         return F.batch_norm(input, mean, variance, self.weight, self.bias, True, 1.0, self.eps)
 
-    def _merge(self, count: float, mean: Tensor, variance: Tensor) -> None:
+    def _merge(self, call: int, count: float, mean: Tensor, variance: Tensor) -> None:
+        """Merge a micro-batch's statistics at its ``call``-th call into the step's at that call
+        (a thread reaches call ``k`` only after its call ``k - 1`` made the step's entry ``k - 1``)."""
+        statistics = (count, mean, variance * max(count - 1.0, 0.0))
         with _MERGING:
-            self._merge_locked(count, mean, variance)
+            if call == len(self._step):
+                self._step.append(statistics)
+            else:
+                self._step[call] = _merged(self._step[call], statistics)
 
-    def _merge_locked(self, count: float, mean: Tensor, variance: Tensor) -> None:
-        m2 = variance * max(count - 1.0, 0.0)
-        if self._step is None:
-            self._step = (count, mean, m2)
-            return
-        seen, seen_mean, seen_m2 = self._step
-        total = seen + count
-        delta = mean - seen_mean
-        self._step = (
-            total,
-            seen_mean + delta * (count / total),
-            seen_m2 + m2 + delta * delta * (seen * count / total),
-        )
+
+def _merged(seen: Statistics, new: Statistics) -> Statistics:
+    """Two batches' statistics as one batch's (Chan et al.)."""
+    seen_count, seen_mean, seen_m2 = seen
+    count, mean, m2 = new
+    total = seen_count + count
+    delta = mean - seen_mean
+    return total, seen_mean + delta * (count / total), seen_m2 + m2 + delta * delta * (seen_count * count / total)
 
 
 def _convertible(module: nn.Module) -> bool:

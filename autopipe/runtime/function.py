@@ -12,13 +12,24 @@ thread) and returns the gradient of each input tensor::
                         ▲  backward                         the tie's backward always runs)
     workers:  stage 0 ◀─dx─ stage 1 ◀─dx─ ... ◀─dy─ last stage
 
-When no input needs a gradient (the usual case: ``x`` is data) the tie's backward only starts
-the backward phase and returns; a callback queued on the autograd engine waits for the
-stages at the end of the caller's ``backward()``, so parameter gradients are complete when it
-returns.  This matters on CUDA: autograd runs the tie's backward on the device thread of the
-output's GPU, and a stage backward on that GPU needs that same thread, so blocking there would
-deadlock.  When the input does need its gradient the tie must wait inside its backward; with
-CUDA outputs that case is unverified and may deadlock if a stage shares the output's GPU.
+The stages add into the parameters' ``.grad`` only where the caller's backward does: in
+``loss.backward()``, not in ``torch.autograd.grad(loss, x)`` or ``loss.backward(inputs=[x])``,
+which give ``x`` its gradient and leave every other ``.grad`` alone (the stages then
+differentiate with respect to their received tensors only).  The tie tells them apart by
+whether autograd will run the node of its ``dummy`` (a view of a leaf that nothing else uses),
+asked through ``torch._C._will_engine_execute_node``, private but what
+``torch.autograd.graph.register_multi_grad_hook`` is built on.
+
+The tie's backward waits for the stages before it returns, so that the phase is over, and its
+failure raised, before the caller's backward goes on: a caller whose backward then fails
+elsewhere finds no stage still adding into ``.grad``.  One case cannot wait: a gradient of the
+output on a GPU, while no input needs a gradient (``x`` is data).  Autograd then runs the
+tie's backward on that GPU's device thread, and a stage backward on that GPU needs that same
+thread, so blocking there would deadlock; the tie only starts the backward phase and a callback
+queued on the autograd engine waits for the stages at the end of the caller's ``backward()``
+(if the caller's backward fails first, that callback never runs and the stages finish on their
+own).  When an input does need its gradient the tie must wait inside its backward; with CUDA
+outputs that case is unverified and may deadlock if a stage shares the output's GPU.
 """
 from __future__ import annotations
 
@@ -33,6 +44,9 @@ from .microbatch import Value, map_tensors, tensors_of
 from .replicas import Replicas
 
 _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSDP use it
+# private; without it (no torch this package supports) the stages add into every .grad, as
+# loss.backward() does
+_will_execute = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
 
 __all__ = ["PipelineTie"]
 
@@ -52,7 +66,8 @@ class PipelineTie(torch.autograd.Function):
         this puts them back where they were.
         """
         joined: list[Value] = []
-        flat = super().apply(replicas, dummy, joined, *inputs)
+        # a view: autograd can tell whether a view's node will run, under autograd.grad too (not a leaf's)
+        flat = super().apply(replicas, dummy.view_as(dummy), joined, *inputs)
         tied = iter(flat if isinstance(flat, tuple) else (flat,))
         return map_tensors(joined[0], lambda _: next(tied))
 
@@ -60,6 +75,7 @@ class PipelineTie(torch.autograd.Function):
     def forward(ctx: Any, replicas: Replicas, dummy: Tensor, joined: list[Value],  # type: ignore[override]
                 *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.replicas = replicas
+        ctx.dummy = dummy.grad_fn  # runs in a backward into every leaf's .grad, not in one naming its inputs
         ctx.input_devices = [t.device for t in inputs]
         ctx.set_materialize_grads(False)  # an output the loss does not use gets no gradient to run
         replicas.run_phase("forward")
@@ -74,9 +90,11 @@ class PipelineTie(torch.autograd.Function):
             raise RuntimeError("backward through a pipeline output twice is not supported "
                                "(the pipeline frees its saved state after the first backward)")
         parts = [list(micro) for micro in zip(*(split_output_grad(g, replicas.sizes) for g in grads))]
+        named_inputs = not _will_execute(ctx.dummy)  # autograd.grad(loss, x), loss.backward(inputs=[x])
         for run in runs:
             run.output_grads, parts = parts[:run.chunks], parts[run.chunks:]
-        if not any(ctx.needs_input_grad[3:]):
+            run.inputs_only = named_inputs
+        if not any(ctx.needs_input_grad[3:]) and _on_a_device_thread(grads):
             # Nothing to return: let the caller's backward go on and wait at its very end.
             replicas.start_phase("backward")
             _execution_engine.queue_callback(lambda: replicas.finish_phase("backward"))
@@ -85,6 +103,12 @@ class PipelineTie(torch.autograd.Function):
         per_input = zip(*(run.input_grads.pop(j) for run in runs for j in range(run.chunks)))
         joined = (_join(parts, replicas.sizes, device) for parts, device in zip(per_input, ctx.input_devices))
         return (None, None, None, *joined)
+
+
+def _on_a_device_thread(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether autograd runs this backward on a device's own thread, not the caller's: it does
+    where a gradient arrives on a device other than the CPU."""
+    return any(g is not None and g.device.type != "cpu" for g in grads)
 
 
 def _join(parts: tuple[Tensor | None, ...], sizes: list[int], device: torch.device) -> Tensor | None:

@@ -144,6 +144,9 @@ class Run:
     events: list[Event] = field(default_factory=list)
     error: BaseException | None = None
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
+    # set by the tie's backward under autograd.grad(loss, x) or loss.backward(inputs=[x]): the stages
+    # give their received tensors gradients and leave every parameter's .grad alone
+    inputs_only: bool = False
 
     meter: StageMeter | None = None  # set when the pipeline measures memory
     # (receiving stage, message key) -> the marks of a message's tensors that are, in the plain

@@ -14,8 +14,9 @@ order.  For micro-batch ``j`` it
 * backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
   at most ``GRADIENT_WINDOW`` of them alive), the gradient of its output and of each leaving skip, recomputes
   if checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
-  on this thread, sends each leaf's gradient back to where the leaf came from (the previous
-  stage, a skip's producer, or the caller for stage 0), and gives the next stage its credit back.
+  on this thread (into the received leaves alone in a call marked ``inputs_only``),
+  sends each leaf's gradient back to where the leaf came from (the previous stage, a skip's
+  producer, or the caller for stage 0), and gives the next stage its credit back.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._vocab import EventKind, TaskKind
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, micro_batch_forward
 from .checkpoint import RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
@@ -127,7 +128,7 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 kept = buffers_kept(self.replayed) if checkpointed else None
-                with self._random(run) as rng:
+                with self._random(run) as rng, micro_batch_forward():
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
                                                            keep=checkpointed or self.index == 0,
@@ -227,11 +228,12 @@ class Stage:
         gradient from its receiver.
 
         A checkpointed forward ran without grad, so it cannot tell; it assumes a floating
-        point result needs one if any input or parameter of the stage does (the recomputed
-        backward then simply drops gradients of results that turn out not to need one)."""
+        point or complex result (the dtypes autograd differentiates) needs one if any input or
+        parameter of the stage does (the recomputed backward then simply drops gradients of
+        results that turn out not to need one)."""
         if checkpointed:
             needs = run.grad_enabled and self._any_grad(args, skips)
-            flags = [needs and t.is_floating_point() for t in tensors_of(value)]
+            flags = [needs and (t.is_floating_point() or t.is_complex()) for t in tensors_of(value)]
         else:
             flags = [t.requires_grad for t in tensors_of(value)]
         return map_tensors(value, lambda t: self._push(run, j, t.detach(), to, "C")), flags
@@ -282,11 +284,20 @@ class Stage:
             for key in self.routes.leaving:
                 pairs += zip(tensors_of(saved.leaving[key]), skip_grads[key])
             pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
-            if pairs:
+            into = self._gradients_into(run, saved)
+            if pairs and into != []:
                 with self._on_stream():
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=into)
             run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
+
+    @staticmethod
+    def _gradients_into(run: Run, saved: Saved) -> list[Tensor] | None:
+        """What a backward of ``run`` accumulates into: every leaf (``None``), or the received
+        leaves alone (:attr:`Run.inputs_only`)."""
+        if not run.inputs_only:
+            return None
+        return [t for t in tensors_of((saved.args, saved.skips)) if t.requires_grad]
 
     def _modes(self) -> tuple[bool, ...]:
         """Each of the stage's modules' ``training`` flag."""
