@@ -14,7 +14,7 @@ from .device import resolve_devices
 from .errors import OptionError
 from .model.fingerprint import check_made_for
 from .model import Layer, layer_chain
-from .model.layers import training_flags
+from .model.layers import training_modes
 from .profiling.profiler import check_sample, profile as measure, sample_tensors
 from .profiling.profiles import Profile
 from .runtime import Pipeline
@@ -42,7 +42,10 @@ def partition(
 
     Args:
         model: the model, read as a chain of layers (:func:`autopipe.layer_chain`), captured and
-            profiled in train mode (each module's own mode is restored after).
+            profiled in the modes it trains with: its modules' own flags (a batch norm frozen
+            with ``model.bn.eval()`` stays frozen), or every module in train mode if the model
+            is in eval mode (transformers' ``from_pretrained`` returns one); the flags are put
+            back after.
         sample_input: one full training batch (a tensor, a tuple of tensors, or a mapping of
             keyword arguments: a transformers model's ``{"input_ids": ids, "labels": ids}``,
             the pipeline then called ``pipe(**batch)``); its batch size is what the plan is
@@ -72,9 +75,9 @@ def partition(
     """
     check_keywords("partition", plan_options, _PLAN_OPTIONS)
     resolved = resolve_devices(devices)
-    # a partition plans training: the chain is captured (torch.export keeps the mode it sees) and
-    # profiled as it trains, also for a model in eval mode (transformers' from_pretrained returns one)
-    with training_flags(model, lambda _: True) if isinstance(model, nn.Module) else nullcontext():
+    # a partition plans training: the chain is captured (torch.export keeps the modes it sees) and
+    # profiled in the modes it trains with
+    with training_modes(model) if isinstance(model, nn.Module) else nullcontext():
         layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
         inputs = sample_tensors(layers, sample_input)
         plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 import autopipe
 from autopipe.model.capture import CaptureError, CapturedCallError, CapturedLayer, chain
+from autopipe.model.capture._building import _pack, _unpack
 from autopipe.errors import ChainError
 from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
@@ -911,6 +912,70 @@ def test_traced_model_takes_its_arguments_by_name() -> None:
             pipe(x, z=y)
     finally:
         pipe.close()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor, scale: float = 2.0, mask: Tensor | None = None) -> Tensor:
+        h = self.a(x) * scale
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_traced_model_binds_positional_arguments_as_its_forward_and_refuses_fixed_ones() -> None:
+    """A float the sample passes is fixed in the graph; a call passing it again positionally, as
+    the sample did, is refused with the same CapturedCallError as by name (fx raised a bare
+    TypeError), and positions bind as the forward binds them (``pipe(x, mask)`` passes ``scale``)."""
+    model = _Scaled().double()
+    x, mask = torch.randn(6, 8, dtype=torch.float64), (torch.rand(6, 8) > 0.5).double()
+    pipe = _pipe(chain(model, (x, 3.0, mask)), chunks=1)
+    try:
+        torch.testing.assert_close(pipe(x, mask=mask), model(x, 3.0, mask))
+        for args, kwargs, problem in [
+            ((x, 3.0, mask), {}, r"missing \[\], unexpected \['scale'\]"),
+            ((x, 3.0), {"mask": mask}, r"missing \[\], unexpected \['scale'\]"),
+            ((x,), {"scale": 3.0, "mask": mask}, r"missing \[\], unexpected \['scale'\]"),
+            ((x, mask), {}, r"missing \['mask'\], unexpected \['scale'\]"),
+            ((x, mask), {"x": x}, r"missing \['mask'\], unexpected \['scale', 'x \(given twice\)'\]"),
+            ((x, 3.0, mask, mask), {}, r"unexpected \['scale', 'positional argument 4'\]"),
+        ]:
+            with pytest.raises(CapturedCallError, match=problem):
+                pipe(*args, **kwargs)
+    finally:
+        pipe.close()
+
+
+class _ScaledBySize(nn.Module):
+    """Scales by ``x.size(1) ** -0.5``, a Python float that the last layer reads: a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(7, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = x.size(1) ** -0.5
+        return self.c(self.b(self.a(x))) * scale
+
+
+def test_a_number_between_layers_keeps_its_exact_value() -> None:
+    """A Python float travels between layers as a float64 tensor (it was a float32 one, which
+    rounded it: a float64 model's output was 5e-9 off); ints and bools come back exactly too."""
+    model = _ScaledBySize().double()
+    x = torch.randn(6, 7, dtype=torch.float64)
+    layers = chain(model)
+    assert [str(key) for layer in layers for key in layer.stash] == ["pow_1->c@_ScaledBySize"]
+    pipe = _pipe(layers, chunks=1)
+    try:
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
+    finally:
+        pipe.close()
+    for value in (7 ** -0.5, 2**62 + 1, True):
+        unpacked = _unpack(_pack(value))
+        assert type(unpacked) is type(value) and unpacked == value
 
 
 class _ExtraKeywords(_TwoInputs):

@@ -83,6 +83,41 @@ def test_skip_stash_bytes_by_hand() -> None:
     assert popper.backward[3].median_ms > 0  # the popped skip tensor's gradient is computed
 
 
+class _CastsBack(nn.Module):
+    """Computes in float64 and casts back to the input's dtype, which the last layer reads: a skip
+    holding a ``torch.dtype``, no tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(7, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        return self.c(self.b(self.a(x.double()))).to(dtype)
+
+
+def test_a_skip_holding_no_tensor_profiles_with_no_bytes_and_partitions() -> None:
+    """The profiler took every skip for a tensor (an AttributeError reported as the layer's
+    failure): a skip holding ``x.dtype`` has no bytes and no gradient, and partition gives the
+    model's output and gradients."""
+    torch.manual_seed(0)
+    model = _CastsBack().double()
+    x = torch.randn(8, 7)
+    result = run(model, x, [8])
+    assert [layer.stash_bytes for layer in result.layers] == [{"getattr_1->c@_CastsBack": 0}, {}, {}]
+    pipe = autopipe.partition(model, x, ["cpu", "cpu"], chunks=2, replicas=1, quiet=True)
+    out = pipe(x)
+    out.square().sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want = model(x)
+    want.square().sum().backward()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, msg=name)
+
+
 def whole_chain_saved_bytes(model: nn.Sequential, x: Tensor) -> int:
     """Reference: run the whole model once and count distinct saved storages, minus parameters,
     buffers and the input."""
@@ -295,6 +330,22 @@ def test_profiling_leaves_model_state_unchanged() -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, grad_values))
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_profiling_runs_each_module_in_the_mode_it_trains_with(as_list: bool) -> None:
+    """A batch norm frozen in a training model (``model.bn.eval()``) is profiled in eval mode, as
+    it trains; a model in eval mode (or a list of layers all in eval mode) is profiled as
+    ``model.train()`` sets it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    seen: list[bool] = []
+    model[1].register_forward_hook(lambda module, args, out: seen.append(module.training))
+    for frozen, expected in ((model[1], False), (model, True)):
+        frozen.eval()
+        seen.clear()
+        run(layer_chain(model) if as_list else model, torch.randn(8, 4), [8], repeats=1)
+        assert seen and set(seen) == {expected}
+        assert not model[1].training
 
 
 def test_a_spectral_norm_a_forward_has_run_profiles_under_load() -> None:

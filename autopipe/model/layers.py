@@ -6,7 +6,7 @@ Skippable layers carry the keys they stash and pop, which are the skip edges of 
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -18,6 +18,7 @@ from .skip import SkipKey, skip_keys
 __all__ = [
     "Chain", "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers",
     "sequential_units", "positions", "resnet_layers", "is_torchvision_resnet", "training_flags",
+    "training_modes",
 ]
 
 
@@ -69,6 +70,18 @@ def training_flags(model: nn.Module, new: Callable[[bool], bool]) -> Iterator[No
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+@contextmanager
+def training_modes(model: nn.Module) -> Iterator[None]:
+    """``model`` in the modes it trains with inside the block, every flag put back after.
+
+    A model in train mode keeps each module's own flag: a batch norm frozen with
+    ``model.bn.eval()`` trains in eval mode, and torch.export bakes the mode it sees into the
+    graph.  A model in eval mode (transformers' ``from_pretrained`` returns one) has every module
+    in train mode, as ``model.train()`` sets them before training."""
+    with nullcontext() if model.training else training_flags(model, lambda _: True):
+        yield
 
 
 def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:

@@ -55,7 +55,7 @@ class Measure:
     new_saved: list[bool]  # per new output storage: does this layer save it
     workspace: int = 0
     output: Any = None
-    stashed: dict[SkipKey, Tensor] = field(default_factory=dict)
+    stashed: dict[SkipKey, Any] = field(default_factory=dict)
 
 
 def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
@@ -64,7 +64,7 @@ def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
     of the next); the runs then time it."""
     size = inputs[0].shape[0]
     args: tuple[Any, ...] = inputs
-    skips: dict[SkipKey, Tensor] = {}
+    skips: dict[SkipKey, Any] = {}
     runs: list[LayerRun] = []
     measures: list[Measure] = []
     for index, layer in enumerate(layers):
@@ -114,18 +114,20 @@ def naming(layer: Layer, size: int) -> Iterator[None]:
 
 @dataclass
 class Run:
-    """One forward of a layer: its time and the tensors it saw and made."""
+    """One forward of a layer: its time and the values it saw and made (a skip holds any value,
+    a tensor or not: ``x.dtype``)."""
 
     forward_ms: float
     args: Any
-    popped: dict[SkipKey, Tensor]
+    popped: dict[SkipKey, Any]
     output: Any
-    stashed: dict[SkipKey, Tensor]
+    stashed: dict[SkipKey, Any]
 
     @property
     def results(self) -> list[Tensor]:
-        """What backward starts from: the outputs and the tensors stashed for later layers."""
-        return tensors_of(self.output) + list(self.stashed.values())
+        """What backward starts from: the tensors of the outputs and of the skips stashed for
+        later layers."""
+        return tensors_of(self.output) + tensors_of(list(self.stashed.values()))
 
 
 class LayerRun:
@@ -139,15 +141,15 @@ class LayerRun:
     timer starts; its backward passes the gradient through unchanged.
     """
 
-    def __init__(self, layer: Layer, args: tuple[Any, ...], popped: dict[SkipKey, Tensor],
+    def __init__(self, layer: Layer, args: tuple[Any, ...], popped: dict[SkipKey, Any],
                  input_grad: bool, ops: DeviceOps) -> None:
         self.layer = layer
         self.ops = ops
         self.input_grad = input_grad
         self.leaves = map_tensors(args, lambda t: _leaf(t, input_grad))
-        self.pop_leaves = {key: _leaf(t, True) for key, t in popped.items()}
+        self.pop_leaves = {key: map_tensors(value, lambda t: _leaf(t, True)) for key, value in popped.items()}
         self.params = [p for p in layer.module.parameters() if p.requires_grad]
-        self.grad_inputs = [t for t in tensors_of(self.leaves) + list(self.pop_leaves.values())
+        self.grad_inputs = [t for t in tensors_of(self.leaves) + tensors_of(list(self.pop_leaves.values()))
                             if t.requires_grad] + self.params
         state = [*layer.module.parameters(), *layer.module.buffers()]
         self.state_storages = {storage(t)[0] for t in state}
@@ -163,10 +165,10 @@ class LayerRun:
     def forward(self, pack: Callable[[Tensor], Any] | None = None) -> Run:
         """The layer's forward on clones of its inputs, timed (``pack`` sees what it saves)."""
         args = map_tensors(self.leaves, lambda t: t.clone())
-        popped = {key: t.clone() for key, t in self.pop_leaves.items()}
+        popped = {key: map_tensors(value, lambda t: t.clone()) for key, value in self.pop_leaves.items()}
         tracker = SkipTracker()
-        for key, tensor in popped.items():
-            tracker.save(key, tensor)
+        for key, value in popped.items():
+            tracker.save(key, value)
         hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack is not None
                  else contextlib.nullcontext())
         self.ops.synchronize()
@@ -229,13 +231,13 @@ class LayerRun:
         workspace = max(forward_extra, counter.peak[self] - kept)
         output, stashed = run.output, run.stashed
         input_ptrs = [storage(t)[0] for t in tensors_of(run.args)]
-        others = {storage(t)[0] for t in run.popped.values()} | self.state_storages
+        others = {storage(t)[0] for t in tensors_of(list(run.popped.values()))} | self.state_storages
         outputs = dict(map(storage, tensors_of(output)))
         origins, new = _origins(input_ptrs, [storage(t)[0] for t in tensors_of(output)], others)
         return Measure(
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
             output_bytes=sum(nbytes(t) for t in tensors_of(output)),
-            stash_bytes={str(k): nbytes(t) for k, t in stashed.items()},
+            stash_bytes={str(k): sum(map(nbytes, tensors_of(value))) for k, value in stashed.items()},
             internal_saved=sum(n for ptr, n in saved.items()
                                if ptr not in others | set(input_ptrs) | set(outputs)),
             aliases_input=bool(set(input_ptrs) & set(outputs)),
@@ -245,7 +247,7 @@ class LayerRun:
             new_saved=[ptr in saved for ptr in new],
             workspace=workspace,
             output=map_tensors(output, _detached),
-            stashed={k: _detached(t) for k, t in stashed.items()},
+            stashed={k: map_tensors(value, _detached) for k, value in stashed.items()},
         )
 
 
@@ -275,7 +277,7 @@ def _detached(tensor: Tensor) -> Tensor:
 def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
     """A leaf of ``tensor`` that requires grad if allowed and the tensor needs a gradient: a
     relayed chain input does not, and autograd saves less for it (``b * y`` keeps no ``b``)."""
-    return tensor.detach().requires_grad_(requires_grad and tensor.requires_grad and tensor.is_floating_point())
+    return tensor.detach().requires_grad_(requires_grad and tensor.requires_grad)  # only float and complex can
 
 
 def storage(tensor: Tensor) -> tuple[int, int]:

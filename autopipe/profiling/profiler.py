@@ -33,6 +33,7 @@ from .._checks import is_positive_int
 from ..errors import OptionError, ProfileError
 from ..model import Layer, layer_chain, sample_arguments
 from ..model.fingerprint import environment_fingerprint, model_fingerprint
+from ..model.layers import training_modes
 from ._attribution import layer_profiles, per_sample
 from ._copies import DEFAULT_COPY_SIZES, fit_copy, measure_copies
 from ._layer_runs import LayerRun, Measure, nbytes, record_size
@@ -61,8 +62,10 @@ def profile(
     copies between ``devices`` and the gradient reduction between replicas on them.
 
     The chain makes ``warmup`` untimed then ``repeats`` timed training passes per size, in
-    train mode (forward in order, backward in reverse; each layer timed alone), the sizes
-    taking turns pass by pass.  The model comes back as it was: same mode, parameters, buffers
+    the modes it trains with (forward in order, backward in reverse; each layer timed alone),
+    the sizes taking turns pass by pass: a model in train mode keeps each module's own flag (a
+    frozen batch norm stays in eval), one in eval mode (or a list of layers all in eval mode)
+    runs every module in train mode.  The model comes back as it was: same mode, parameters, buffers
     (BatchNorm running statistics), ``.grad`` and random-number state.
 
     Args:
@@ -101,7 +104,7 @@ def profile(
     resolved = resolve_devices(devices)
     if under_load is None:
         under_load = len(resolved) > 1 and all(d.type == "cpu" for d in resolved)
-    root = model if isinstance(model, nn.Module) else nn.ModuleList(layer.module for layer in layers)
+    root = model if isinstance(model, nn.Module) else _holder(layers)
     pairs = [(i, j) for i in range(len(resolved)) for j in range(len(resolved)) if i != j]
     progress = Progress(len(sizes) * (len(layers) + warmup + repeats) + len(pairs) * len(copy_sizes),
                         "profiling", not quiet)
@@ -126,6 +129,14 @@ def profile(
         copies=copies,
         reductions=reductions,
     )
+
+
+def _holder(layers: Sequence[Layer]) -> nn.Module:
+    """One module holding ``layers``, in eval mode only if every layer is: a list is profiled in
+    the modes its model would be."""
+    holder = nn.ModuleList(layer.module for layer in layers)
+    holder.training = any(layer.module.training for layer in layers)
+    return holder
 
 
 @dataclass(frozen=True)
@@ -227,10 +238,10 @@ def _first(inputs: tuple[Tensor, ...], size: int, device: torch.device) -> tuple
 
 @contextlib.contextmanager
 def _untouched(model: nn.Module, device: torch.device, devices: list[torch.device]) -> Iterator[None]:
-    """Train mode on ``device`` inside; afterwards the model's mode, values, device, ``.grad``
-    and the random state are what they were (profiling runs BatchNorm in training mode, which
-    updates running statistics, and runs backward, which sets ``.grad``)."""
-    modes = [(m, m.training) for m in model.modules()]
+    """The modes it trains with (:func:`~autopipe.model.layers.training_modes`) on ``device``
+    inside; afterwards the model's modes, values, device, ``.grad`` and the random state are
+    what they were (profiling runs BatchNorm in training mode, which updates running statistics,
+    and runs backward, which sets ``.grad``)."""
     params = list(model.parameters())
     tensors = params + list(model.buffers())
     values = [t.detach().clone() for t in tensors]
@@ -240,9 +251,8 @@ def _untouched(model: nn.Module, device: torch.device, devices: list[torch.devic
     try:
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), training_modes(model):
             model.to(device)
-            model.train()
             yield
     finally:
         model.to(home)
@@ -251,8 +261,6 @@ def _untouched(model: nn.Module, device: torch.device, devices: list[torch.devic
                 tensor.copy_(value)
         for p, grad in zip(params, grads):
             p.grad = grad
-        for module, mode in modes:
-            module.training = mode
 
 
 def _stat(times: Sequence[float]) -> Stat:

@@ -103,6 +103,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             output_spec=traced.output_spec if last else None,
             traced_mode=traced.traced_mode,
             argument_names=traced.argument_names if index == 0 else (),
+            positional_names=traced.positional_names if index == 0 else (),
             batch_sizes=traced.batch_sizes if index == 0 else None,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
@@ -184,8 +185,12 @@ def _sendable(graph: fx.Graph, value: fx.Node, original: fx.Node) -> fx.Node:
 
 def _pack(value: Any) -> torch.Tensor:
     """A size or number as a tensor, so that it travels between stages like any other value
-    (the runtime moves tensors only); it is the receiving micro-batch's own size."""
-    if isinstance(value, (int, float, bool)):
+    (the runtime moves tensors only); it is the receiving micro-batch's own size.  A float is a
+    float64 tensor, a Python float's own precision, and an int or bool keeps its dtype, so
+    :func:`_unpack` gives the exact value back."""
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    if isinstance(value, (int, bool)):
         return torch.tensor(value)
     return torch.tensor(list(value), dtype=torch.int64)
 

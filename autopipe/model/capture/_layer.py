@@ -41,10 +41,12 @@ class CapturedLayer(Skippable):
         traced_mode: bool | None = None,
         argument_names: Sequence[str] = (),
         batch_sizes: Sequence[int | None] | None = None,
+        positional_names: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.keywords = tuple(keywords)
         self.argument_names = tuple(argument_names)
+        self.positional_names = tuple(positional_names)
         self.batch_sizes = None if batch_sizes is None else tuple(batch_sizes)
         self.traced_mode = traced_mode
         self.input_sizes = None if input_sizes is None else tuple(input_sizes)
@@ -66,11 +68,12 @@ class CapturedLayer(Skippable):
             self.training = traced_mode  # its modules keep their own flags (a frozen part stays in eval)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The model's call arguments as this (first) layer's positional inputs: the keyword
-        arguments the model was captured with, in the capture's order, after the positional ones.
+        """The model's call arguments as this (first) layer's positional inputs: for an export,
+        the keyword arguments the model was captured with, in the capture's order, after the
+        positional ones; for fx, the arguments bound as the forward binds them, in the graph's order.
 
         Raises:
-            TypeError: a keyword argument is missing or was not part of the capture.
+            TypeError: an argument is missing, was not part of the capture or was fixed by it.
             ValueError: an input's size other than the batch's differs from the sample's, which
                 the exported graph keeps (a sequence length).
         """
@@ -80,10 +83,10 @@ class CapturedLayer(Skippable):
         return bound
 
     def _keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        if not kwargs and not self.keywords:
-            return args
         if self.argument_names and not self.keywords:
             return self._by_name(args, kwargs)
+        if not kwargs and not self.keywords:
+            return args
         missing = [name for name in self.keywords if name not in kwargs]
         extra = [name for name in kwargs if name not in self.keywords]
         if missing or extra:
@@ -95,18 +98,23 @@ class CapturedLayer(Skippable):
         return args + tuple(kwargs[name] for name in self.keywords)
 
     def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """A traced forward's arguments, given positionally then by name, in the forward's order."""
-        named = self.argument_names[len(args):]
-        missing = [name for name in named if name not in kwargs]
-        extra = [name for name in kwargs if name not in named]
-        if missing or extra:
+        """A traced forward's arguments bound as the forward binds them (by position in the order of
+        its parameters, fixed ones too, then by name), in the graph's order.  An argument the
+        capture fixed is refused however it is given: the graph holds its value."""
+        given = {**dict(zip(self.positional_names, args)), **kwargs}
+        missing = [name for name in self.argument_names if name not in given]
+        unexpected = [name for name in given if name not in self.argument_names] + [
+            f"{name} (given twice)" for name in self.positional_names[:len(args)] if name in kwargs] + [
+            f"positional argument {n + 1}" for n in range(len(self.positional_names), len(args))]
+        if missing or unexpected:
             raise CapturedCallError(
                 f"the model's traced forward takes {list(self.argument_names)} and is called with {len(args)} "
-                f"positional and the keyword arguments {list(kwargs)}: missing {missing}, unexpected {extra} "
-                "(arguments with defaults that the sample did not pass were fixed to their defaults; "
-                "capture again with a sample that passes them)"
+                f"positional (its parameters {list(self.positional_names)} in order) and the keyword arguments "
+                f"{list(kwargs)}: missing {missing}, unexpected {unexpected} (an argument with a default that the "
+                "sample did not pass as a tensor is fixed to the sample's value or the default: leave it out of "
+                "the call, or capture again with a sample that passes it as a tensor)"
             )
-        return args + tuple(kwargs[name] for name in named)
+        return tuple(given[name] for name in self.argument_names)
 
     def _check_sizes(self, inputs: tuple[Any, ...]) -> None:
         assert self.input_sizes is not None

@@ -216,6 +216,7 @@ class Traced:
     input_sizes: tuple[tuple[int, ...] | None, ...] | None = None  # exported: fixed non-batch sizes
     traced_mode: bool | None = None  # fx: the capture's mode, if the graph reads the train/eval flag
     argument_names: tuple[str, ...] = ()  # fx: the forward's arguments in the graph, in order (none if variadic)
+    positional_names: tuple[str, ...] = ()  # fx: the forward's parameters a call may pass by position, fixed too
     batch_sizes: tuple[int | None, ...] | None = None  # exported: first sizes the graph fixed, per tensor input
 
 
@@ -272,8 +273,12 @@ def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Tr
     names = tuple(str(n.target) for n in graph.nodes if n.op == "placeholder")
     calls = [node for node in graph.nodes if node.op == "call_module"]
     named = not any(name.startswith("*") for name in names)
+    positional = tuple(name for name, p in signature.parameters.items() if p.kind in _POSITIONAL)
     return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)},
-                  traced_mode=mode, argument_names=names if named else ())
+                  traced_mode=mode, argument_names=names if named else (), positional_names=positional if named else ())
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _passed(signature: inspect.Signature, sample_input: Any) -> dict[str, Any]:
