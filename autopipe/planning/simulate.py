@@ -134,11 +134,11 @@ def _run(lanes: dict[tuple[str, int], _Lane], turns: str,
         lane = lanes[name]
         if lane.done == len(lane.tasks):
             return
-        missing = [task for task in lane.tasks[lane.done][3] if task not in finished]
-        if missing:
-            waiting.setdefault(missing[0], []).append(name)
-        else:
-            heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
+        for task in lane.tasks[lane.done][3]:
+            if task not in finished:
+                waiting.setdefault(task, []).append(name)
+                return
+        heapq.heappush(heap, _key(lanes, name, free, ends, finished, turns))
 
     for name in lanes:
         offer(name)
@@ -169,7 +169,9 @@ def _key(lanes: dict[tuple[str, int], _Lane], name: tuple[str, int], free: dict[
          turns: str) -> tuple[float, bool, tuple[int, int], tuple[str, int]]:
     lane = lanes[name]
     kind, _, _, needs = lane.tasks[lane.done]
-    ready = max([ends[name], *(finished[task] for task in needs)])
+    ready = ends[name]
+    for task in needs:
+        ready = max(ready, finished[task])
     return max(free[lane.resource], ready), lane.resource >= 0, priority(lane.stage, kind, turns), name
 
 
