@@ -277,14 +277,18 @@ def test_an_input_gradient_alone_leaves_parameter_gradients_alone(how: str, chec
 
 # -- a backward the caller abandons -----------------------------------------------------------
 
-class Gate(torch.autograd.Function):
-    """Identity whose backward waits for ``opened`` (up to half a second) and a little more: a
-    stage's slow backward."""
+class Opening(torch.autograd.Function):
+    """Identity that keeps an event ``opened`` for its backward."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, opened: threading.Event) -> Tensor:  # type: ignore[override]
         ctx.opened = opened
         return x.clone()
+
+
+class Gate(Opening):
+    """Its backward waits for ``opened`` (up to half a second) and a little more: a stage's slow
+    backward."""
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -302,13 +306,8 @@ class Gated(nn.Module):
         return Gate.apply(x, self.opened)
 
 
-class Fail(torch.autograd.Function):
-    """Identity whose backward opens ``opened`` and raises: the caller's own graph failing."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, opened: threading.Event) -> Tensor:  # type: ignore[override]
-        ctx.opened = opened
-        return x.clone()
+class Fail(Opening):
+    """Its backward opens ``opened`` and raises: the caller's own graph failing."""
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
