@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -39,3 +40,12 @@ def plan_for(model: nn.Module, balance: list[int], chunks: int, schedule: str, c
               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return Plan(model_fingerprint(layers), "", ["cpu"] * len(balance), BATCH, chunks, checkpoint, schedule, stages,
                 Prediction(**{f.name: 0 for f in dataclasses.fields(Prediction)}))
+
+
+def error_of(call: Callable[[], Any]) -> str:
+    """What ``call`` raised, as ``"Type: message"`` for a test to check, or ``"no error"``."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test checks type and message
+        return f"{type(error).__name__}: {error}"
+    return "no error"

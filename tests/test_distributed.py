@@ -22,7 +22,7 @@ from autopipe.distributed.local import launch_local
 from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
-from distributed_models import batch, inplace_model, plan_for
+from distributed_models import batch, error_of, inplace_model, plan_for
 from models import REFUSED, Regain, aliased
 
 JOB_TIMEOUT_S = 100.0
@@ -144,6 +144,53 @@ def skip_model() -> nn.Sequential:
                          MulY(), AddX(), nn.Linear(8, 4))
 
 
+class MeanOverTime(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
+def sequence_model() -> nn.Sequential:
+    """Balance [1, 2]: the first stage sends (micro-batch, time, features), whose length can change."""
+    torch.manual_seed(8)
+    return nn.Sequential(nn.Tanh(), MeanOverTime(), nn.Linear(4, 3)).double()
+
+
+def sequences(length: int) -> tuple[Tensor, Tensor]:
+    """A batch of 8 sequences of ``length`` steps and its targets, whose shape does not depend on it."""
+    generator = torch.Generator().manual_seed(length)
+    return (torch.randn(8, length, 4, generator=generator, dtype=torch.float64),
+            torch.randn(8, 3, generator=generator, dtype=torch.float64))
+
+
+def classifier_model() -> nn.Sequential:
+    torch.manual_seed(9)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+
+
+#: Class targets with padding (-100): in micro-batches of 2, the third is all padding.
+PADDED = torch.tensor([0, 1, 2, -100, -100, -100, 4, 0])
+
+
+def token_sum_per_position(output: Tensor, target: Tensor) -> Tensor:
+    """The loss the docs give for padded targets: a sum over the real targets divided by every
+    position, a count that does not depend on the targets."""
+    return nn.functional.cross_entropy(output, target, ignore_index=-100, reduction="sum") / target.numel()
+
+
+class SwitchedLoss:
+    """mse_loss in the form the worker sets: ``"mean"`` (right), or a mistake: ``"none"`` (not a
+    scalar), ``"float"`` (``.item()``), ``"detached"``."""
+
+    def __init__(self) -> None:
+        self.form = "mean"
+
+    def __call__(self, output: Tensor, target: Tensor) -> Any:
+        loss = nn.functional.mse_loss(output, target, reduction="none" if self.form == "none" else "mean")
+        if self.form == "float":
+            return loss.item()
+        return loss.detach() if self.form == "detached" else loss
+
+
 def reference(model: nn.Module, chunks: int, lr: float = 0.0) -> dict[str, Tensor]:
     """Gradients of the plain model accumulated micro-batch by micro-batch (then an SGD step)."""
     x, y = batch()
@@ -169,23 +216,15 @@ def in_process(model: nn.Module, balance: list[int], chunks: int) -> dict[str, T
 # ---- worker side ----------------------------------------------------------------------------
 
 def _run(model: nn.Module, balance: list[int] | None, chunks: int | None, schedule: str | None,
+         loss_fn: Callable[..., Tensor] = nn.functional.mse_loss, data: tuple[Tensor, Tensor] | None = None,
          **options: Any) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
-    runner = DistributedPipeline(model, balance=balance, chunks=chunks, schedule=schedule,
-                                 loss_fn=nn.functional.mse_loss, **options)
-    x, y = batch()
+    runner = DistributedPipeline(model, balance=balance, chunks=chunks, schedule=schedule, loss_fn=loss_fn, **options)
+    x, y = data or batch()
     loss = runner.step(x, target=y)
     return {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
             "loss": runner.broadcast_loss(loss), "runner": runner}
-
-
-def _error(call: Callable[[], Any]) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - the test checks type and message
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def _job_two(rank: int, out: Path) -> dict[str, Any]:
@@ -198,7 +237,7 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["inplace_loss"] = gpipe["loss"]
     plan = plan_for(inplace_model(), [3, 3], CHUNKS, "1f1b")
     result["inplace_1f1b"] = _run(inplace_model(), None, None, None, plan=plan)["grads"]
-    result["other_model"] = _error(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
+    result["other_model"] = error_of(lambda: DistributedPipeline(tuple_model(), plan, loss_fn=nn.functional.mse_loss))
     result["tuple"] = _run(tuple_model(), [2, 2], 2, "gpipe")["grads"]
     result["cat"] = _run(cat_model(), [2, 2], 2, "gpipe")["grads"]
     twice = _run(inplace_model(), [3, 3], CHUNKS, "gpipe")["runner"]
@@ -217,17 +256,58 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["spectral"] = _run(spectral_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always")["grads"]
     runner = gpipe["runner"]
     x, y = batch(6)
-    result["changed_batch"] = _error(lambda: runner.step(x, target=y))
-    result["1f1b_few_chunks"] = _error(lambda: DistributedPipeline(
+    result["changed_batch"] = error_of(lambda: runner.step(x, target=y))
+    result["1f1b_few_chunks"] = error_of(lambda: DistributedPipeline(
         inplace_model(), balance=[3, 3], chunks=1, schedule="1f1b", loss_fn=nn.functional.mse_loss))
-    result["uneven_batch"] = _error(lambda: DistributedPipeline(
+    result["uneven_batch"] = error_of(lambda: DistributedPipeline(
         inplace_model(), balance=[3, 3], chunks=3, batch_size=8, loss_fn=nn.functional.mse_loss))
+    result["shapes"] = _refused_shapes()
+    result["losses"] = _refused_losses()
+    result["padded"] = _run(classifier_model(), [2, 1], CHUNKS, "gpipe", loss_fn=token_sum_per_position,
+                            data=(batch()[0].double(), PADDED))["grads"]
     # Last: rank 0 refuses to send a string and leaves; rank 1, waiting for it, then fails too.
     if rank == 0:
-        result["non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+        result["non_tensor"] = error_of(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
         torch.save(result, out / f"rank{rank}.pt")
         os._exit(0)
-    result["peer_of_non_tensor"] = _error(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+    result["peer_of_non_tensor"] = error_of(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+    return result
+
+
+def _refused_shapes() -> dict[str, Any]:
+    """Steps with another sequence length and another dtype than the first step's, refused on every
+    rank (the last sees nothing wrong: its targets keep their shape), then the first shape again."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(sequence_model(), balance=[1, 2], chunks=2, loss_fn=nn.functional.mse_loss)
+    (x, y), (short, same_shape_y) = sequences(10), sequences(6)
+    runner.step(x, target=y)
+    result = {"shorter": error_of(lambda: runner.step(short, target=same_shape_y)),
+              "float32": error_of(lambda: runner.step(x.float(), target=y))}
+    runner.module.zero_grad()
+    result["loss"] = runner.broadcast_loss(runner.step(x, target=y))
+    result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
+    return result
+
+
+def _refused_losses() -> dict[str, Any]:
+    """Steps whose loss is no scalar on the output's graph, and a step under ``no_grad``, each refused
+    on every rank; then a right step, whose gradients are the plain model's (the refused losses
+    stood in as zeros)."""
+    from autopipe.distributed import DistributedPipeline
+
+    loss_fn = SwitchedLoss()
+    runner = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=loss_fn)
+    x, y = batch()
+    result: dict[str, Any] = {}
+    for form in ("none", "float", "detached"):
+        loss_fn.form = form
+        result[form] = error_of(lambda: runner.step(x, target=y))
+    loss_fn.form = "mean"
+    with torch.no_grad():
+        result["no_grad"] = error_of(lambda: runner.step(x, target=y))
+    runner.step(x, target=y)
+    result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
     return result
 
 
@@ -248,12 +328,15 @@ def _forwards_in_second_step(checkpoint: str) -> int:
 def _job_three(rank: int, out: Path) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
+    gpipe = _run(skip_model(), [3, 3, 3], CHUNKS, "gpipe")
+    x, y = batch(6)
     return {
-        "skip_gpipe": _run(skip_model(), [3, 3, 3], CHUNKS, "gpipe")["grads"],
+        "skip_gpipe": gpipe["grads"],
+        "changed_batch": error_of(lambda: gpipe["runner"].step(x, target=y)),
         "skip_1f1b": _run(skip_model(), [3, 3, 3], CHUNKS, "1f1b")["grads"],
-        "1f1b_few_chunks": _error(lambda: DistributedPipeline(
+        "1f1b_few_chunks": error_of(lambda: DistributedPipeline(
             skip_model(), balance=[3, 3, 3], chunks=2, schedule="1f1b", loss_fn=nn.functional.mse_loss)),
-        "world_mismatch": _error(lambda: DistributedPipeline(
+        "world_mismatch": error_of(lambda: DistributedPipeline(
             skip_model(), balance=[4, 5], chunks=2, loss_fn=nn.functional.mse_loss)),
     }
 
@@ -378,10 +461,61 @@ def test_recomputation_starts_from_the_buffers_its_forward_found(two: list[dict[
     _assert_grads_equal(_merged(two, "spectral"), reference(spectral_model(), CHUNKS))
 
 
-def test_changed_batch_size_raises_on_first_and_last_rank(two: list[dict[str, Any]]) -> None:
-    assert two[0]["changed_batch"].startswith("DistributedError: the input batch has 6 samples")
-    assert two[1]["changed_batch"].startswith("DistributedError: the target batch has 6 samples")
-    assert "drop_last=True" in two[0]["changed_batch"]
+def test_changed_batch_size_raises_on_every_rank(two: list[dict[str, Any]], three: list[dict[str, Any]]) -> None:
+    """The first and last ranks see the change; a stage between, which sees no batch, raises with them
+    rather than wait for a micro-batch that will not come."""
+    for ranks in (two, three):
+        assert ranks[0]["changed_batch"].startswith("DistributedError: the input batch has 6 samples")
+        assert ranks[-1]["changed_batch"].startswith("DistributedError: the target batch has 6 samples")
+        assert "drop_last=True" in ranks[0]["changed_batch"]
+    assert three[1]["changed_batch"].startswith("DistributedError: another rank refused this step, so no rank ran it")
+
+
+@pytest.mark.slow
+def test_a_changed_sequence_length_or_dtype_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
+    """The first rank sees the change; the last, whose targets keep their shape, refuses with it
+    (a rank refusing alone would leave the other waiting inside the engine).  The first shape
+    still runs after: the plain model's loss and gradients."""
+    first, last = (result["shapes"] for result in two)
+    assert first["shorter"].startswith("DistributedError: this step's input (8, 6, 4) float64 differs from the "
+                                       "first step's input (8, 10, 4) float64")
+    assert "build a new DistributedPipeline for the new shapes on every rank" in first["shorter"]
+    assert first["float32"].startswith("DistributedError: this step's input (8, 10, 4) float32 differs")
+    for key in ("shorter", "float32"):
+        assert last[key].startswith("DistributedError: another rank refused this step, so no rank ran it")
+    model, (x, y) = sequence_model(), sequences(10)
+    losses = [nn.functional.mse_loss(model(a), b) for a, b in zip(x.chunk(2), y.chunk(2))]
+    (sum(losses) / 2).backward()
+    assert first["loss"] == last["loss"] == pytest.approx((sum(losses) / 2).item(), rel=1e-12)
+    _assert_grads_equal(first["grads"] | last["grads"], {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.slow
+def test_a_loss_that_is_not_one_number_on_the_graph_and_no_grad_are_refused_on_every_rank(
+        two: list[dict[str, Any]]) -> None:
+    """The loss runs mid-step on the last rank: a zero stands in, the step ends everywhere, then every
+    rank raises, and the pipeline goes on (the next right step gives the plain model's gradients)."""
+    first, last = (result["losses"] for result in two)
+    assert last["none"].startswith("DistributedError: loss_fn returned a tensor of shape (2, 4), and the engine "
+                                   "runs the backward of one number per micro-batch")
+    assert "reduction='mean', not 'none'" in last["none"]
+    assert last["float"].startswith("DistributedError: loss_fn returned a float,")
+    assert last["detached"].startswith("DistributedError: loss_fn returned a tensor that does not require grad")
+    for form in ("none", "float", "detached"):
+        assert first[form].startswith("DistributedError: the last rank refused this step's loss")
+    for result in (first, last):
+        assert result["no_grad"].startswith("DistributedError: step() trains (forward and backward) but runs under "
+                                            "torch.no_grad()")
+    _assert_grads_equal(first["grads"] | last["grads"], reference(inplace_model(), CHUNKS))
+
+
+@pytest.mark.slow
+def test_padded_targets_train_as_the_plain_model_with_the_documented_loss(two: list[dict[str, Any]]) -> None:
+    """cross_entropy's mean over the real targets differs per micro-batch (NaN where all are padding);
+    the docs' sum over every position is the same on micro-batches as on the whole batch."""
+    model = classifier_model()
+    token_sum_per_position(model(batch()[0].double()), PADDED).backward()
+    _assert_grads_equal(_merged(two, "padded"), {n: p.grad for n, p in model.named_parameters()})
 
 
 @pytest.mark.slow
@@ -391,7 +525,7 @@ def test_uneven_micro_batches_refused(two: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_non_tensor_stage_output_refused_with_our_error(two: list[dict[str, Any]]) -> None:
+def test_non_tensor_stage_output_refused_with_ourerror_of(two: list[dict[str, Any]]) -> None:
     message = two[0]["non_tensor"]
     assert message.startswith("StageOutputError: stage 0 ends with layer '1', which returns a tuple of (Tensor, str)")
     assert "change the plan's balance" in message

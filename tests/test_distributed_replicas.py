@@ -1,6 +1,7 @@
 """Replicas on the distributed engine: 2 replicas × 2 stages in 4 gloo processes and pure data
 parallel in 2; every gradient equals the plain model's on the whole batch, the checkpoint loads
-into the plain model, and a job of the wrong size is refused with the fix named."""
+into the plain model, the replicas' batch norm statistics end each step alike, and a job of the
+wrong size or a parameter unfrozen after construction is refused with the fix named."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from autopipe.distributed.local import launch_local
 from autopipe.planning.plans import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_models import batch, inplace_model, plan_for  # noqa: E402
+from distributed_models import batch, error_of, inplace_model, plan_for  # noqa: E402
 
 JOB_TIMEOUT_S = 150.0
 CHUNKS = 2
@@ -40,6 +41,33 @@ def reference(replicas: int, model: nn.Module | None = None) -> dict[str, Tensor
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def batchnorm_reference(steps: int) -> dict[str, Tensor]:
+    """The plain model's state after ``steps`` SGD steps as the replicas take them: gradients from
+    the replicas' micro-batches, and batch norm statistics updated once per micro-batch index from
+    the replicas' micro-batches of that index together (what averaging their buffers gives)."""
+    model = batchnorm_model()
+    x, y = (t.double() for t in batch())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        kept = {name: value.clone() for name, value in model.named_buffers()}
+        parts = 2 * CHUNKS
+        for xi, yi in zip(x.chunk(parts), y.chunk(parts)):
+            (nn.functional.mse_loss(model(xi), yi) / parts).backward()
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(kept[name])
+            for k in range(CHUNKS):
+                model(torch.cat([share.chunk(CHUNKS)[k] for share in x.chunk(2)]))
+        optimizer.step()
+    return model.state_dict()
+
+
 # ---- worker side ----------------------------------------------------------------------------
 
 def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
@@ -61,25 +89,52 @@ def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
     return result
 
 
-def _error(plan: Plan) -> str:
+def _statistics(steps: int) -> dict[str, Tensor]:
+    """Pure data parallel SGD steps of the batch norm model: this replica's state at the end."""
     from autopipe.distributed import DistributedPipeline
 
-    try:
-        DistributedPipeline(inplace_model(), plan, loss_fn=nn.functional.mse_loss)
-    except Exception as error:  # noqa: BLE001 - the test checks type and message
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+    runner = DistributedPipeline(batchnorm_model(), balance=[4], chunks=CHUNKS, replicas=2,
+                                 loss_fn=nn.functional.mse_loss)
+    x, y = (t.double() for t in batch())
+    optimizer = torch.optim.SGD(runner.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        runner.step(runner.shard(x), target=runner.shard(y))
+        optimizer.step()
+    return {name: value.clone() for name, value in runner.state_dict().items()}
+
+
+def _unfrozen() -> dict[str, Any]:
+    """A layer frozen at construction and unfrozen after a step: refused on every replica; the pipeline
+    built again after it (the fix named) averages its gradients too."""
+    from autopipe.distributed import DistributedPipeline
+
+    model, (x, y) = inplace_model(), batch()
+    model[0].requires_grad_(False)
+    runner = DistributedPipeline(model, balance=[6], chunks=CHUNKS, replicas=2, loss_fn=nn.functional.mse_loss)
+    runner.step(runner.shard(x), target=runner.shard(y))
+    model[0].requires_grad_(True)
+    result: dict[str, Any] = {"refused": error_of(lambda: runner.step(runner.shard(x), target=runner.shard(y)))}
+    model.zero_grad()
+    runner = DistributedPipeline(model, balance=[6], chunks=CHUNKS, replicas=2, loss_fn=nn.functional.mse_loss)
+    runner.step(runner.shard(x), target=runner.shard(y))
+    result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
+    return result
 
 
 def _worker(job: str, out: Path) -> None:
     import torch.distributed as dist
+
+    from autopipe.distributed import DistributedPipeline
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     if job == "hybrid":
         result = {"gpipe": _train(replicated([3, 3], 2), out), "1f1b": _train(replicated([3, 3], 2, "1f1b"))}
     else:
-        result = {"dp": _train(replicated([6], 2)), "too_few": _error(replicated([3, 3], 2))}
+        result = {"dp": _train(replicated([6], 2)), "statistics": _statistics(2), "unfrozen": _unfrozen(),
+                  "too_few": error_of(lambda: DistributedPipeline(inplace_model(), replicated([3, 3], 2),
+                                                                  loss_fn=nn.functional.mse_loss))}
     torch.save(result, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -126,14 +181,45 @@ def test_hybrid_two_replicas_of_two_stages_on_four_processes(tmp_path: Path) -> 
             torch.testing.assert_close(grad, second[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch("dp", 2, tmp_path_factory.mktemp("dp"))
+
+
 @pytest.mark.slow
-def test_pure_data_parallel_and_a_job_of_the_wrong_size(tmp_path: Path) -> None:
-    results = _launch("dp", 2, tmp_path)
-    _assert_replicas_equal_plain([r["dp"] for r in results], 2)
-    for result in results:
+def test_pure_data_parallel_and_a_job_of_the_wrong_size(dp: list[dict[str, Any]]) -> None:
+    _assert_replicas_equal_plain([r["dp"] for r in dp], 2)
+    for result in dp:
         assert result["too_few"].startswith(
             "DistributedError: the plan has 2 replicas × 2 stages but the job has 2 ranks")
         assert "torchrun --nproc-per-node 4" in result["too_few"]
+
+
+@pytest.mark.slow
+def test_replicas_end_each_step_with_the_same_batch_norm_statistics(dp: list[dict[str, Any]]) -> None:
+    """Each replica's batch norm sees its own share; averaged after every step, the running mean is
+    the plain model's with micro-batches of the replicas' micro-batches together (the running
+    variance is not: it leaves out the spread between the shares' means)."""
+    one, other = (result["statistics"] for result in dp)
+    for name, value in one.items():
+        assert torch.equal(value, other[name]), name
+    expected = batchnorm_reference(2)
+    for name in ("0.weight", "3.weight", "1.running_mean", "1.num_batches_tracked"):
+        torch.testing.assert_close(one[name], expected[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_a_parameter_unfrozen_after_construction_is_refused_on_every_replica(dp: list[dict[str, Any]]) -> None:
+    for result in dp:
+        assert result["unfrozen"]["refused"].startswith(
+            "DistributedError: requires_grad of ['0.weight', '0.bias'] changed since this DistributedPipeline "
+            "was built")
+        assert "build a new DistributedPipeline on every rank after changing requires_grad" in \
+            result["unfrozen"]["refused"]
+        expected = reference(2)
+        for name, grad in result["unfrozen"]["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        assert sorted(result["unfrozen"]["grads"]) == sorted(expected)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,24 @@ would all-gather every stage's parameters for every micro-batch's forward and ba
 cost the plan does not price.  DDP keeps one all-reduce per stage per step, overlapped with
 the last micro-batch's backward in buckets: the plan's reduction lane.
 ``torch.distributed.pipelining`` runs DDP-wrapped stage modules natively (``no_sync`` for all
-but the last backward micro-batch).
+but the last backward micro-batch).  It also runs every forward under ``no_sync``, which skips
+DDP's broadcast of buffers, so :func:`average_buffers` makes the replicas' buffers alike after
+each step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import DistributedError
 
-__all__ = ["Layout", "layout", "data_parallel"]
+__all__ = ["Layout", "average_buffers", "data_parallel", "layout"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class Layout:
     stage: int
     pipeline_group: dist.ProcessGroup | None
     data_group: dist.ProcessGroup | None
+
+    @property
+    def job_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job: the pipeline group with one replica, else the world."""
+        return self.pipeline_group if self.replicas == 1 else None
 
 
 def layout(replicas: int, stages: int, device_type: str, group: dist.ProcessGroup | None) -> Layout:
@@ -74,3 +82,39 @@ def data_parallel(module: nn.Module, where: Layout, device: torch.device) -> nn.
     ids = [device] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, process_group=where.data_group,
                                    find_unused_parameters=True)
+
+
+def average_buffers(module: nn.Module, where: Layout) -> None:
+    """Collective over the data-parallel group: every replica's ``module`` leaves with the same buffers,
+    the floating-point ones averaged and the others (counters) replica 0's, as DDP would broadcast.
+
+    Each replica's batch norm has seen its own share only.  Averaging after the step makes
+    ``running_mean`` the plain model's, updated once per micro-batch made of the replicas' micro-batches
+    of that index (each update is linear in its micro-batch's mean, and the shares are equal);
+    ``running_var`` becomes the mean of the shares' variances, which leaves out the spread between the
+    shares' means.  ``num_batches_tracked`` counts the micro-batches, the same on every replica.
+    """
+    if where.replicas == 1:
+        return
+    buffers = list(module.buffers())
+
+    def average(flat: Tensor) -> None:
+        dist.all_reduce(flat, group=where.data_group)
+        flat.div_(where.replicas)
+
+    _coalesced([b for b in buffers if b.is_floating_point()], average)
+    _coalesced([b for b in buffers if not b.is_floating_point()],
+               lambda flat: dist.broadcast(flat, group=where.data_group, group_src=0))
+
+
+def _coalesced(tensors: Sequence[Tensor], collective: Callable[[Tensor], object]) -> None:
+    """``collective`` on ``tensors`` flattened into one tensor per dtype (one call each, not one per
+    buffer), written back in place.  The dtypes come in the order the module lists its buffers, the
+    same on every rank."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        alike = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in alike])
+        collective(flat)
+        with torch.no_grad():
+            for tensor, part in zip(alike, flat.split([t.numel() for t in alike])):
+                tensor.copy_(part.view_as(tensor))

@@ -1,5 +1,6 @@
 """Checks every rank makes alike before running: the plan's fit to the model, balance, schedule,
-checkpoint mode, micro-batch split and replicas; and the process group from torchrun."""
+checkpoint mode, micro-batch split and replicas; the process group from torchrun; and the agreement
+that brings a refusal only one rank can see to every rank."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from ..model.fingerprint import check_made_for
 from ..planning.plans import Plan
 from ..runtime.balance import check_balance
 
-__all__ = ["RunSettings", "check_divisible", "init_distributed", "plan_device"]
+__all__ = ["RunSettings", "agree", "init_distributed", "plan_device", "uneven_split"]
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
@@ -80,8 +81,9 @@ class RunSettings:
                 f"the plan's batch of {plan.batch_size} does not split into {plan.replicas} equal replica "
                 "shares, which the engine's averaged gradients need; plan a batch size divisible by the replicas")
         check_schedule(settings.schedule, settings.chunks, len(balance), settings.checkpoint)
-        if settings.batch_size is not None:
-            check_divisible(settings.batch_size, settings.chunks)
+        problem = uneven_split(settings.batch_size, settings.chunks) if settings.batch_size is not None else None
+        if problem:
+            raise DistributedError(problem)
         return settings
 
 
@@ -106,10 +108,24 @@ def check_schedule(schedule: Schedule, chunks: int, stages: int, checkpoint: Che
         )
 
 
-def check_divisible(batch_size: int, chunks: int) -> None:
-    if batch_size % chunks:
-        raise DistributedError(
-            f"batch size {batch_size} does not split into {chunks} equal micro-batches, and "
+def uneven_split(batch_size: int, chunks: int) -> str | None:
+    """Why ``batch_size`` cannot run as ``chunks`` micro-batches, or ``None`` when it can."""
+    if not batch_size % chunks:
+        return None
+    return (f"batch size {batch_size} does not split into {chunks} equal micro-batches, and "
             "torch.distributed.pipelining needs one micro-batch shape. Fix: use a batch size "
-            f"divisible by chunks (e.g. {batch_size - batch_size % chunks or chunks}) or other chunks"
-        )
+            f"divisible by chunks (e.g. {batch_size - batch_size % chunks or chunks}) or other chunks")
+
+
+def agree(refusal: str | None, group: dist.ProcessGroup | None, device: torch.device, elsewhere: str) -> None:
+    """Raise :class:`DistributedError` on every rank of ``group`` when any rank refuses: its own
+    ``refusal`` there, ``elsewhere`` on the others.
+
+    A step's inputs, target, loss and trainable parameters are seen by some ranks only; a rank that
+    raised alone would leave its peers waiting on it inside the engine.  One flag is all-reduced,
+    so every rank raises together and the job can go on (build a new pipeline) or end cleanly.
+    """
+    flag = torch.tensor([refusal is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise DistributedError(refusal or elsewhere)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from .._vocab import CheckpointMode, Schedule
 from .._jsonio import write_atomic
@@ -18,9 +19,9 @@ from ..model import Layer, layer_chain
 from ..planning.plans import Plan
 from ..runtime.balance import stage_of_layer
 from ..runtime.skips import skip_spans
-from ._replicas import data_parallel, layout
+from ._replicas import average_buffers, data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
-from ._settings import RunSettings, check_divisible, init_distributed, plan_device
+from ._settings import RunSettings, agree, init_distributed, plan_device, uneven_split
 from ._stage import StageModule
 from ._state import merge_state_dicts, state_prefix
 
@@ -45,8 +46,13 @@ class DistributedPipeline:
     :meth:`state_dict` uses the original model's keys.
 
     Micro-batch shapes are fixed by the engine at the first step, so the batch size is fixed
-    too (the plan's, ``batch_size``, or the first step's): another one raises
-    :class:`DistributedError`; build a new pipeline on every rank for a new batch size.
+    too (the plan's, ``batch_size``, or the first step's), and so is every input's and the
+    target's shape and dtype (a sequence length too): another one raises
+    :class:`DistributedError`; build a new pipeline on every rank for new shapes.
+
+    ``loss_fn`` must be a mean over its micro-batch's samples, each sample weighed alike: the
+    engine divides each micro-batch's loss by their count (and DDP averages the replicas), which is
+    the whole batch's loss only when that is the mean of its equal micro-batches' losses.
 
     With ``replicas`` (or the plan's) ``R > 1`` the job has ``R × stages`` ranks: rank
     ``r·S + s`` runs stage ``s`` of replica ``r`` (:mod:`autopipe.distributed._replicas`), its
@@ -58,7 +64,14 @@ class DistributedPipeline:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers; the same
             (same initial weights) on every rank.
         plan: the plan to run (made with ``engine="distributed"``, one stage per rank).
-        loss_fn: ``loss_fn(output, target)`` on the last rank.
+        loss_fn: ``loss_fn(output, target)`` on the last rank, once per micro-batch: a scalar tensor,
+            the micro-batch's mean over its samples (``reduction="mean"``).  Not exact otherwise:
+            ``reduction="sum"`` gives the whole batch's sum divided by ``chunks × replicas``;
+            a mean that weighs samples unequally (``cross_entropy`` with ``ignore_index`` and
+            uneven padding, or class ``weight``) gives the mean of the micro-batches' own means,
+            and a micro-batch with every target ignored gives NaN (PyTorch's mean of nothing),
+            which reaches every gradient.  Exact for those: a sum divided by a count that does
+            not depend on the targets, e.g. ``cross_entropy(o, t, reduction="sum") / t.numel()``.
         balance: layers per stage, without a plan (or overriding the plan's).
         chunks: micro-batches per step (default: the plan's, else 1).
         schedule: ``"gpipe"`` or ``"1f1b"`` (default: the plan's, else ``"gpipe"``).
@@ -109,11 +122,16 @@ class DistributedPipeline:
                                   settings.checkpoint, self.chunks).to(self.device)
         self.stage = Stage(data_parallel(self.module, self.layout, self.device), self.rank, self.num_stages,
                            self.device, group=self.group)
+        # what DDP averages: the parameters that required grad when it was built
+        self._trainable = [p.requires_grad for _, p in self.named_parameters()]
+        # what this rank fed the first step it ran, "input (8, 10) float32", which the engine's buffers keep
+        self._first_fed: list[str] | None = None
+        self._loss = _Share(loss_fn, self.chunks)
         # each micro-batch's loss divided by their count, and gradients left as they come: the
         # engine's own averaging (scale_grads) divides all of .grad, also what an earlier step
         # left there, so gradients accumulated over steps would not add up as the plain model's
         self.schedule = SCHEDULE_CLASSES[self.schedule_name](
-            self.stage, self.chunks, loss_fn=_Share(loss_fn, self.chunks), scale_grads=False)
+            self.stage, self.chunks, loss_fn=self._loss, scale_grads=False)
 
     @property
     def replicas(self) -> int:
@@ -157,19 +175,32 @@ class DistributedPipeline:
         Every rank calls it; the first uses ``inputs``, the last ``target``, others ignore both.
         Gradients are averaged over micro-batches (as one ``loss_fn`` over the whole batch with
         a mean reduction) and added to what ``.grad`` holds, as ``loss.backward()`` does: steps
-        without ``zero_grad`` between accumulate.  Returns the mean micro-batch loss on the last
-        rank, ``None`` elsewhere.
+        without ``zero_grad`` between accumulate.  With replicas, their buffers are averaged at the
+        end (:func:`~autopipe.distributed._replicas.average_buffers`).  Returns the mean
+        micro-batch loss on the last rank, ``None`` elsewhere.
+
+        Raises:
+            DistributedError: on every rank, when any rank refuses the step.  Before anything runs:
+                it is called under ``torch.no_grad()``; the first rank's inputs or the last rank's
+                target are missing or differ in batch size, shape or dtype from the first step's;
+                with replicas, a parameter's ``requires_grad`` changed since construction.  After
+                the step: ``loss_fn`` did not return a scalar tensor on the output's graph (the step
+                ran with a zero loss in its place).
         """
-        args: tuple[Tensor, ...] = ()
-        kwargs: dict[str, Any] = {}
+        fed = self._fed(inputs, target)
+        agree(self._refusal(fed), self.layout.job_group, self.device,
+              "another rank refused this step, so no rank ran it: that rank's error names the problem and the fix")
+        if fed and self._first_fed is None:
+            self._first_fed, self.batch_size = _described(fed), fed[0][1].size(0)
         losses: list[Tensor] = []
-        if self.is_first:
-            args = tuple(t.to(self.device) for t in inputs)
-            self._check_batch(args[0] if args else None, "input")
-        if self.is_last:
-            self._check_batch(target, "target")
-            kwargs = {"target": target.to(self.device), "losses": losses}  # type: ignore[union-attr]
+        args = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
+        kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}  # type: ignore[union-attr]
+        self._loss.refusal = None
         self.schedule.step(*args, **kwargs)
+        agree(self._loss.refusal, self.layout.job_group, self.device,
+              "the last rank refused this step's loss (its error names the problem and the fix); the step "
+              "ran with a zero loss in its place")
+        average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 
     def broadcast_loss(self, loss: Tensor | None) -> float:
@@ -212,31 +243,102 @@ class DistributedPipeline:
     def _global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def _check_batch(self, tensor: Tensor | None, what: str) -> None:
-        if not isinstance(tensor, Tensor):
-            raise DistributedError(
-                f"rank {self.rank} runs the {'first' if what == 'input' else 'last'} stage and needs "
-                f"the {what} tensor: call step(x, target=y) on this rank"
-            )
-        size = tensor.size(0)
-        if self.batch_size is None:
-            check_divisible(size, self.chunks)
-            self.batch_size = size
-        if size != self.batch_size:
-            raise DistributedError(
-                f"the {what} batch has {size} samples but this pipeline runs batches of "
-                f"{self.batch_size}: torch.distributed.pipelining fixes micro-batch shapes at the "
-                "first step and would compute wrong values. Fix: keep the batch size constant "
-                "(DataLoader(drop_last=True)) or build a new DistributedPipeline with "
-                f"batch_size={size} on every rank"
-            )
+    def _fed(self, inputs: tuple[Any, ...], target: Any) -> list[tuple[str, Any]]:
+        """What this rank feeds the engine, named: the inputs on the first rank, the target on the last."""
+        fed: list[tuple[str, Any]] = []
+        if self.is_first:
+            fed += [("input" if len(inputs) <= 1 else f"input {i}", t) for i, t in enumerate(inputs or (None,))]
+        if self.is_last:
+            fed.append(("target", target))
+        return fed
+
+    def _refusal(self, fed: list[tuple[str, Any]]) -> str | None:
+        """What this rank finds wrong with the step it is asked to run, or ``None``."""
+        if not torch.is_grad_enabled():
+            return ("step() trains (forward and backward) but runs under torch.no_grad() or torch.inference_mode(), "
+                    "and this engine has no forward-only mode. Fix: call step() with gradients enabled; to evaluate, "
+                    "load save_checkpoint's file into the plain model")
+        return self._fed_refusal(fed) or self._trainable_refusal()
+
+    def _fed_refusal(self, fed: list[tuple[str, Any]]) -> str | None:
+        """The engine fixes its micro-batch shapes and dtypes at the first step: another batch size
+        or shape (a sequence length) would be read into the first step's buffers, wrong values without
+        an error."""
+        for what, value in fed:
+            if not isinstance(value, Tensor):
+                return (f"rank {self.rank} runs the {'last' if what == 'target' else 'first'} stage and needs "
+                        f"the {what} tensor: call step(x, target=y) on this rank")
+        if not fed:
+            return None
+        batch = self.batch_size or fed[0][1].size(0)
+        uneven = uneven_split(batch, self.chunks) if self.batch_size is None else None
+        if uneven:
+            return uneven
+        for what, tensor in fed:
+            if tensor.size(0) != batch:
+                return (f"the {what} batch has {tensor.size(0)} samples but this pipeline runs batches of {batch}: "
+                        "torch.distributed.pipelining fixes micro-batch shapes at the first step and would compute "
+                        "wrong values. Fix: keep the batch size constant (DataLoader(drop_last=True)) or build a new "
+                        f"DistributedPipeline with batch_size={tensor.size(0)} on every rank")
+        if self._first_fed is not None and _described(fed) != self._first_fed:
+            return (f"this step's {', '.join(_described(fed))} differs from the first step's "
+                    f"{', '.join(self._first_fed)}: torch.distributed.pipelining fixes the shapes and dtypes it sends "
+                    "at the first step and would read others into those buffers (wrong values, no error). Fix: keep "
+                    "every shape and dtype constant (pad sequences to one length) or build a new DistributedPipeline "
+                    "for the new shapes on every rank")
+        return None
+
+    def _trainable_refusal(self) -> str | None:
+        """With replicas, DDP averages the gradients of the parameters that required grad when it was
+        built, and no others: one unfrozen since would train apart on each replica."""
+        if self.replicas == 1:
+            return None
+        changed = [name for (name, p), was in zip(self.named_parameters(), self._trainable) if p.requires_grad != was]
+        if not changed:
+            return None
+        return (f"requires_grad of {changed[:3]}{' and others' if len(changed) > 3 else ''} changed since this "
+                "DistributedPipeline was built, and its replicas average (DDP) only the gradients of the parameters "
+                "that required grad then: the replicas would drift apart. Fix: build a new DistributedPipeline on "
+                "every rank after changing requires_grad (the same model and plan keep each rank's trained stage)")
+
+
+def _described(fed: list[tuple[str, Tensor]]) -> list[str]:
+    return [f"{what} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for what, t in fed]
 
 
 class _Share:
-    """``loss_fn`` divided by the micro-batch count: each micro-batch's share of the batch's mean."""
+    """``loss_fn`` divided by the micro-batch count: each micro-batch's share of the batch's mean.
+
+    It runs mid-step on the last rank only, where raising would leave the other ranks waiting: a
+    result the engine cannot run backward from is put in :attr:`refusal` and a zero on the output's
+    graph stands in, so the step ends on every rank and then raises on all of them.
+    """
 
     def __init__(self, loss_fn: Callable[..., Tensor], chunks: int) -> None:
         self.loss_fn, self.chunks = loss_fn, chunks
+        self.refusal: str | None = None
 
     def __call__(self, output: Any, target: Any) -> Tensor:
-        return self.loss_fn(output, target) / self.chunks
+        loss = self.loss_fn(output, target)
+        if isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad:
+            return loss / self.chunks
+        self.refusal = (
+            f"loss_fn returned {_what_loss(loss)}, and the engine runs the backward of one number per micro-batch: "
+            "return a scalar tensor computed from the output, the micro-batch's mean over its samples "
+            "(reduction='mean', not 'none'; not .item()). This step ran with a zero loss in its place")
+        return _zero_on(output)
+
+
+def _zero_on(output: Any) -> Tensor:
+    """Zero, computed from the output's tensors that need a gradient (its backward gives them zeros),
+    or a zero of its own when none does (nothing before the loss trains)."""
+    parts = [t.sum() * 0 for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+    return torch.stack(parts).sum() if parts else torch.zeros((), requires_grad=True)
+
+
+def _what_loss(loss: Any) -> str:
+    if not isinstance(loss, Tensor):
+        return f"a {type(loss).__name__}"
+    if loss.numel() != 1:
+        return f"a tensor of shape {tuple(loss.shape)}"
+    return "a tensor that does not require grad (detached from the output, or no parameter before it trains)"
