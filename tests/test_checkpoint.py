@@ -134,3 +134,50 @@ def test_recomputation_replays_a_buffer_its_forward_assigned_anew(checkpoint: st
         torch.testing.assert_close(pipe.state_dict()["1.gain"], reference[1].gain, msg=f"step {step} gain")
         for optimizer in optimizers:
             optimizer.step()
+
+
+def two_tanh_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_spectral_norm_added_after_building_is_replayed(chunks: int) -> None:
+    """A parametrization added to a stage's layer after the pipeline was built brings buffers
+    (spectral norm's power-iteration vectors) that the stage must keep and replay like its
+    others: it once read its buffers when built, so the recomputation advanced ``_u`` again and
+    differentiated another weight than the forward used.  Two steps equal the plain model's,
+    run micro-batch by micro-batch (outputs, gradients, the vectors)."""
+    model, plain = two_tanh_layers(), two_tanh_layers()
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=chunks, checkpoint="always")
+    for net in (model, plain):
+        torch.manual_seed(5)
+        parametrizations.spectral_norm(net[2])
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (pipe, plain)]
+    for step in range(2):
+        x, g = torch.randn(6, 4, dtype=torch.double), torch.randn(6, 3, dtype=torch.double)
+        out = pipe(x)
+        (out * g).sum().backward()
+        expected = []
+        for xs, gs in zip(x.tensor_split(chunks), g.tensor_split(chunks)):
+            expected.append(plain(xs))
+            (expected[-1] * gs).sum().backward()
+        torch.testing.assert_close(out, torch.cat(expected), msg=f"step {step} output")
+        for (name, p), q in zip(plain.named_parameters(), pipe.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=f"step {step} {name}.grad")
+        torch.testing.assert_close(pipe.state_dict(), plain.state_dict(), msg=f"step {step} state")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.timeout(30)
+def test_a_module_added_between_a_forward_and_its_backward_is_refused() -> None:
+    """A checkpointed micro-batch recomputes on the modules and buffers its forward ran with."""
+    model = two_tanh_layers()
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    out = pipe(torch.randn(4, 4, dtype=torch.double))
+    parametrizations.spectral_norm(model[2])
+    with pytest.raises(RuntimeError, match="added or removed between this step's forward and its backward"):
+        out.sum().backward()

@@ -415,6 +415,153 @@ def test_layers_with_empty_prefix_keep_the_models_keys() -> None:
     assert model.scale.grad is not None
 
 
+class TopLevel(nn.Module):
+    """Tensors held by the model itself, which capture leaves on its layers: a parameter and a
+    counter read by the first layer, a buffer by the second, and a parameter of a bare
+    ``nn.Module`` container (``head.bias``) by the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("shift", torch.full((8,), 0.25))
+        self.head = nn.Module()
+        self.head.bias = nn.Parameter(torch.zeros(3))
+        self.l1, self.l2, self.l3 = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count += 1
+        h = torch.tanh(self.l1(x)) * self.scale
+        h = torch.tanh(self.l2(h)) + self.shift
+        return self.l3(h) + self.head.bias
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("swap", ["load_state_dict(assign=True)", "double()", "functional_call"])
+def test_tensors_swapped_through_the_pipeline_reach_a_captured_models_stages(swap: str) -> None:
+    """Each of these replaces the tensors in the module's slots (``double()`` the buffers), which
+    must be the slots the stages read: the captured layers' own top-level tensors and their bare
+    containers' were registered on the pipeline as second references, which a swap parted from
+    the stages' (outputs, gradients and ``state_dict`` silently off the plain model's).  A
+    checkpointed micro-batch (``except_last``) recomputes after ``functional_call`` has put the
+    tensors back, as ``torch.utils.checkpoint`` does, so that one runs without checkpointing."""
+    torch.manual_seed(0)
+    plain = TopLevel() if swap == "double()" else TopLevel().double()
+    x, g = torch.randn(6, 4, dtype=torch.double), torch.randn(6, 3, dtype=torch.double)
+    pipe = autopipe.Pipeline(autopipe.chain(copy.deepcopy(plain), x), balance=[1, 2], devices=["cpu", "cpu"],
+                             chunks=2, checkpoint="never" if swap == "functional_call" else "except_last")
+    new = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+    tensors = {m: {k: v.clone().requires_grad_(v.is_floating_point() and k in dict(plain.named_parameters()))
+                   for k, v in new.items()} for m in ("plain", "pipe")}
+    for name, module in (("plain", plain), ("pipe", pipe)):
+        if swap == "double()":
+            module.double()
+        elif swap == "load_state_dict(assign=True)":
+            module.load_state_dict({k: v.detach() for k, v in tensors[name].items()}, assign=True)
+    if swap == "functional_call":
+        out = torch.func.functional_call(pipe, tensors["pipe"], (x,))
+        expected = torch.cat([torch.func.functional_call(plain, tensors["plain"], (xs,)) for xs in x.split(3)])
+        (expected * g).sum().backward()
+        got, want = tensors["pipe"], tensors["plain"]
+    else:
+        out = pipe(x)
+        expected = reference_step(plain, x, g, chunks=2)
+        got, want = dict(pipe.named_parameters()), dict(plain.named_parameters())
+    (out * g).sum().backward()
+    torch.testing.assert_close(out, expected)
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name].grad, want[name].grad, msg=name)
+    state = tensors["pipe"] if swap == "functional_call" else pipe.state_dict()
+    for key, value in (tensors["plain"] if swap == "functional_call" else plain.state_dict()).items():
+        torch.testing.assert_close(state[key], value, msg=key)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("swap", ["load_state_dict(assign=True)", "double()"])
+def test_replicas_on_copies_take_the_tensors_swapped_in(monkeypatch: pytest.MonkeyPatch, swap: str) -> None:
+    """Replicas on copies of the modules (CUDA's, forced here on CPU devices) copy the first
+    replica's tensors before each forward and add their gradients into them: tensors swapped into
+    the first replica since are those (they were paired once, when the pipeline was built)."""
+    monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = autopipe.Pipeline(copy.deepcopy(plain), balance=[2, 1], devices=["cpu"] * 4, chunks=2, replicas=2)
+    new = {k: torch.randn_like(v, dtype=torch.double) for k, v in plain.state_dict().items()}
+    for module in (plain, pipe):
+        if swap == "double()":
+            module.double()
+        else:
+            module.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+    x, g = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 3, dtype=torch.double)
+    out = pipe(x)
+    expected = reference_step(plain, x, g, chunks=2, replicas=2)
+    (out * g).sum().backward()
+    torch.testing.assert_close(out, expected)
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], msg=name)
+
+
+@pytest.mark.timeout(30)
+def test_replicas_on_copies_refuse_a_model_changed_after_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = autopipe.Pipeline(model, balance=[2, 1], devices=["cpu"] * 4, chunks=2, replicas=2)
+    nn.utils.parametrizations.spectral_norm(model[0])
+    with pytest.raises(RuntimeError, match="build the pipeline after changing the model"):
+        pipe(torch.randn(4, 4))
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_vision_transformer_loaded_with_assign_is_the_plain_models() -> None:
+    """torchvision's VisionTransformer holds ``class_token`` itself and ``encoder.pos_embedding``
+    in its encoder, which capture leaves on its first layer and a bare container."""
+    torch.manual_seed(0)
+    plain = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2,
+                                                 hidden_dim=16, mlp_dim=32, num_classes=5).double()
+    x, g = torch.randn(4, 3, 16, 16, dtype=torch.double), torch.randn(4, 5, dtype=torch.double)
+    layers = autopipe.chain(copy.deepcopy(plain), x)
+    pipe = autopipe.Pipeline(layers, balance=[3, len(layers) - 3], devices=["cpu", "cpu"], chunks=2)
+    new = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+    for module in (plain, pipe):
+        module.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
+    out = pipe(x)
+    expected = reference_step(plain, x, g, chunks=2)
+    (out * g).sum().backward()
+    torch.testing.assert_close(out, expected)
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compiled", ["function", "pipeline"])
+def test_a_compiled_caller_runs_the_pipeline_eagerly(compiled: str) -> None:
+    """``torch.compile`` of a function that calls the pipeline, or of the pipeline itself: the
+    pipeline is a graph break and the rest compiles (dynamo once failed inside the pipeline's
+    own code with an internal error)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    pipe = autopipe.Pipeline(copy.deepcopy(plain), balance=[2, 1], devices=["cpu", "cpu"], chunks=2)
+
+    def loss(model: nn.Module, x: Tensor) -> Tensor:
+        return (model(x * 2).tanh() ** 2).sum()
+
+    x = torch.randn(6, 4, dtype=torch.double, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    if compiled == "function":
+        got = torch.compile(loss, backend="aot_eager")(pipe, x)
+    else:
+        got = loss(torch.compile(pipe, backend="aot_eager"), x)
+    expected = loss(plain, x_ref)
+    got.backward(), expected.backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), q in zip(plain.named_parameters(), pipe.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 @pytest.mark.cuda
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -49,6 +49,12 @@ from .turns import Turns
 __all__ = ["Pipeline", "undeferrable"]
 
 
+#: Marks a call that a compiled caller (``torch.compile``) runs eagerly, as a graph break: the
+#: stages run on worker threads, which no graph can hold.
+_eager = torch.compiler.disable(
+    reason="an autopipe.Pipeline runs its stages on worker threads, which a compiled graph cannot hold, so it runs "
+           "eagerly between the caller's graphs; with fullgraph=True, call the pipeline outside the compiled function")
+
 #: The manual form's options that a plan would set, and their values without one (torchgpipe's).
 _MANUAL_DEFAULTS: dict[str, Any] = {"chunks": 1, "checkpoint": "except_last", "interleave": 1, "replicas": 1,
                                     "schedule": "gpipe", "turns": "depth_first"}
@@ -117,6 +123,8 @@ class Pipeline(nn.Module):
       ``pipe.measure_memory = True``, ``last_memory()``: each stage's peak bytes over it (on
       CPU every operator then reports its allocations, which slows the step: measure memory
       and time in different steps).
+    * Inside a compiled caller (``torch.compile(pipe)``, or a compiled function that calls the
+      pipeline) the pipeline runs eagerly, a graph break: its stages run on worker threads.
     * Stages on one device (``interleave > 1``) take turns computing
       (:class:`~autopipe.runtime.turns.Turns`), so each device runs one task at a time.
 
@@ -229,6 +237,7 @@ class Pipeline(nn.Module):
                         "keys) and build the pipeline again from the model (autopipe.Pipeline(model, plan)), or "
                         "copy the model before partitioning it")
 
+    @_eager
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
         grad = torch.is_grad_enabled()
@@ -246,6 +255,7 @@ class Pipeline(nn.Module):
             output = replicas.take_outputs()
         return model_output(self.stages[-1].modules[-1], output)
 
+    @_eager
     def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         """One training iteration under the pipeline's schedule, the loss on the last stage.
 
@@ -333,13 +343,16 @@ class Pipeline(nn.Module):
         original model, so ``state_dict`` keys (and ``parameters()``) are the model's own.
 
         A captured layer holds the model's top-level tensors itself, and the others in bare
-        ``nn.Module`` containers made for their paths: their tensors are registered at the path
-        on a module of the pipeline's own, for a container attached there would take in the
-        modules that other layers attach under the path (``encoder.pos_embedding``'s container
-        would hold ``encoder.layers``: another stage's parameters and buffers).  They are
-        registered in the model's order of its modules where the chain knows it (a
-        :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()`` lists
-        them as ``model.parameters()`` does."""
+        ``nn.Module`` containers made for their paths.  Neither can be registered at its path:
+        the layer would sit where the pipeline does, a container attached there would take in
+        the modules that other layers attach under the path (``encoder.pos_embedding``'s
+        container would hold ``encoder.layers``: another stage's parameters and buffers), and
+        several layers may hold tensors at one path.  So the pipeline's own module at the path
+        holds them in slots linked to the layer's (:class:`_LinkedSlots`): a tensor that
+        ``load_state_dict(assign=True)``, ``double()`` or ``functional_call`` puts there is the
+        one the stage runs on.  They are registered in the model's order of its modules where
+        the chain knows it (a :class:`~autopipe.model.layers.Chain`), else in forward order, so
+        ``parameters()`` lists them as ``model.parameters()`` does."""
         held = [(".".join(p for p in (layer.state_prefix, name) if p), module)
                 for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)
                 if module._parameters or module._buffers]
@@ -348,15 +361,64 @@ class Pipeline(nn.Module):
             if path and type(module) is not nn.Module:
                 attach(self, path, module)
             else:
-                _adopt_tensors(module_at(self, path), module)
+                _link_tensors(module_at(self, path), module)
 
 
-def _adopt_tensors(holder: nn.Module, module: nn.Module) -> None:
-    """Register ``module``'s own parameters and buffers on ``holder`` too."""
-    for name, param in module.named_parameters(recurse=False):
-        holder.register_parameter(name, param)
-    for name, buffer in module.named_buffers(recurse=False):
-        holder.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+#: A slot that is not there (``None`` is a slot's value: a parameter set to none).
+_ABSENT = object()
+
+
+class _LinkedSlots(dict):  # type: ignore[type-arg]
+    """A module's ``_parameters`` or ``_buffers`` whose named slots other modules' dicts hold too.
+
+    ``nn.Module`` replaces a tensor by writing its slot (``register_parameter``, ``_apply``,
+    ``load_state_dict(assign=True)``, ``functional_call``), so a tensor registered on two
+    modules would part at the first swap; writing or deleting a linked slot here writes or
+    deletes it in each linked dict too, so both modules always hold the same tensor.  A copy
+    (``deepcopy``, pickling) is a plain dict, linked to nothing."""
+
+    def __init__(self, slots: dict[str, Any]) -> None:
+        super().__init__(slots)
+        self.links: dict[str, list[dict[str, Any]]] = {}
+
+    def link(self, name: str, other: _LinkedSlots) -> None:
+        """Hold ``other``'s tensor ``name`` in a slot linked to ``other``'s, both ways."""
+        super().__setitem__(name, other[name])
+        self.links.setdefault(name, []).append(other)
+        other.links.setdefault(name, []).append(self)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        super().__setitem__(name, value)
+        for other in self.links.get(name, ()):
+            if other.get(name, _ABSENT) is not value:
+                other[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        for other in self.links.get(name, ()):
+            if name in other:
+                del other[name]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self),)
+
+
+def _link_tensors(holder: nn.Module, owner: nn.Module) -> None:
+    """Register ``owner``'s own parameters and buffers on ``holder`` too, in linked slots."""
+    for kind in ("_parameters", "_buffers"):
+        theirs, mine = _linked_slots(owner, kind), _linked_slots(holder, kind)
+        for name, tensor in list(theirs.items()):
+            if tensor is not None:
+                mine.link(name, theirs)
+    holder._non_persistent_buffers_set |= owner._non_persistent_buffers_set
+
+
+def _linked_slots(module: nn.Module, kind: str) -> _LinkedSlots:
+    """``module``'s ``kind`` (``_parameters`` or ``_buffers``) as linkable slots."""
+    slots = vars(module)[kind]
+    if not isinstance(slots, _LinkedSlots):
+        slots = vars(module)[kind] = _LinkedSlots(slots)
+    return slots
 
 
 def _from_plan(plan: Plan, layers: list[Layer],

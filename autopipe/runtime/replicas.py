@@ -36,7 +36,7 @@ it has such buffers (:func:`pair_stages`): those stages run one replica at a tim
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Copies", "Replicas", "copied_layers", "pair_stages", "shares_parameters"]
 
+_Item = TypeVar("_Item")
+
 
 def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
     """Whether replicas on ``devices`` run the same modules (all CPU) rather than copies."""
@@ -72,40 +74,54 @@ def copied_layers(layers: Sequence[Layer]) -> list[Layer]:
 
 def pair_stages(engines: Sequence[Engine], shared: bool) -> None:
     """Stage ``i`` of every replica: the call, not the stages, brackets their deferred batch norms;
-    and where they run the same modules (``shared``) and have buffers a recomputation replays
-    (:attr:`Stage.replayed`), they share one lock (the module docstring)."""
+    and where they run the same modules (``shared``) they share one lock, which they hold while
+    they have buffers a recomputation replays (:attr:`Stage.replayed`; the module docstring)."""
     for stages in zip(*(engine.stages for engine in engines)):
-        lock = threading.Lock() if shared and stages[0].replayed else None
+        lock = threading.Lock() if shared else None
         for stage in stages:
             stage.brackets_batch_norm = False
             stage.replay_lock = lock
 
 
 class Copies:
-    """The tensors of the first replica's layers paired with each copy's, for copying weights
-    out before a forward and gradients in after a backward."""
+    """The first replica's layers and each copy's, for copying weights out before a forward and
+    gradients in after a backward.  Their tensors are paired at each use: what the caller put
+    into the first replica's modules since (``load_state_dict(assign=True)``, ``double()``)
+    is what the copies take."""
 
     def __init__(self, primary: Sequence[Layer], copies: Sequence[Sequence[Layer]]) -> None:
-        # buffers by where they live, for a forward may assign a buffer a new tensor
-        self.params = [list(zip(_params(primary), _params(layers))) for layers in copies]
-        self.buffers = [list(zip(_slots(primary), _slots(layers))) for layers in copies]
-        self.devices = {t.device for pairs in self.params for _, t in pairs}
-        self.devices |= {slot_tensor(slot).device for pairs in self.buffers for _, slot in pairs}
+        self.primary = list(primary)
+        self.copies = [list(layers) for layers in copies]
         # backward phases under way: two calls' (two forwards, one loss) run at once, and the
         # copies' gradients are gathered only when the last ends, not while the other adds to them
         self._lock = threading.Lock()
         self._active = 0
         self._failed = False
 
+    @property
+    def params(self) -> list[list[tuple[Tensor, Tensor]]]:
+        """Each copy's parameters, paired with the first replica's."""
+        return [_paired(_params(self.primary), _params(layers)) for layers in self.copies]
+
+    @property
+    def buffers(self) -> list[list[tuple[BufferSlot, BufferSlot]]]:
+        """Each copy's buffer slots, paired with the first replica's (by where they live, for a
+        forward may assign a buffer a new tensor)."""
+        return [_paired(_slots(self.primary), _slots(layers)) for layers in self.copies]
+
     @torch.no_grad()
     def broadcast(self) -> None:
         """Every copy takes the first replica's parameters and buffers, written through
         ``.data``, which autograd does not count: a forward whose backward is still pending (two
         forwards, then their backwards) would fail a counted write.  Its saved values change
-        only if the first replica's did, whose own backward then fails as the plain model's."""
+        only if the first replica's did, whose own backward then fails as the plain model's.
+        A tensor of another shape or dtype by now is replaced, on the copy's device."""
         for pairs in self.params:
             for source, target in pairs:
-                target.data.copy_(source)
+                if target.shape == source.shape and target.dtype == source.dtype:
+                    target.data.copy_(source)
+                else:
+                    target.data = source.detach().to(target.device, copy=True)
         for slots in self.buffers:
             for source, target in slots:
                 put(target, slot_tensor(source))
@@ -154,8 +170,19 @@ class Copies:
                 target.grad = None
 
     def _synchronize(self) -> None:
-        for device in self.devices:
+        devices = {t.device for pairs in self.params for _, t in pairs}
+        devices |= {slot_tensor(slot).device for pairs in self.buffers for _, slot in pairs}
+        for device in devices:
             ops_for(device).synchronize()
+
+
+def _paired(first: list[_Item], copy: list[_Item]) -> list[tuple[_Item, _Item]]:
+    """The first replica's items paired with a copy's, which were made alike when it was built."""
+    if len(first) != len(copy):
+        raise RuntimeError("parameters or buffers were added to or removed from the model after the pipeline was "
+                           "built, and its replicas run copies of the modules made then (as on CUDA devices): "
+                           "build the pipeline after changing the model")
+    return list(zip(first, copy))
 
 
 def _params(layers: Sequence[Layer]) -> list[Tensor]:

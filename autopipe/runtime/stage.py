@@ -25,11 +25,11 @@ import threading
 from typing import Any, Hashable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm, micro_batch_forward
-from .checkpoint import RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
+from .checkpoint import BufferSlot, RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -64,11 +64,6 @@ class Stage:
         self.routes = routes
         self.neighbours = neighbours  # every stage, by index, for sending
         self.random = RandomGuard(device)
-        self.submodules = [m for module in self.modules for m in module.modules()]
-        self.deferred = [m for m in self.submodules if isinstance(m, DeferredBatchNorm)]
-        # what a checkpointed micro-batch keeps a copy of: the buffers later forwards may change
-        # before its recomputation (a deferred batch norm's statistics change only at a step's end)
-        self.replayed = buffer_slots(self.modules, skip={id(bn) for bn in self.deferred})
         # shared with the same stage of the other replicas where they run these very modules
         # (autopipe.runtime.replicas): a recomputation puts older values into the buffers
         self.replay_lock: threading.Lock | None = None
@@ -76,6 +71,25 @@ class Stage:
         self.brackets_batch_norm = True
         self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
+
+    # The modules and buffers are read at each use: the caller may add some to the layers after
+    # building the pipeline (a parametrization such as spectral norm, with its own buffers).
+
+    @property
+    def submodules(self) -> list[nn.Module]:
+        """Every module of the stage's layers."""
+        return [m for module in self.modules for m in module.modules()]
+
+    @property
+    def deferred(self) -> list[DeferredBatchNorm]:
+        """The stage's deferred batch norms."""
+        return [m for m in self.submodules if isinstance(m, DeferredBatchNorm)]
+
+    @property
+    def replayed(self) -> list[BufferSlot]:
+        """What a checkpointed micro-batch keeps a copy of: the buffers later forwards may change
+        before its recomputation (a deferred batch norm's statistics change only at a step's end)."""
+        return buffer_slots(self.modules, skip={id(bn) for bn in self.deferred})
 
     @property
     def buffers(self) -> dict[str, Tensor]:
@@ -304,11 +318,6 @@ class Stage:
         return tuple(m.training for m in self.submodules)
 
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
-        if self._modes() != saved.modes:  # batch norm and dropout would recompute another forward
-            raise RuntimeError(
-                f"{self.name}: train()/eval() changed between this step's forward and its backward; a "
-                "checkpointed stage recomputes its forward in the modes it finds, which would give other "
-                "gradients: call backward() before switching modes (or use checkpoint='never')")
         with torch.enable_grad(), self.random.replay(saved.rng):
             # keep: a received tensor may be the sender's own saved input (a stage that passes its
             # input on, as output or skip), which the sender's recomputation reads after this one
@@ -321,13 +330,33 @@ class Stage:
         recomputation writes (running statistics, counters) is undone after."""
         if saved.buffers is None:
             return contextlib.nullcontext()
-        return buffers_replayed(self.replayed, saved.buffers)
+        slots = self.replayed
+        self._check_unchanged(saved, slots)
+        return buffers_replayed(slots, saved.buffers)
+
+    def _check_unchanged(self, saved: Saved, slots: list[BufferSlot]) -> None:
+        """Refuse to recompute a checkpointed micro-batch on other modules, buffers or modes than
+        its forward ran with: batch norm and dropout would recompute another forward, and the
+        buffers kept would go back into the wrong slots."""
+        assert saved.modes is not None and saved.buffers is not None
+        modes = self._modes()
+        if len(modes) != len(saved.modes) or len(slots) != len(saved.buffers):
+            raise RuntimeError(
+                f"{self.name}: modules or buffers were added or removed between this step's forward and its "
+                "backward; a checkpointed stage recomputes its forward on the modules it finds: call "
+                "backward() before changing the model (or use checkpoint='never')")
+        if modes != saved.modes:
+            raise RuntimeError(
+                f"{self.name}: train()/eval() changed between this step's forward and its backward; a "
+                "checkpointed stage recomputes its forward in the modes it finds, which would give other "
+                "gradients: call backward() before switching modes (or use checkpoint='never')")
 
     def _buffers_held(self, run: Run) -> contextlib.AbstractContextManager[object]:
         """This stage's buffers to itself among the replicas sharing them, in a call that
         replays them.  Taken after the turn and before the random generators' locks, in the
         forward as in the backward."""
-        return self.replay_lock if self.replay_lock is not None and run.replays else contextlib.nullcontext()
+        held = self.replay_lock is not None and run.replays and bool(self.replayed)
+        return self.replay_lock if held else contextlib.nullcontext()
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
         grads = [leaf.grad for leaf in tensors_of(saved.args)]
