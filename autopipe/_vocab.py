@@ -17,6 +17,7 @@ __all__ = [
     "check_device_name",
     "CHECKPOINT_MODES", "CHECKPOINT_CHOICES", "ENGINES", "PHASES", "SCHEDULES", "TURN_RULES", "TurnRule",
     "CheckpointChoice", "CheckpointMode", "EngineName", "EventKind", "Lane", "Phase", "Schedule", "TaskKind",
+    "Reduction", "REDUCTIONS",
 ]
 
 #: What a stage keeps for backward: every activation, none (recompute every micro-batch) or all
@@ -41,6 +42,8 @@ TaskKind = Literal["F", "B"]
 EventKind = Literal["F", "B", "R", "C", "G"]
 #: A stage's lane in a timeline.
 Lane = Literal["compute", "copy"]
+#: How a loss function reduces its samples: their mean or their sum.
+Reduction = Literal["mean", "sum"]
 
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
 CHECKPOINT_CHOICES: tuple[CheckpointChoice, ...] = get_args(CheckpointChoice)
@@ -48,6 +51,7 @@ SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 TURN_RULES: tuple[TurnRule, ...] = get_args(TurnRule)
 ENGINES: tuple[EngineName, ...] = get_args(EngineName)
 PHASES: tuple[Phase, ...] = get_args(Phase)
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 
 #: Device names every step accepts: ``type`` or ``type:index``.
 _NAME = re.compile(r"(cpu|cuda|meta)(:\d+)?")

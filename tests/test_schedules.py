@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Sequence
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
+from autopipe.errors import OptionError
 from autopipe.planning.schedules import in_flight, order
 from helpers import assert_close, balances, mlp
 from models import skip_model
@@ -37,15 +39,17 @@ def test_1f1b_order_by_hand() -> None:
 
 
 def assert_train_step_transparent(model: nn.Module, x: Tensor, y: Tensor, balance: Sequence[int], chunks: int,
-                                  checkpoint: str, schedule: str, **options: Any) -> None:
-    """``train_step`` gives the plain model's loss ``mse(model(x), y)`` and its gradients."""
+                                  checkpoint: str, schedule: str, reduction: str = "mean", **options: Any) -> None:
+    """``train_step`` gives the plain model's loss ``mse(model(x), y)`` (reduced by ``reduction``)
+    and its gradients."""
     reference = copy.deepcopy(model)
-    loss_ref = nn.functional.mse_loss(reference(x), y)
+    loss_fn = functools.partial(nn.functional.mse_loss, reduction=reduction)
+    loss_ref = loss_fn(reference(x), y)
     loss_ref.backward()
-    devices = ["cpu"] * (len(balance) // options.get("interleave", 1))
+    devices = ["cpu"] * (len(balance) // options.get("interleave", 1) * options.get("replicas", 1))
     pipe = autopipe.Pipeline(model, balance=list(balance), devices=devices, chunks=chunks,
                              checkpoint=checkpoint, schedule=schedule, **options)
-    loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn, reduction=reduction)
     assert_close(loss, loss_ref.detach(), "loss")
     expected = dict(reference.named_parameters())
     for name, param in pipe.named_parameters():
@@ -54,6 +58,24 @@ def assert_train_step_transparent(model: nn.Module, x: Tensor, y: Tensor, balanc
     trace = pipe.last_trace()
     assert sorted((e.stage, e.micro_batch) for e in trace if e.kind == "B") == sorted(
         (s, j) for s in range(len(balance)) for j in range(min(chunks, len(x))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_train_step_with_a_summed_loss(schedule: str, replicas: int) -> None:
+    """A loss that sums its samples: the micro-batches' (of uneven sizes, 9 samples in 4) add up
+    to the batch's sum, not its mean (which would train on a quarter of it, silently)."""
+    torch.manual_seed(3)
+    x, y = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    assert_train_step_transparent(mlp().double(), x, y, [3, 4], 4, "never", schedule, "sum", replicas=replicas)
+
+
+def test_train_step_refuses_an_unknown_reduction() -> None:
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(OptionError, match="reduction 'none' is not one of"):
+        pipe.train_step(torch.randn(4, 6), target=torch.randn(4, 3), loss_fn=nn.functional.mse_loss,
+                        reduction="none")  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from ..model.reading import balance_units
 from ._model_calls import model_output
 from .microbatch import scatter, tensors_of
 from ..planning.plans import Plan
-from .._vocab import SCHEDULES, TURN_RULES, Schedule, TurnRule
+from .._vocab import REDUCTIONS, SCHEDULES, TURN_RULES, Reduction, Schedule, TurnRule
 from ..timeline import Event
 from .balance import check_balance, stage_of_layer
 from .checkpoint import checkpointed
@@ -256,12 +256,17 @@ class Pipeline(nn.Module):
         return model_output(self.stages[-1].modules[-1], output)
 
     @_eager
-    def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor],
+                   reduction: Reduction = "mean") -> torch.Tensor:
         """One training iteration under the pipeline's schedule, the loss on the last stage.
 
-        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args), target)``
-        for a ``loss_fn`` that is a mean over samples: micro-batch ``j`` of ``n_j`` samples
-        (of ``N``) contributes ``loss_fn(out_j, target_j) · n_j / N``.  ``target`` (a tensor or a
+        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args), target)``.
+        The loss runs once per micro-batch, so how they add up depends on how ``loss_fn``
+        reduces its samples, which only the caller knows: a mean over samples (``"mean"``)
+        has micro-batch ``j`` of ``n_j`` samples (of ``N``) contribute
+        ``loss_fn(out_j, target_j) · n_j / N``, a sum (``"sum"``) its loss as it is.  A mean
+        over something else (tokens not ignored, class weights) is neither: reduce by sum and
+        divide by a count that does not depend on the micro-batch.  ``target`` (a tensor or a
         tuple of tensors) is split along dim 0 like the inputs.  Parameters get gradients; the
         inputs do not (use ``pipe(x)`` with a gpipe pipeline for input gradients).
 
@@ -269,6 +274,8 @@ class Pipeline(nn.Module):
             args: the model's inputs, as for ``pipe(*args)``.
             target: what ``loss_fn`` compares the output with, one row per sample.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+            reduction: ``"mean"`` (the default of torch's losses) or ``"sum"``: how ``loss_fn``
+                reduces the samples it is given.
 
         Returns:
             The batch's loss (detached, on the last stage's device).
@@ -277,7 +284,9 @@ class Pipeline(nn.Module):
             Exception: a layer's (or ``loss_fn``'s, on the last stage) own exception, with a note
                 naming the stage, phase and micro-batch.
             ValueError: ``target`` does not have the inputs' batch size.
+            OptionError: ``reduction`` is not ``"mean"`` or ``"sum"``.
         """
+        check_choice(reduction, "reduction", REDUCTIONS)
         targets = self._shares((target,))
         replicas = self._replicas(args, True)
         total = sum(replicas.sizes)
@@ -286,7 +295,7 @@ class Pipeline(nn.Module):
             if [len(tensors_of(t)[0]) for t in micro_targets] != run.sizes:
                 raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
                                  f"{total}; give one target row per sample")
-            run.loss = Loss(loss_fn, micro_targets, [n / total for n in run.sizes])
+            run.loss = Loss(loss_fn, micro_targets, [n / total if reduction == "mean" else 1.0 for n in run.sizes])
         replicas.run_phase("train")
         losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()

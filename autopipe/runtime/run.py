@@ -117,8 +117,8 @@ class Saved:
 @dataclass(frozen=True)
 class Loss:
     """The loss a :meth:`~autopipe.Pipeline.train_step` computes on the last stage: micro-batch
-    ``j``'s is ``fn(output_j, targets[j]) * weights[j]`` (its share of the batch, so the sum is
-    the batch's mean loss)."""
+    ``j``'s is ``fn(output_j, targets[j]) * weights[j]`` (its share of the batch for a mean, 1
+    for a sum, so the micro-batches' add up to the batch's loss)."""
 
     fn: Callable[..., Tensor]
     targets: list[Any]
