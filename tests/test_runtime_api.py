@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import autopipe
 from autopipe.model.fingerprint import model_fingerprint
 from autopipe.planning.plans import Plan, Prediction, StagePlan
-from helpers import assert_close, mlp, reference_step
+from helpers import assert_close, assert_step_matches, mlp, reference_step
 from models import skip_model
 
 
@@ -493,14 +493,7 @@ def test_replicas_on_copies_take_the_tensors_swapped_in(monkeypatch: pytest.Monk
             module.double()
         else:
             module.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
-    x, g = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 3, dtype=torch.double)
-    out = pipe(x)
-    expected = reference_step(plain, x, g, chunks=2, replicas=2)
-    (out * g).sum().backward()
-    torch.testing.assert_close(out, expected)
-    grads = {name: p.grad for name, p in plain.named_parameters()}
-    for name, param in pipe.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name], msg=name)
+    assert_step_matches(pipe, plain, torch.randn(8, 4, dtype=torch.double), chunks=2, replicas=2)
 
 
 @pytest.mark.timeout(30)
@@ -520,19 +513,13 @@ def test_a_tiny_vision_transformer_loaded_with_assign_is_the_plain_models() -> N
     torch.manual_seed(0)
     plain = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2,
                                                  hidden_dim=16, mlp_dim=32, num_classes=5).double()
-    x, g = torch.randn(4, 3, 16, 16, dtype=torch.double), torch.randn(4, 5, dtype=torch.double)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
     layers = autopipe.chain(copy.deepcopy(plain), x)
     pipe = autopipe.Pipeline(layers, balance=[3, len(layers) - 3], devices=["cpu", "cpu"], chunks=2)
     new = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
     for module in (plain, pipe):
         module.load_state_dict({k: v.clone() for k, v in new.items()}, assign=True)
-    out = pipe(x)
-    expected = reference_step(plain, x, g, chunks=2)
-    (out * g).sum().backward()
-    torch.testing.assert_close(out, expected)
-    grads = {name: p.grad for name, p in plain.named_parameters()}
-    for name, param in pipe.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name], msg=name)
+    assert_step_matches(pipe, plain, x, chunks=2)
 
 
 @pytest.mark.timeout(120)
