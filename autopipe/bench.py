@@ -149,11 +149,16 @@ class Trainer:
         start = self._now()
         self.optimizer.zero_grad(set_to_none=True)
         begin = self._now()
-        output = self.module(self.batch)
-        middle = self._now()
-        loss = self.loss_fn(output, _on_device_of(self.target, output))
-        loss.backward()
-        end = self._now()
+        if isinstance(self.module, Pipeline) and self.module.schedule != "gpipe":
+            loss, forward = self._train_step()
+            end = self._now()
+            middle = min(begin + forward, end)
+        else:
+            output = self.module(self.batch)
+            middle = self._now()
+            loss = self.loss_fn(output, _on_device_of(self.target, output))
+            loss.backward()
+            end = self._now()
         self.optimizer.step()
         done = self._now()
         measured = StepTime(middle - begin, end - middle, done - start)
@@ -163,6 +168,15 @@ class Trainer:
         if callable(last_trace):
             self.traces.append(list(last_trace()))
         return measured
+
+    def _train_step(self) -> tuple[Tensor, float]:
+        """A pipeline whose schedule interleaves forwards and backwards (1F1B) trains with the loss
+        inside (``train_step``): its loss, and when its last forward ended (ms from the call's
+        start), where the simulator ends the forward phase too."""
+        assert isinstance(self.module, Pipeline)
+        loss = self.module.train_step(self.batch, target=self.target, loss_fn=self.loss_fn)
+        forwards = [event.end_ms for event in self.module.last_trace() if event.kind == "F"]
+        return loss, max(forwards, default=0.0)
 
     def forget(self) -> None:
         """Drop warm-up's times and traces, so medians are of steady-state steps only (its

@@ -205,3 +205,24 @@ class Argmax(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=1)
+
+
+def test_a_1f1b_plan_trains_with_its_loss_inside_like_the_plain_model() -> None:
+    """A 1F1B pipeline needs the loss inside (``train_step``): the trainer (and so ``bench --plan``)
+    steps it that way, to the plain model's loss and parameters, with the forward phase ending
+    at its last forward."""
+    torch.set_num_threads(1)
+    model = tiny_model().double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(BATCH, FEATURES, dtype=torch.double)
+    target = torch.randn(BATCH, 4, dtype=torch.double)
+    pipe = autopipe.Pipeline(model, balance=[3, 2], devices=["cpu", "cpu"], chunks=4, schedule="1f1b")
+    try:
+        trainers = [Trainer(plain, x, target), Trainer(pipe, x, target, devices=["cpu", "cpu"])]
+        steps = [trainer.step() for trainer in trainers]
+    finally:
+        pipe.close()
+    assert trainers[1].losses[0] == pytest.approx(trainers[0].losses[0], rel=1e-12)
+    for (name, mine), theirs in zip(pipe.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+    assert 0 < steps[1].forward_ms < steps[1].iteration_ms

@@ -193,3 +193,44 @@ def test_no_replica_count_fitting_names_each_counts_smallest_limit_as_its_own() 
     assert plan(profile, memory_limit=min(named), time_limit=None).stages
     with pytest.raises(PlanningError):
         plan(profile, memory_limit=min(named) - 1, time_limit=None)
+
+
+def test_distributed_replicas_get_micro_batches_that_divide_their_share() -> None:
+    """The distributed engine needs equal micro-batches: re-priced with the reduction tail, a
+    replica's split keeps to counts that divide its share (15 of a batch of 30)."""
+    profile = make_profile([5.0] * 8, sizes=(1, 2, 3, 4, 6, 8, 12, 16), batch_size=32, devices=4,
+                           param_bytes=[10] * 6 + [4_000_000, 4_000_000], output_bytes=100, saved_bytes=100,
+                           copies=(0.01, 1e-6))
+    chosen = plan(profile, 4, replicas=2, batch_size=30, engine="distributed")
+    assert chosen.options["replica_split"] == "least total"
+    assert chosen.replica_batch_size == 15 and 15 % chosen.chunks == 0
+
+
+def test_searched_placement_carries_to_every_replica(tmp_path) -> None:
+    """Each replica runs on its group's devices in the order the search placed the first
+    replica's (fast devices first here), and the plan saves and loads."""
+    names = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]  # planned only
+    profile = make_profile([5.0] * 8, sizes=(1, 2, 4, 8, 16), batch_size=32, devices=names,
+                           param_bytes=1000, output_bytes=100, saved_bytes=100, copies=(0.01, 1e-6))
+    chosen = plan(profile, names, replicas=2, speeds=[1, 3, 1, 3], memory_limit="1GB", placement="search",
+                  interleave=1)
+    order = chosen.options["device_order"]
+    groups = [names[:2], names[2:]]
+    assert chosen.replica_devices == [[group[order[d]] for d in chosen.placement] for group in groups]
+    assert chosen.replica_devices[0] == [chosen.devices[d] for d in chosen.placement]
+    assert chosen.devices[0] == "cuda:1"  # the fast one
+    chosen.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").replica_devices == chosen.replica_devices
+
+
+@pytest.mark.parametrize("asked", [{"schedule": "1f1b", "interleave": 1}, {"interleave": 2}])
+def test_a_schedule_or_interleave_asked_for_stays_with_replicas(asked) -> None:
+    """The reduction tail's re-pricing covers one-stage-per-device fill-drain splits only: a 1F1B
+    schedule or two stages per device asked for is what the plan runs."""
+    rng = random.Random(1)
+    for _ in range(12):
+        profile = random_profile(rng, rng.randint(5, 9), 4, skips=rng.randint(0, 1), per_pair=False,
+                                 sizes=(1, 2, 3, 4, 6, 8))
+        chosen = plan(profile, 4, replicas=2, batch_size=16, checkpoint="never", **asked)
+        assert chosen.schedule == asked.get("schedule", "gpipe")
+        assert chosen.interleave == asked["interleave"]

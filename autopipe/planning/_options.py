@@ -100,8 +100,9 @@ def _interleaves(asked: int | str, layers: Sequence[Any], devices: int, engine: 
             raise OptionError(f"interleave={asked}: the distributed engine runs one stage per process; "
                               "use interleave=1 (or 'auto') with engine='distributed'")
         if devices < 2 or 2 * asked > len(layers):
-            raise OptionError(f"interleave={asked} needs at least 2 devices and {2 * asked} layers; "
-                              f"got {devices} devices and {len(layers)} layers")
+            raise OptionError(f"interleave={asked} needs at least 2 devices in the pipeline (in each replica's, "
+                              f"with replicas) and {2 * asked} layers; got {devices} device(s) a pipeline and "
+                              f"{len(layers)} layers: give more devices, fewer replicas or interleave=1")
     return [asked]
 
 

@@ -241,7 +241,8 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     if count > 1 and per > 1:
         pipeline = _least_total(profile, pipeline, count, engine, budget)
         searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
-    replica_devices = [[group[d] for d in pipeline.placement] for group in groups]
+    order = pipeline.options.get("device_order", list(range(per)))  # the pipeline's devices, as placed
+    replica_devices = [[group[order[d]] for d in pipeline.placement] for group in groups]
     chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
     # Exact where every split was priced with its reduction tail; else the larger of the
     # pipeline's own bound (which the tail only adds to) and what the tail needs at least.
@@ -265,18 +266,21 @@ def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> floa
 
 def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget) -> Plan:
     """The replica pipeline of least total time (pipeline + reduction tail), starting from
-    ``pipeline``, the one of least pipeline time: every one-stage-per-device
-    ``(split, chunks, mode)`` whose pipeline time is under the best total is priced, until
-    ``budget`` runs out (the plan's options then say the search was cut)."""
+    ``pipeline``, the one of least pipeline time: every one-stage-per-device fill-drain
+    ``(split, chunks, mode)`` on the devices in the order given whose pipeline time is under the
+    best total is priced, until ``budget`` runs out (the plan's options then say the search was
+    cut).  Only where the options allow such plans: a schedule or stages per device asked for
+    stay as asked."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
     layers = model.layers
-    if sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > SPLITS:
+    allowed = options["schedule"] in ("gpipe", "auto") and 1 in options["interleaves_searched"]
+    if not allowed or sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > SPLITS:
         options["replica_split"] = "pipeline-optimal"
         return pipeline
     limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]
-    chunks = candidate_chunks(share, profile.batch_sizes, options["chunks"])
+    chunks = candidate_chunks(share, profile.batch_sizes, options["chunks"], equal=engine == "distributed")
     asked = options["checkpoint"]
     modes = ["never", "except_last"] if asked == "auto" else [asked]
     first = [stage.start for stage in pipeline.stages] + [layers]
@@ -301,7 +305,7 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, b
     if found is None:
         return pipeline
     bounds, m, mode = found
-    return build_plan(profile, model, bounds, m, mode, options)
+    return build_plan(profile, model, bounds, m, mode, {**options, "device_order": list(range(len(devices)))})
 
 
 def _splits(layers: int, devices: int) -> Iterator[tuple[int, ...]]:
