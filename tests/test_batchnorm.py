@@ -167,3 +167,49 @@ def test_a_batch_norm_called_twice_per_forward_updates_twice(make: Any, momentum
     assert state[prefix + "num_batches_tracked"].item() == 4
     for name, p in pipe.named_parameters():
         assert_close(p.grad, dict(per_micro_batch.named_parameters())[name].grad, name)
+
+
+@autopipe.skippable(stash=["t"])
+class StashBN(nn.BatchNorm1d):
+    """A batch norm that also stashes its output: a subclass with a forward of its own."""
+
+    def forward(self, x: Tensor) -> Any:  # type: ignore[override]
+        yield autopipe.stash("t", super().forward(x))
+        return x
+
+
+@autopipe.skippable(pop=["t"])
+class AddBN(nn.BatchNorm1d):
+    def forward(self, x: Tensor) -> Any:  # type: ignore[override]
+        t = yield autopipe.pop("t")
+        return super().forward(x) + t
+
+
+class ScaledBN(nn.BatchNorm1d):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("options", [{"deferred_batch_norm": True}, {"replicas": 2}])
+@pytest.mark.parametrize("build", [
+    lambda: nn.Sequential(nn.Linear(4, 4), StashBN(4), nn.Linear(4, 4), AddBN(4)),
+    lambda: nn.Sequential(nn.Linear(4, 4), ScaledBN(4), nn.Linear(4, 4), nn.Tanh()),
+])
+def test_deferral_refuses_a_batch_norm_subclass(build: Any, options: dict[str, Any]) -> None:
+    """Deferral swaps a batch norm's class: a subclass's own forward (here a stash and pop, or a
+    scale) would be lost, the output wrong or the skip's consumer waiting forever; refused."""
+    devices = ["cpu"] * 2 * options.get("replicas", 1)
+    with pytest.raises(autopipe.ChainError, match="subclass of nn.BatchNorm"):
+        autopipe.Pipeline(build(), balance=[2, 2], devices=devices, chunks=2, **options)
+
+
+def test_a_batch_norm_subclass_trains_as_itself_without_deferral() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), ScaledBN(4), nn.Linear(4, 4), nn.Tanh()).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=1)
+    x, g = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 4, dtype=torch.double)
+    out = pipe(x)
+    (out * g).sum().backward()
+    assert_close(out, reference_step(reference, x, g, chunks=1), "output")

@@ -845,6 +845,72 @@ def test_exported_batch_of_one_refuses_other_batch_sizes() -> None:
         pipe.close()
 
 
+class _CastToWeights(nn.Module):
+    """Converts a value to its weights' dtype, which export records as a check of the dtype it
+    saw; ``exported`` adds a branch on a size, which fx cannot trace."""
+
+    def __init__(self, exported: bool) -> None:
+        super().__init__()
+        self.exported = exported
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.exported and x.shape[1] == 8:
+            x = x * 1.0
+        h = self.b(self.a(x))
+        return self.c(h.to(self.c.weight.dtype))
+
+
+def test_exported_graph_refuses_dtypes_it_did_not_see() -> None:
+    """An exported graph keeps its inputs' dtypes and, where the model converts a value, the dtype
+    it had: another input dtype or autocast failed deep in the graph with "Tensor dtype
+    mismatch!", naming nothing; each is refused naming the fix (for a converted model too), and a
+    capture of the converted model runs as that model does."""
+    model = _CastToWeights(exported=True)
+    converted = copy.deepcopy(model).double()
+    pipe = _pipe(chain(model, torch.randn(4, 8)))
+    try:
+        assert pipe[0].exported_mode is not None
+        with pytest.raises(CapturedCallError, match=r"'positional argument 1' of torch.float64 \(captured as "
+                                                    r"torch.float32\).*capture it again on a batch of these dtypes"):
+            pipe(torch.randn(4, 8, dtype=torch.float64))
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+                CapturedCallError, match=r"is torch.bfloat16 now\. Autocast is on for cpu \(bfloat16\) here and "
+                                         r"was off at the capture: capture the model under the autocast it runs with"):
+            pipe(torch.randn(4, 8))
+        pipe.double()
+        with pytest.raises(CapturedCallError, match=r"'positional argument 1' of torch.float64.*after converting the "
+                                                    r"model if it runs converted"):
+            pipe(torch.randn(4, 8, dtype=torch.float64))
+    finally:
+        pipe.close()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    reference = copy.deepcopy(converted)
+    pipe = _pipe(chain(converted, x))
+    try:
+        _assert_same(_output_and_grads(reference, reference, x), _output_and_grads(pipe, converted, x))
+    finally:
+        pipe.close()
+
+
+def test_traced_graph_takes_other_dtypes_as_the_model_does() -> None:
+    """An fx graph calls the model's own operations: under autocast and converted, the pipeline
+    gives the model's outputs and gradients, nothing refused."""
+    model = _CastToWeights(exported=False)
+    reference = copy.deepcopy(model)
+    pipe = _pipe(chain(model), chunks=1)  # bfloat16 rounds a split batch's products otherwise
+    try:
+        assert pipe[0].exported_mode is None
+        x = torch.randn(4, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _assert_same(_output_and_grads(reference, reference, x), _output_and_grads(pipe, model, x))
+        pipe.double(), reference.double()
+        x = x.double()
+        _assert_same(_output_and_grads(reference, reference, x), _output_and_grads(pipe, model, x))
+    finally:
+        pipe.close()
+
+
 class _Masked(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -5,6 +5,7 @@ plain model in eval mode: outputs and every parameter's gradient.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Callable
 
@@ -13,16 +14,18 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.model.capture import CaptureError
+from autopipe.model.capture import CaptureError, CapturedCallError
 
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, VOCAB = 4, 8, 100
 
 
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16))
+def _gpt2(dropout: float = 0.1) -> nn.Module:
+    """GPT-2 with its default dropout, or ``dropout=0.0`` so that training runs compare."""
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
 
 
 def _llama() -> nn.Module:
@@ -88,10 +91,14 @@ def _setup(name: str, train: bool = False) -> tuple[nn.Module, dict[str, Tensor]
     torch.manual_seed(0)
     model = factory().train(train)
     sample = batch(torch.Generator().manual_seed(1))
+    return model, sample, _captured(model, sample)
+
+
+def _captured(model: nn.Module, sample: dict[str, Tensor]) -> list[autopipe.Layer]:
+    """``model`` captured on ``sample`` (the use_cache warning silenced)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layers = autopipe.chain(model, sample)
-    return model, sample, layers
+        return autopipe.chain(model, sample)
 
 
 def _output_and_grads(run: Callable[..., Any], model: nn.Module, batch: dict[str, Tensor]) -> tuple[Any, dict]:
@@ -160,9 +167,7 @@ def test_plan_from_measured_profile_runs() -> None:
     are measured; dropout 0 so that runs compare), plans it on two devices and the planned
     pipeline gives the model's loss and gradients."""
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = _gpt2(dropout=0.0)
     sample = _lm_batch(torch.Generator().manual_seed(1))
     want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
     with warnings.catch_warnings():
@@ -183,9 +188,7 @@ def test_partition_of_a_model_in_eval_mode_plans_its_training() -> None:
     every module its own mode back, and the pipeline gives the model's training loss and
     gradients."""
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = _gpt2(dropout=0.0)
     model.eval()
     model.transformer.h[0].train()  # modes are restored module by module
     modes = [m.training for m in model.modules()]
@@ -265,3 +268,103 @@ def test_profile_takes_a_keyword_sample() -> None:
     assert measured.batch_size == BATCH and [layer.name for layer in measured.layers] == [
         layer.name for layer in layers]
     assert measured.input_bytes == sum(t.element_size() * t.numel() for t in sample.values()) // BATCH
+
+
+@pytest.mark.parametrize("interleave", [1, 2])
+def test_1f1b_train_step_takes_the_models_call_and_its_loss(interleave: int) -> None:
+    """``pipe.train_step(**batch, loss_fn=lambda out, _: out.loss)`` trains a 1F1B pipeline as the
+    model is called: keyword arguments, the model's own output per micro-batch, no target (it
+    took positional inputs only and gave ``loss_fn`` the last layer's flat tuple).  In float64,
+    checkpointing all but the last micro-batch, the loss and gradients are the plain model's."""
+    torch.manual_seed(0)
+    model = _gpt2(dropout=0.0).double()
+    reference = copy.deepcopy(model)
+    sample = _lm_batch(torch.Generator().manual_seed(1))
+    balance = [3, 4] if interleave == 1 else [2, 2, 2, 1]
+    # chunks=3 splits the 4 samples 2, 1, 1: every sample counts 7 labelled tokens, so the
+    # micro-batches' token means weighted by their sample counts are the batch's token mean
+    pipe = autopipe.Pipeline(_captured(model, sample), balance=balance, devices=["cpu", "cpu"], chunks=3,
+                             schedule="1f1b", interleave=interleave)
+    seen: list[tuple[type, Any]] = []
+
+    def own_loss(out: Any, target: Any) -> Tensor:
+        seen.append((type(out), target))
+        return out.loss
+
+    loss = pipe.train_step(**sample, loss_fn=own_loss)
+    want = reference(**sample, use_cache=False)
+    want.loss.backward()
+    assert set(seen) == {(type(want), None)}  # each micro-batch's, and again in its recomputation
+    _assert_close(want.loss.detach(), loss, "loss")
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        _assert_close(expected[name].grad, param.grad, name)
+    pipe.close()
+
+
+def test_an_input_of_another_dtype_is_refused() -> None:
+    """The exported graph keeps the sample's dtypes: a bool mask where the capture saw int64 failed
+    inside the graph with "Tensor dtype mismatch! Expected: Long, Got: bool", naming nothing."""
+    _, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"], chunks=2)
+    with torch.no_grad(), pytest.raises(CapturedCallError, match=r"called with 'attention_mask' of torch.bool "
+                                                                 r"\(captured as torch.int64\); pass each in its "
+                                                                 r"captured dtype"):
+        pipe(**dict(sample, attention_mask=sample["attention_mask"].bool()))
+    pipe.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_model_converted_after_its_capture_is_refused(name: str) -> None:
+    """Where the model converts a value (GPT-2's ``position_embeds.to(device)``, Llama's rotary
+    ``inv_freq.to(dtype=torch.float)``) the graph checks the capture's dtype: after
+    ``pipe.double()`` that check failed with "Tensor dtype mismatch! Expected: Float, Got:
+    double"; now the error says the model was converted, and to convert it before capturing."""
+    _, sample, layers = _setup(name)
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"]).double()
+    with torch.no_grad(), pytest.raises(CapturedCallError, match=r"was torch.float32 at the capture and is "
+                                                                 r"torch.float64 now\. The model was converted since "
+                                                                 r"\('[\w.]+' is torch.float64 .*convert it before "
+                                                                 r"capturing it"):
+        pipe(**sample)
+    pipe.close()
+
+
+def test_another_autocast_is_refused_until_captured_under_it() -> None:
+    """GPT-2's loss converts the logits with ``.float()``, which the graph captured without
+    autocast checks as float32: under bfloat16 autocast that failed with "Tensor dtype mismatch!
+    Expected: Float, Got: c10::BFloat16"; now the error names the autocast, and a capture under
+    it gives the model's loss, logits and gradients under it."""
+    model, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"])
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            CapturedCallError, match=r"Autocast is on for cpu \(bfloat16\) here and was off at the capture: capture "
+                                     r"the model under the autocast it runs with"):
+        pipe(**sample)
+    pipe.close()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layers = _captured(model, sample)
+    _assert_same_under_autocast(model, sample, layers)
+
+
+def test_a_graph_without_dtype_checks_runs_under_autocast_as_the_model() -> None:
+    """BERT's graph checks no floating-point dtype: captured without autocast, it runs under it as
+    the model does, nothing refused."""
+    model, sample, layers = _setup("bert")
+    _assert_same_under_autocast(model, sample, layers)
+
+
+def _assert_same_under_autocast(model: nn.Module, sample: dict[str, Tensor], layers: list[autopipe.Layer]) -> None:
+    """Under bfloat16 autocast, a pipeline of ``layers`` gives ``model``'s outputs and gradients
+    (one micro-batch: bfloat16 rounds a split batch's products otherwise)."""
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 2, 2], devices=["cpu", "cpu"], chunks=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
+        have, have_grads = _output_and_grads(pipe, model, sample)
+    assert have.logits.dtype == want.logits.dtype == torch.bfloat16
+    for key in ("loss", "logits"):
+        _assert_close(want[key].float(), have[key].float(), key)
+    assert have_grads.keys() == want_grads.keys()
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
+    pipe.close()

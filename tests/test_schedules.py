@@ -71,6 +71,33 @@ def test_train_step_with_a_summed_loss(schedule: str, replicas: int) -> None:
     assert_train_step_transparent(mlp().double(), x, y, [3, 4], 4, "never", schedule, "sum", replicas=replicas)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_train_step_without_a_target(schedule: str, replicas: int) -> None:
+    """A loss that needs no target (a model computing its own) takes ``None``, in every micro-batch
+    and replica (``target`` was required, and a ``None`` one could not be split)."""
+    torch.manual_seed(3)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    model = mlp().double()
+    reference = copy.deepcopy(model)
+    want = reference(x).square().mean()
+    want.backward()
+    pipe = autopipe.Pipeline(model, balance=[3, 4], devices=["cpu"] * 2 * replicas, chunks=4, schedule=schedule,
+                             replicas=replicas)
+    targets = []
+
+    def own_loss(out: Tensor, target: Any) -> Tensor:
+        targets.append(target)
+        return out.square().mean()
+
+    assert_close(pipe.train_step(x, loss_fn=own_loss), want.detach(), "loss")
+    assert targets == [None] * len(targets) and targets
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert_close(param.grad, expected[name].grad, f"{name}.grad")
+
+
 def test_train_step_refuses_an_unknown_reduction() -> None:
     pipe = autopipe.Pipeline(mlp(), balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
     with pytest.raises(OptionError, match="reduction 'none' is not one of"):

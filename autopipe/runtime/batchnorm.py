@@ -32,7 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "micro_batch_forward"]
+__all__ = ["DeferredBatchNorm", "micro_batch_forward", "subclassed"]
 
 # Replicas of a pipeline run one module's micro-batches on several threads at once.
 _MERGING = threading.Lock()
@@ -151,9 +151,17 @@ def _merged(seen: Statistics, new: Statistics) -> Statistics:
     return total, seen_mean + delta * (count / total), seen_m2 + m2 + delta * delta * (seen_count * count / total)
 
 
+#: The batch norms a DeferredBatchNorm takes over: these classes exactly (a subclass's own
+#: forward, or a @skippable one's stash and pop, would be lost in the class swap).
+_PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
 def _convertible(module: nn.Module) -> bool:
-    return (
-        isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
-        and not isinstance(module, DeferredBatchNorm)
-        and module.track_running_stats
-    )
+    return type(module) in _PLAIN and module.track_running_stats
+
+
+def subclassed(module: nn.Module) -> list[str]:
+    """The names of ``module``'s training batch norms that deferral cannot take over: subclasses
+    of ``nn.BatchNorm*`` (their forward is their own)."""
+    return [name or type(child).__name__ for name, child in module.named_modules()
+            if isinstance(child, _PLAIN) and type(child) not in _PLAIN and child.track_running_stats and child.training]

@@ -22,12 +22,12 @@ from torch import nn
 
 from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .._checks import check_choice, is_positive_int, loaded, positive_int
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, subclassed
 from ..errors import ChainError, DeviceError, OptionError
 from ..device import resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
-from ..model.capture import CapturedLayer
+from ..model.capture import CapturedLayer, autocast_state
 from ..model.layers import attach, module_at
 from ..model.reading import balance_units
 from ._model_calls import model_output
@@ -91,7 +91,8 @@ class Pipeline(nn.Module):
       tuple), as in ``nn.Sequential``.
       The output (a tensor or a tuple of tensors) is on the last stage's device.
     * Grad mode, autocast and the intra-op thread count are per thread; the caller's are
-      applied on the workers for each call.
+      applied on the workers for each call (a layer exported by torch.export refuses an autocast
+      or dtypes its graph does not cover: :mod:`autopipe.model.capture._layer`).
     * Under ``torch.no_grad()`` only the forward runs and nothing is kept.  In ``eval()``
       layers behave as in eval and nothing is checkpointed, but gradients still flow.
     * Each call's state lives in its own run: several forwards may precede their backwards,
@@ -115,10 +116,11 @@ class Pipeline(nn.Module):
       it lives) and what the recomputation writes into them (batch norm statistics, counters)
       is put back: each micro-batch updates them once.
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
-    * ``train_step(*args, target=y, loss_fn=f)``: one training iteration with the loss on the
-      last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"`` pipeline
-      (its backwards start before the last forward), and equivalent to
-      ``f(pipe(*args), y).backward()`` for a ``"gpipe"`` one.
+    * ``train_step(*args, target=y, loss_fn=f, **kwargs)``: one training iteration with the loss
+      on the last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"``
+      pipeline (its backwards start before the last forward), and equivalent to
+      ``f(pipe(*args, **kwargs), y).backward()`` for a ``"gpipe"`` one (a model's own loss:
+      ``train_step(**batch, loss_fn=lambda out, _: out.loss)``).
     * ``last_trace()``: the measured timeline of the last iteration, for ``bench``; with
       ``pipe.measure_memory = True``, ``last_memory()``: each stage's peak bytes over it (on
       CPU every operator then reports its allocations, which slows the step: measure memory
@@ -244,7 +246,8 @@ class Pipeline(nn.Module):
         if grad and self.schedule != "gpipe":
             raise RuntimeError(
                 f"a '{self.schedule}' pipeline interleaves forwards and backwards, so it needs the loss "
-                "inside: train with pipe.train_step(*inputs, target=..., loss_fn=...); call pipe(x) "
+                "inside: train with pipe.train_step(*inputs, target=..., loss_fn=...) (a model that computes "
+                "its own loss: pipe.train_step(**batch, loss_fn=lambda out, _: out.loss)); call pipe(x) "
                 "under torch.no_grad() for inference"
             )
         replicas = self._replicas(args, grad)
@@ -256,26 +259,31 @@ class Pipeline(nn.Module):
         return model_output(self.stages[-1].modules[-1], output)
 
     @_eager
-    def train_step(self, *args: Any, target: Any, loss_fn: Callable[..., torch.Tensor],
-                   reduction: Reduction = "mean") -> torch.Tensor:
+    def train_step(self, *args: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor],
+                   reduction: Reduction = "mean", **kwargs: Any) -> torch.Tensor:
         """One training iteration under the pipeline's schedule, the loss on the last stage.
 
-        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args), target)``.
-        The loss runs once per micro-batch, so how they add up depends on how ``loss_fn``
-        reduces its samples, which only the caller knows: a mean over samples (``"mean"``)
-        has micro-batch ``j`` of ``n_j`` samples (of ``N``) contribute
+        Gradients (accumulated into ``.grad``) are those of ``loss_fn(model(*args, **kwargs),
+        target)``.  ``loss_fn`` gets each micro-batch's output as ``pipe(*args, **kwargs)``
+        returns it (a captured transformers model's own ``ModelOutput``), and ``target`` split
+        along dim 0 like the inputs (a tensor or a tuple of tensors), or ``None`` as it is for a
+        model that computes its loss itself: ``pipe.train_step(**batch, loss_fn=lambda out, _:
+        out.loss)``.  The loss runs once per micro-batch, so how they add up depends on how
+        ``loss_fn`` reduces its samples, which only the caller knows: a mean over samples
+        (``"mean"``) has micro-batch ``j`` of ``n_j`` samples (of ``N``) contribute
         ``loss_fn(out_j, target_j) · n_j / N``, a sum (``"sum"``) its loss as it is.  A mean
         over something else (tokens not ignored, class weights) is neither: reduce by sum and
-        divide by a count that does not depend on the micro-batch.  ``target`` (a tensor or a
-        tuple of tensors) is split along dim 0 like the inputs.  Parameters get gradients; the
-        inputs do not (use ``pipe(x)`` with a gpipe pipeline for input gradients).
+        divide by a count that does not depend on the micro-batch.  Parameters get gradients;
+        the inputs do not (use ``pipe(x)`` with a gpipe pipeline for input gradients).
 
         Args:
-            args: the model's inputs, as for ``pipe(*args)``.
-            target: what ``loss_fn`` compares the output with, one row per sample.
+            args: the model's positional inputs, as for ``pipe(*args, **kwargs)``.
+            target: what ``loss_fn`` compares the output with, one row per sample, or ``None``.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
             reduction: ``"mean"`` (the default of torch's losses) or ``"sum"``: how ``loss_fn``
                 reduces the samples it is given.
+            kwargs: the model's keyword inputs, as for ``pipe(*args, **kwargs)`` (an argument
+                named ``target``, ``loss_fn`` or ``reduction`` is this method's, not the model's).
 
         Returns:
             The batch's loss (detached, on the last stage's device).
@@ -287,15 +295,19 @@ class Pipeline(nn.Module):
             OptionError: ``reduction`` is not ``"mean"`` or ``"sum"``.
         """
         check_choice(reduction, "reduction", REDUCTIONS)
-        targets = self._shares((target,))
+        args = call_arguments(self.stages[0].modules[0], args, kwargs)
         replicas = self._replicas(args, True)
         total = sum(replicas.sizes)
+        targets = [None] * len(replicas.runs) if target is None else self._shares((target,))
+        last = self.stages[-1].modules[-1]
+
+        def on_model_output(output: Any, micro_target: Any) -> torch.Tensor:
+            return loss_fn(model_output(last, output), micro_target)
+
         for run, share_target in zip(replicas.runs, targets):
-            micro_targets = [parts[0] for parts in scatter(share_target, self.chunks)]
-            if [len(tensors_of(t)[0]) for t in micro_targets] != run.sizes:
-                raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
-                                 f"{total}; give one target row per sample")
-            run.loss = Loss(loss_fn, micro_targets, [n / total if reduction == "mean" else 1.0 for n in run.sizes])
+            micro_targets = _micro_targets(share_target, self.chunks, run.sizes, total, target)
+            weights = [n / total if reduction == "mean" else 1.0 for n in run.sizes]
+            run.loss = Loss(on_model_output, micro_targets, weights)
         replicas.run_phase("train")
         losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
@@ -320,9 +332,7 @@ class Pipeline(nn.Module):
         chunks = len(micro_batches)
         checkpointing = grad and self.training
         dropped = [checkpointing and checkpointed(self.checkpoint, j, chunks) for j in range(chunks)]
-        autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-                    if torch.is_autocast_enabled(kind)]
-        return Run(micro_batches, dropped, grad, autocast, torch.get_num_threads(), len(self.stages))
+        return Run(micro_batches, dropped, grad, list(autocast_state()), torch.get_num_threads(), len(self.stages))
 
     def last_trace(self) -> list[Event]:
         """Events of the last completed iteration (forward and backward), sorted by start."""
@@ -430,6 +440,19 @@ def _linked_slots(module: nn.Module, kind: str) -> _LinkedSlots:
     return slots
 
 
+def _micro_targets(share: tuple[Any, ...] | None, chunks: int, sizes: list[int], total: int,
+                   target: Any) -> list[Any]:
+    """A replica's ``share`` of the target split as its micro-batches (``sizes``), or ``None``
+    for each where there is no target (a model that computes its own loss)."""
+    if share is None:
+        return [None] * len(sizes)
+    micro_targets = [parts[0] for parts in scatter(share, chunks)]
+    if [len(tensors_of(t)[0]) for t in micro_targets] != sizes:
+        raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
+                         f"{total}; give one target row per sample")
+    return micro_targets
+
+
 def _from_plan(plan: Plan, layers: list[Layer],
                manual: dict[str, object]) -> tuple[list[int], list[str], int, CheckpointMode, int, int, Schedule]:
     given = [name for name, value in manual.items() if value is not None]
@@ -491,9 +514,11 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
 
 def undeferrable(layers: Sequence[Layer]) -> list[str]:
     """The layers whose batch norms :class:`DeferredBatchNorm` cannot take over: exported in
-    training mode, where batch norm is an operation on the running statistics, not a module."""
+    training mode, where batch norm is an operation on the running statistics, not a module,
+    or a subclass of ``nn.BatchNorm*``, whose own forward the takeover would drop."""
     return [layer.name for layer in layers
-            if isinstance(layer.module, CapturedLayer) and layer.module.updates_batch_norm_statistics()]
+            if isinstance(layer.module, CapturedLayer) and layer.module.updates_batch_norm_statistics()
+            or subclassed(layer.module)]
 
 
 def _check_deferrable(layers: Sequence[Layer], why: str) -> None:
@@ -502,11 +527,12 @@ def _check_deferrable(layers: Sequence[Layer], why: str) -> None:
     names = undeferrable(layers)
     if names:
         raise ChainError(
-            f"{why} needs every training batch norm as an nn.BatchNorm module, to update its running "
-            f"statistics once per mini-batch, but layers {names[:3]} were captured with torch.export, where "
-            "batch norm is an operation (they would update once per micro-batch, and replicas at once). "
-            "Make the model's forward traceable by torch.fx (batch norms then stay modules), capture it in "
-            "eval mode, or train with deferred_batch_norm=False and replicas=1")
+            f"{why} needs every training batch norm as an nn.BatchNorm module itself, to update its running "
+            f"statistics once per mini-batch, but layers {names[:3]} hold one captured with torch.export, where "
+            "batch norm is an operation (it would update once per micro-batch, and replicas at once), or a "
+            "subclass of nn.BatchNorm (its own forward would be lost). Make the model's forward traceable by "
+            "torch.fx (batch norms then stay modules), use nn.BatchNorm itself, capture in eval mode, or train "
+            "with deferred_batch_norm=False and replicas=1")
 
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device],

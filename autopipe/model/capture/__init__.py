@@ -17,10 +17,10 @@ from ..skip import Namespace
 from ._building import build
 from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
-from ._layer import CapturedCallError, CapturedLayer
+from ._layer import CapturedCallError, CapturedLayer, autocast_state
 from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, trace
 
-__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError"]
+__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "autocast_state"]
 
 
 def chain(

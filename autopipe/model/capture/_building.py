@@ -1,6 +1,8 @@
 """Building the layers: what each reads and sends (main value or skip), and its own graph."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,13 +11,10 @@ from torch import fx, nn
 
 from ..layers import Layer
 from ..skip import Namespace
-from ._layer import CapturedLayer
+from ._layer import CapturedLayer, fixed_dtype
 from ._tracing import Traced
 
 __all__: list[str] = []
-
-
-
 
 
 @dataclass
@@ -105,6 +104,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             argument_names=traced.argument_names if index == 0 else (),
             positional_names=traced.positional_names if index == 0 else (),
             batch_sizes=traced.batch_sizes if index == 0 else None,
+            input_dtypes=traced.input_dtypes if index == 0 else None,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers
@@ -154,7 +154,26 @@ def _layer_code(root: nn.Module, route: _Route, index: int) -> fx.GraphModule:
     else:
         sent = route.main_outputs(index) + [node for node, _ in route.stashed(index)]
         graph.output(tuple(_sendable(graph, env[node], node) for node in sent))
+    _explained_dtype_checks(graph)
     return fx.GraphModule(root, graph, class_name=f"Layer{index}")
+
+
+def _explained_dtype_checks(graph: fx.Graph) -> None:
+    """An exported graph's dtype checks (``aten._assert_tensor_metadata``) made :func:`fixed_dtype`
+    calls, given the model's line each was traced from, so that a failed one says why."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            node.target = fixed_dtype
+            node.kwargs = {**node.kwargs, "where": _model_line(node)}
+
+
+def _model_line(node: fx.Node) -> str:
+    """``at file.py:123 `code``` for the last frame of the node's trace, or nothing without one."""
+    frames = str(node.meta.get("stack_trace") or "").strip().splitlines()
+    found = re.search(r'File "([^"]+)", line (\d+)', frames[-2]) if len(frames) >= 2 else None
+    if found is None:
+        return ""
+    return f"at {os.path.basename(found[1])}:{found[2]} `{frames[-1].strip()}`"
 
 
 _METADATA_METHODS = {"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size"}

@@ -1,17 +1,53 @@
-"""The captured layer module: one slice of the traced graph, popping and stashing its skips."""
+"""The captured layer module: one slice of the traced graph, popping and stashing its skips.
+
+A torch.export graph covers the dtypes it saw: the model's inputs' (the first layer refuses
+others), and wherever the model converts a value to the dtype it already had at the capture
+(``logits.float()`` on float32 logits, a mask's ``.to(torch.long)``) the graph checks that
+dtype, export having traced a conversion that changed nothing.  Converting the model
+(``pipe.double()``) or calling it under another autocast changes those values' dtypes;
+:func:`fixed_dtype` makes such a check an error that says why.  A graph without such checks
+runs on other dtypes as the model's operations do, and an fx graph calls the model's own
+operations, which take any dtype.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor, fx
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from ..layers import ChainError
 from ..skip import Skippable, pop, stash
 
-__all__ = ["CapturedLayer", "CapturedCallError"]
+__all__ = ["CapturedLayer", "CapturedCallError", "autocast_state", "fixed_dtype"]
 
 _MODES = {True: "train", False: "eval"}
+
+#: The device types and dtypes autocast is on for (none: off).
+Autocast = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> Autocast:
+    """The device types autocast is on for in this thread, with their dtypes."""
+    return tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+
+
+class _FixedDtype(Exception):
+    """An exported graph's dtype check failed: ``given`` where the capture saw ``expected``."""
+
+    def __init__(self, expected: torch.dtype, given: torch.dtype, where: str) -> None:
+        super().__init__(expected, given, where)
+        self.expected, self.given, self.where = expected, given, where
+
+
+def fixed_dtype(value: Tensor, *args: Any, where: str = "", dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+    """torch.export's ``aten._assert_tensor_metadata`` (``value`` has ``dtype``, and the device,
+    layout and sizes given), raising :class:`_FixedDtype` for another dtype, so that the layer
+    running the graph can say why it differs; ``where`` is the model's line it was traced from."""
+    if dtype is not None and value.dtype != dtype:
+        raise _FixedDtype(dtype, value.dtype, where)
+    torch.ops.aten._assert_tensor_metadata.default(value, *args, **kwargs)
 
 
 class CapturedCallError(ChainError, RuntimeError):
@@ -24,7 +60,9 @@ class CapturedLayer(Skippable):
     """One captured layer: runs its slice of the traced graph, popping and stashing its skips.
 
     It holds the original modules, parameters and buffers at their original dotted paths (as
-    ``fx.GraphModule`` does), so its ``state_dict`` keys are the model's keys.
+    ``fx.GraphModule`` does), so its ``state_dict`` keys are the model's keys.  It is built
+    while the model is captured, so the autocast state and the dtypes of its parameters and
+    buffers at its construction are the capture's (which a failed dtype check compares with).
     """
 
     def __init__(
@@ -42,8 +80,12 @@ class CapturedLayer(Skippable):
         argument_names: Sequence[str] = (),
         batch_sizes: Sequence[int | None] | None = None,
         positional_names: Sequence[str] = (),
+        input_dtypes: Sequence[torch.dtype | None] | None = None,
     ) -> None:
         super().__init__()
+        self.input_dtypes = None if input_dtypes is None else tuple(input_dtypes)
+        self.captured_autocast = autocast_state()
+        self.captured_dtypes = {name: t.dtype for name, t in (*code.named_parameters(), *code.named_buffers())}
         self.keywords = tuple(keywords)
         self.argument_names = tuple(argument_names)
         self.positional_names = tuple(positional_names)
@@ -76,10 +118,14 @@ class CapturedLayer(Skippable):
             TypeError: an argument is missing, was not part of the capture or was fixed by it.
             ValueError: an input's size other than the batch's differs from the sample's, which
                 the exported graph keeps (a sequence length).
+            CapturedCallError: an input's dtype differs from the sample's, which the exported
+                graph keeps (a bool attention mask captured as int64).
         """
         bound = self._keywords(args, kwargs)
         if self.input_sizes is not None:
             self._check_sizes(bound)
+        if self.input_dtypes is not None:
+            self._check_dtypes(bound)
         return bound
 
     def _keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -126,6 +172,23 @@ class CapturedLayer(Skippable):
                 "capture it again on a batch of these sizes (pad to one sequence length)"
             )
 
+    def _check_dtypes(self, inputs: tuple[Any, ...]) -> None:
+        """Refuses inputs of other dtypes than the sample's, named as the call names them (the
+        keyword arguments come last, in the capture's order)."""
+        assert self.input_dtypes is not None
+        names = [f"positional argument {n + 1}" for n in range(len(inputs) - len(self.keywords))] + list(self.keywords)
+        leaves = [(name, leaf) for name, value in zip(names, inputs) for leaf in tree_leaves(value)]
+        wrong = [f"'{name}' of {leaf.dtype} (captured as {dtype})"
+                 for (name, leaf), dtype in zip(leaves, self.input_dtypes)
+                 if isinstance(leaf, Tensor) and leaf.dtype != dtype]
+        if wrong:
+            raise CapturedCallError(
+                f"the model was captured with torch.export, whose graph keeps the dtypes of the sample's inputs, "
+                f"and is called with {', '.join(wrong)}; pass each in its captured dtype (mask.to(torch.int64)), "
+                "or capture it again on a batch of these dtypes (autopipe.chain(model, batch), after converting the "
+                "model if it runs converted: model.to(dtype))"
+            )
+
     def structure(self, flat: Any) -> Any:
         """The model's own output (a ``ModelOutput``, a dict…) from this (last) layer's flat
         outputs, joined over micro-batches; flat as it is when the capture kept no structure."""
@@ -140,7 +203,40 @@ class CapturedLayer(Skippable):
             self._check_batch(self._inputs(main))
         if self.pop_names or self.stash_names:
             return self._drive(self._steps(main))
-        return self._main(self._code(self, *self._inputs(main)))
+        return self._main(self._run(self._inputs(main)))
+
+    def _run(self, inputs: list[Any]) -> Any:
+        """The graph on ``inputs``; a failed dtype check of an exported graph (:func:`fixed_dtype`)
+        becomes a :class:`CapturedCallError` naming why the dtype differs and the fix."""
+        try:
+            return self._code(self, *inputs)
+        except _FixedDtype as fixed:
+            raise CapturedCallError(self._dtype_refusal(fixed)) from None
+
+    def _dtype_refusal(self, fixed: _FixedDtype) -> str:
+        """Why a value has another dtype than at the capture, and what to do: the autocast or the
+        layer's parameters and buffers differ from the capture's, or else its inputs do."""
+        where = f" (traced {fixed.where})" if fixed.where else ""
+        reasons = [f"this layer was captured with torch.export, whose graph covers the dtypes it saw: a value "
+                   f"the model converts{where} was {fixed.expected} at the capture and is {fixed.given} now."]
+        now = autocast_state()
+        if now != self.captured_autocast:
+            reasons.append(
+                f"Autocast is {_autocast_text(now)} here and was {_autocast_text(self.captured_autocast)} at the "
+                "capture: capture the model under the autocast it runs with (autopipe.chain(model, batch) inside "
+                "`with torch.autocast(...):`).")
+        state = [*self.named_parameters(), *self.named_buffers()]
+        changed = [f"'{name}' is {t.dtype} where the capture saw {self.captured_dtypes[name]}" for name, t in state
+                   if name in self.captured_dtypes and t.dtype != self.captured_dtypes[name]]
+        if changed:
+            reasons.append(
+                f"The model was converted since ({', '.join(changed[:2])}{', ...' if len(changed) > 2 else ''}): "
+                "convert it before capturing it (model.to(dtype), then autopipe.chain(model, batch)).")
+        if len(reasons) == 1:
+            reasons.append(
+                "Its inputs come in other dtypes than at the capture (the layers before it run converted or under "
+                "another autocast): capture the model again after converting it, under the autocast it runs with.")
+        return " ".join(reasons)
 
     def _check_mode(self) -> None:
         if self.exported_mode is not None and self.training != self.exported_mode:
@@ -176,7 +272,7 @@ class CapturedLayer(Skippable):
         inputs = self._inputs(main)
         for name in self.pop_names:
             inputs.append((yield pop(name)))
-        outputs = self._code(self, *inputs)
+        outputs = self._run(inputs)
         if self.main_outputs is not None:
             for name, value in zip(self.stash_names, outputs[self.main_outputs:]):
                 yield stash(name, value)
@@ -205,3 +301,7 @@ class CapturedLayer(Skippable):
 
     def extra_repr(self) -> str:
         return f"pop={list(self.pop_names)}, stash={list(self.stash_names)}"
+
+
+def _autocast_text(state: Autocast) -> str:
+    return ", ".join(f"on for {kind} ({str(dtype).removeprefix('torch.')})" for kind, dtype in state) or "off"

@@ -218,6 +218,7 @@ class Traced:
     argument_names: tuple[str, ...] = ()  # fx: the forward's arguments in the graph, in order (none if variadic)
     positional_names: tuple[str, ...] = ()  # fx: the forward's parameters a call may pass by position, fixed too
     batch_sizes: tuple[int | None, ...] | None = None  # exported: first sizes the graph fixed, per tensor input
+    input_dtypes: tuple[torch.dtype | None, ...] | None = None  # exported: the inputs' dtypes, which the graph keeps
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
@@ -396,9 +397,11 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
         if path is not None:
             run += path != previous
             calls[node], previous = (path, run), path
-    sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in tree_leaves((args, kwargs)))
+    leaves = tree_leaves((args, kwargs))
+    sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in leaves)
+    dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
-                  frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program))
+                  frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes)
 
 
 def _fixed_batch(program: torch.export.ExportedProgram) -> tuple[int | None, ...] | None:
