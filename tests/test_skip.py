@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 import autopipe
 from models import REFUSED, Add, Save, aliased
-from helpers import assert_transparent
+from helpers import assert_step_matches, assert_transparent
 
 
 def unet_like() -> nn.Sequential:
@@ -96,3 +97,44 @@ def test_a_write_into_a_stashed_tensor_across_a_split_is_refused(case: str, bala
 def test_a_write_into_a_stashed_tensor_within_a_stage_is_the_plain_models(case: str, balance: list[int]) -> None:
     assert_transparent(aliased(case), torch.randn(6, 4, requires_grad=True), balance, chunks=2,
                        checkpoint="except_last")
+
+
+@autopipe.skippable(stash=["aux"])
+class SaveAux(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        yield autopipe.stash("aux", x)
+        return x
+
+
+@autopipe.skippable(pop=["aux"])
+class AddAux(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        aux = yield autopipe.pop("aux")
+        return x + aux
+
+
+class TrainOnly(nn.Module):
+    """Calls its skippable child only in training mode (an auxiliary branch)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) if self.training else x
+
+
+@pytest.mark.timeout(30)
+def test_a_skip_not_stashed_in_a_forward_is_refused_not_waited_for() -> None:
+    """In eval mode the branch holding the stash and the pop does not run: the plain model is
+    fine, and the stage that pops in another stage would wait forever; refused instead, and the
+    pipeline then trains as the plain model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), TrainOnly(SaveAux()), nn.Linear(4, 4), TrainOnly(AddAux())).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+    pipe.eval()
+    with torch.no_grad(), pytest.raises(autopipe.ChainError, match=r"did not stash \['aux'\] .* stage 1 pops"):
+        pipe(torch.randn(4, 4, dtype=torch.double))
+    pipe.train()
+    assert_step_matches(pipe, reference, torch.randn(4, 4, dtype=torch.double), chunks=2)

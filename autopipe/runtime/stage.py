@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm, micro_batch_forward
 from .checkpoint import BufferSlot, RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
+from ..errors import ChainError
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -202,9 +203,22 @@ class Stage:
             for module in self.modules[1:]:
                 value = module(value)
             watch.check(self.name, j)
+        self._check_stashed(tracker, j)
         if self.is_last and run.loss is not None:
             value = self._loss(run, j, value)
         return value, tracker.leaving, watch
+
+    def _check_stashed(self, tracker: StageTracker, j: int) -> None:
+        """Refuse a forward that did not stash a skip a later stage pops: that stage would wait
+        for it forever (a skippable layer called only on some forwards, such as a branch taken
+        in training only)."""
+        missing = [key for key in self.routes.leaving if key not in tracker.leaving]
+        if missing:
+            raise ChainError(
+                f"{self.name} did not stash {[str(key) for key in missing]} in micro-batch {j}, which "
+                f"stage {self.routes.leaving[missing[0]]} pops: a skippable layer the forward did not call "
+                "(a branch taken only in training?). Call every skippable layer on every forward, or keep "
+                "its stash and pop in one stage (balance)")
 
     def _loss(self, run: Run, j: int, output: Value) -> Tensor:
         """Micro-batch ``j``'s weighted loss (``train_step``)."""
