@@ -16,6 +16,7 @@ from synthetic import make_profile
 from torch import nn
 
 import autopipe
+from autopipe.errors import OptionError
 from autopipe.cli import main
 from autopipe.model import layer_chain, model_fingerprint
 from autopipe.runtime.pipeline import Engine
@@ -502,3 +503,10 @@ def test_a_shared_buffer_on_two_stages_is_refused() -> None:
     with pytest.raises(ValueError, match=r"layers '1' and '3' share 'running_mean'.* in stages 0 and 1"):
         autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"])
     autopipe.Pipeline(model, balance=[1, 3], devices=["cpu", "cpu"])(torch.randn(4, 4)).sum().backward()
+
+
+def test_a_balance_given_where_the_plan_goes_names_the_keyword() -> None:
+    """torchgpipe's ``GPipe(model, balance)``: here the second argument is a plan."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(OptionError, match=r"layers per stage \[1, 1\] pass balance="):
+        autopipe.Pipeline(model, [1, 1])  # type: ignore[arg-type]

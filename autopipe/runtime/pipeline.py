@@ -179,6 +179,9 @@ class Pipeline(nn.Module):
         super().__init__()
         manual = {"balance": balance, "devices": devices, "chunks": chunks, "checkpoint": checkpoint,
                   "interleave": interleave, "replicas": replicas, "schedule": schedule, "turns": turns}
+        if isinstance(plan, (list, tuple)):  # torchgpipe's GPipe(model, balance)
+            raise OptionError(f"Pipeline's second argument is a plan; for the layers per stage {list(plan)} "
+                              "pass balance=... (with devices=... and chunks=...)")
         if plan is not None:
             plan = loaded(plan, Plan, "plan")
             layers = layer_chain(model)
