@@ -138,3 +138,46 @@ def test_a_skip_not_stashed_in_a_forward_is_refused_not_waited_for() -> None:
         pipe(torch.randn(4, 4, dtype=torch.double))
     pipe.train()
     assert_step_matches(pipe, reference, torch.randn(4, 4, dtype=torch.double), chunks=2)
+
+
+@autopipe.skippable(stash=["a", "b"])
+class StashTwo(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        yield autopipe.stash("a", x)
+        yield autopipe.stash("b", 2 * x)
+        return x
+
+
+@autopipe.skippable(pop=["a"])
+class PopA(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return x + (yield autopipe.pop("a"))
+
+
+@autopipe.skippable(pop=["b"])
+class PopB(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return x * (yield autopipe.pop("b"))
+
+
+def test_isolate_only_some_names() -> None:
+    """torchgpipe's ``isolate(ns, only=...)``: two layers stashing ``a`` and ``b`` each, the
+    second's names isolated one by one into two scopes (its ``b`` popped at once, its ``a`` last);
+    a name the layer does not have is refused."""
+    first, second = autopipe.Namespace("first"), autopipe.Namespace("second")
+    model = nn.Sequential(
+        nn.Linear(4, 4), StashTwo(), nn.Linear(4, 4), PopB(),
+        StashTwo().isolate(first, only=["a"]).isolate(second, only=["b"]), PopB().isolate(second),
+        nn.Linear(4, 4), PopA(), nn.Linear(4, 4), PopA().isolate(first), nn.Linear(4, 2),
+    ).double()
+    autopipe.verify_skippables(model)
+    x = torch.randn(6, 4, dtype=torch.double)
+    h0 = model[0](x)
+    h2 = model[2](h0)
+    h3 = h2 * (2 * h0)
+    h5 = h3 * (2 * h3)
+    expected = model[10](model[8](model[6](h5) + h0) + h3)
+    torch.testing.assert_close(model(x), expected)
+    assert_transparent(model, x, [3, 4, 4], chunks=2, checkpoint="except_last")
+    with pytest.raises(ValueError, match=r"neither stashes nor pops \['c'\]"):
+        StashTwo().isolate(first, only=["c"])

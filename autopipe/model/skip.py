@@ -28,7 +28,8 @@ import contextlib
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterable, Iterator, TypeVar
+from types import MappingProxyType
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, TypeVar
 
 from torch import Tensor, nn
 
@@ -152,17 +153,36 @@ class Skippable(nn.Module):
     stash_names: tuple[str, ...] = ()
     pop_names: tuple[str, ...] = ()
     namespace: Namespace = DEFAULT_NAMESPACE
+    # names isolated one by one (``isolate(..., only=...)``), over ``namespace``; a new dict per isolation
+    _isolated: Mapping[str, Namespace] = MappingProxyType({})
 
-    def isolate(self, namespace: Namespace) -> Skippable:
-        """Give this layer's skip names their own scope; returns ``self`` for chaining."""
-        self.namespace = namespace
+    def isolate(self, namespace: Namespace, *, only: Iterable[str] | None = None) -> Skippable:
+        """Give this layer's skip names (or ``only`` those of them) their own scope; returns
+        ``self`` for chaining (torchgpipe's ``isolate``).
+
+        Raises:
+            ValueError: a name in ``only`` that the layer neither stashes nor pops.
+        """
+        if only is None:
+            self.namespace, self._isolated = namespace, {}
+            return self
+        names = list(only)
+        unknown = [name for name in names if name not in (*self.stash_names, *self.pop_names)]
+        if unknown:
+            raise ValueError(f"{type(self).__name__} neither stashes nor pops {unknown}; its skip names are "
+                             f"{[*self.stash_names, *self.pop_names]}")
+        self._isolated = {**self._isolated, **dict.fromkeys(names, namespace)}
         return self
 
+    def _key(self, name: str) -> SkipKey:
+        """The skip ``name`` of this layer, in its scope."""
+        return SkipKey(self._isolated.get(name, self.namespace), name)
+
     def stash_keys(self) -> tuple[SkipKey, ...]:
-        return tuple(SkipKey(self.namespace, n) for n in self.stash_names)
+        return tuple(self._key(n) for n in self.stash_names)
 
     def pop_keys(self) -> tuple[SkipKey, ...]:
-        return tuple(SkipKey(self.namespace, n) for n in self.pop_names)
+        return tuple(self._key(n) for n in self.pop_names)
 
     def _drive(self, generator: Generator[Any, Tensor | None, Any]) -> Any:
         tracker = current_skip_tracker()
@@ -173,11 +193,11 @@ class Skippable(nn.Module):
                 if isinstance(request, stash):
                     self._check(request.name, self.stash_names, "stash")
                     stashed.add(request.name)
-                    tracker.save(SkipKey(self.namespace, request.name), request.tensor)
+                    tracker.save(self._key(request.name), request.tensor)
                     request = generator.send(None)
                 elif isinstance(request, pop):
                     self._check(request.name, self.pop_names, "pop")
-                    request = generator.send(tracker.load(SkipKey(self.namespace, request.name)))
+                    request = generator.send(tracker.load(self._key(request.name)))
                 else:
                     raise TypeError(
                         f"{type(self).__name__}.forward yielded {type(request).__name__}; "
