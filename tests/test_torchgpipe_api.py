@@ -510,3 +510,13 @@ def test_a_balance_given_where_the_plan_goes_names_the_keyword() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with pytest.raises(OptionError, match=r"layers per stage \[1, 1\] pass balance="):
         autopipe.Pipeline(model, [1, 1])  # type: ignore[arg-type]
+
+
+def test_partitions_hold_each_stages_modules_as_torchgpipe() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=2)
+    try:
+        assert [list(partition) for partition in pipe.partitions] == [list(model)[:2], list(model)[2:]]
+        assert pipe.partitions[1][0] is model[2]
+    finally:
+        pipe.close()

@@ -224,6 +224,12 @@ class Pipeline(nn.Module):
         """The stages of the first replica (every replica runs the same modules)."""
         return self._engine.stages
 
+    @property
+    def partitions(self) -> nn.ModuleList:
+        """Each stage's modules (of the first replica), in stage order, as torchgpipe's
+        ``GPipe.partitions``: the same modules, not copies."""
+        return nn.ModuleList(nn.Sequential(*stage.modules) for stage in self.stages)
+
     def __len__(self) -> int:
         return len(self._layers)
 
