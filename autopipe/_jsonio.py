@@ -25,16 +25,22 @@ _UMASK = os.umask(0)  # read once at import (os.umask can only be read by settin
 os.umask(_UMASK)  # ... and put back at once
 
 
-def check_writable(path: str | os.PathLike[str]) -> Path:
-    """``path`` if a file can be written there, else the reason it cannot, as an ``OSError``.
+def check_writable(path: str | os.PathLike[str], example: str = "out.json") -> Path:
+    """``path`` if a file can be written there, else the reason it cannot, as an ``OSError``
+    (``example`` is the file name suggested in place of a directory).
 
     Callers run this before long work (profiling, a bench) so a bad output path costs nothing;
-    :func:`write_atomic` runs it again, since the place may have changed meanwhile.
+    :func:`write_atomic` runs it again, since the place may have changed meanwhile.  Only a
+    regular file (or a symlink to one) may be replaced: the rename would put a file in place of
+    a device or a FIFO (``-o /dev/null`` run as root would replace ``/dev/null``).
     """
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"cannot write {target}: it is a directory; give a file name such as "
-                                f"{target / 'out.json'}")
+                                f"{target / example}")
+    if target.exists() and not target.is_file():
+        raise FileExistsError(f"cannot write {target}: it exists and is not a regular file (a device, FIFO or "
+                              "socket), which saving would replace with a file; choose another file name")
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())  # missing ones are made
     if not existing.is_dir():
         raise NotADirectoryError(f"cannot write {target}: {existing} is a file, not a directory; "

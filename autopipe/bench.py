@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ._vocab import CheckpointMode
 from .planning.cost import CostModel
 from .planning.memory import OPTIMIZER_STATE
-from .device import ops_for
+from .device import ops_for, resolve_devices
 from .planning.plans import Plan, StagePlan
 from .profiling.profiles import Profile
 from .runtime import Pipeline
@@ -26,7 +26,7 @@ from .timeline import Event
 __all__ = [
     "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
-    "make_optimizer", "plan_optimizer", "measure_memory",
+    "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -351,7 +351,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    device = torch.device(plan.devices[0])
+    device = plan_devices(plan)[0]
     optimizer = plan_optimizer(plan)
     single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device], optimizer=optimizer)
     pipe = Pipeline(model, plan)
@@ -367,6 +367,13 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
         pipeline=medians(piped.times), steps=steps, warmup=warmup,
         predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
     )
+
+
+def plan_devices(plan: Plan) -> list[torch.device]:
+    """The devices of every replica of ``plan``, each checked as :class:`~autopipe.Pipeline`
+    checks them (:class:`~autopipe.DeviceError`): before a model is moved, which would fail
+    in torch instead (a CUDA plan on a machine without CUDA)."""
+    return resolve_devices(plan.used_devices)
 
 
 def measure_memory(trainer: Trainer, pipe: Pipeline) -> list[int]:

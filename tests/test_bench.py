@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.bench import Row, Times, Trainer, plan_of, round_robin, stage_times, synthetic_batch
+from autopipe.bench import Row, Times, Trainer, bench_plan, plan_of, round_robin, stage_times, synthetic_batch
 from autopipe.cli import main
+from autopipe.errors import DeviceError
 from autopipe.planning.simulate import simulate_plan
 from autopipe.timeline import Event
 
@@ -40,6 +41,19 @@ class TwoHeads(nn.Module):
         return {"logits": logits, "features": features} if self.as_dict else (logits, features)
 
 
+class Column(nn.Module):
+    """Takes one number per sample (a batch of shape ``(B,)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1)
+
+
+def scalar_model() -> nn.Module:
+    """The spec ``test_bench:scalar_model``: samples of no dimensions (input shape ``[]``)."""
+    torch.manual_seed(0)
+    return nn.Sequential(Column(), nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
 def tuple_model() -> nn.Module:
     """The spec ``test_bench:tuple_model``."""
     torch.manual_seed(0)
@@ -58,12 +72,17 @@ def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_stage_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[autopipe.Plan, Path]:
-    """A hand-made two-stage plan of the tiny model, saved, as ``plan -o`` would."""
+def tiny_profile() -> autopipe.Profile:
     torch.set_num_threads(1)
-    profile = autopipe.profile(tiny_model(), torch.randn(BATCH, FEATURES), ["cpu", "cpu"],
-                               batch_sizes=[4, 8], warmup=0, repeats=1, quiet=True)
-    plan = plan_of(profile, ["cpu", "cpu"], [3, 2], chunks=2)
+    return autopipe.profile(tiny_model(), torch.randn(BATCH, FEATURES), ["cpu", "cpu"],
+                            batch_sizes=[4, 8], warmup=0, repeats=1, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def two_stage_plan(tiny_profile: autopipe.Profile,
+                   tmp_path_factory: pytest.TempPathFactory) -> tuple[autopipe.Plan, Path]:
+    """A hand-made two-stage plan of the tiny model, saved, as ``plan -o`` would."""
+    plan = plan_of(tiny_profile, ["cpu", "cpu"], [3, 2], chunks=2)
     return plan, plan.save(tmp_path_factory.mktemp("plans") / "tiny.json")
 
 
@@ -226,3 +245,61 @@ def test_a_1f1b_plan_trains_with_its_loss_inside_like_the_plain_model() -> None:
     for (name, mine), theirs in zip(pipe.named_parameters(), plain.parameters()):
         torch.testing.assert_close(mine, theirs, msg=name)
     assert 0 < steps[1].forward_ms < steps[1].iteration_ms
+
+
+@pytest.mark.parametrize("device, words", [
+    ("gpu", "'gpu' is not a device autopipe can use"),
+    pytest.param("cuda:0", "CUDA is not available", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the plan's devices exist here")),
+])
+def test_a_plan_for_devices_not_here_is_refused_before_the_model_moves(
+        two_stage_plan: tuple[autopipe.Plan, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        device: str, words: str) -> None:
+    """``bench`` checks a plan's devices as :class:`~autopipe.Pipeline` does, with its error, before
+    moving the model there (torch's RuntimeError, with a traceback, until then)."""
+    document = json.loads(two_stage_plan[1].read_text())
+    document.update(devices=[device, device], replica_devices=[[device, device]])
+    for stage in document["stages"]:
+        stage["device"] = device
+    path = tmp_path / "elsewhere.json"
+    path.write_text(json.dumps(document))
+    plan = autopipe.Plan.load(path)
+    with pytest.raises(DeviceError) as pipeline:
+        autopipe.Pipeline(tiny_model(), plan)
+    batch, target = synthetic_batch(tiny_model(), [FEATURES], BATCH)
+    with pytest.raises(DeviceError) as bench:
+        bench_plan(tiny_model(), plan, batch, target, steps=1)
+    assert str(bench.value) == str(pipeline.value) and words in str(bench.value)
+    assert main(["bench", "--plan", str(path), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"autopipe bench: error: {bench.value}\n"
+
+
+def test_bench_takes_the_devices_of_every_replica_of_its_plan(
+        tiny_profile: autopipe.Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A two-replica plan made on cpu,cpu runs with ``--devices cpu,cpu``; one replica's devices
+    alone are refused, naming all of them."""
+    plan = autopipe.plan(tiny_profile, ["cpu", "cpu"], replicas=2, chunks=1)
+    assert plan.used_devices == ["cpu", "cpu"] and plan.device_count == 1
+    path = plan.save(tmp_path / "replicas.json")
+    bench = ["bench", "test_bench:tiny_model", "--plan", str(path), "--input-shape", str(FEATURES), "--steps", "1",
+             "--warmup", "0"]
+    assert main([*bench, "--devices", "cpu"]) == 2
+    assert "the plan fixes its devices (cpu,cpu: 2 replicas)" in capsys.readouterr().err
+    assert main([*bench, "--devices", "cpu, cpu"]) == 0
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_a_profile_of_scalar_samples_is_benched_with_its_own_empty_shape(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile's ``input_shape`` ``[]`` (one number per sample) is the shape benched, not
+    replaced by the default 3,64,64 the model cannot take."""
+    profile = autopipe.profile(scalar_model(), torch.randn(BATCH), ["cpu"], batch_sizes=[4, 8], warmup=0,
+                               repeats=1, quiet=True)
+    path = profile.save(tmp_path / "scalar.json")
+    assert autopipe.Profile.load(path).input_shape == []
+    code = main(["bench", "test_bench:scalar_model", "--profile", str(path), "--batch-size", str(BATCH),
+                 "--devices", "cpu", "--steps", "1", "--warmup", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "speedup" in captured.out

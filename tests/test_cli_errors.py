@@ -2,6 +2,10 @@
 (nothing printed on stdout), and no input file is ever replaced by an output."""
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +165,38 @@ def test_wording_of_empty_and_bad_values(saved, capsys) -> None:
     _error(capsys, ["plan", str(profile_path), "-o", ""], "--output is empty")
     _error(capsys, ["profile", SPEC, "--batch-sizes", "0,2", "--quiet"],
            "--batch-sizes expects comma-separated positive integers like 1,2,4, got '0,2'")
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_before_the_work(saved, tmp_path, capsys) -> None:
+    """A FIFO (or a device) named as an output stays what it is: saving would rename a file over it."""
+    profile_path, plan_path = saved
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for argv in (["plan", str(profile_path), "-o", str(fifo)],
+                 ["profile", SPEC, "--input-shape", "16", "--batch-size", "8", "--quiet", "-o", str(fifo)],
+                 ["bench", "--plan", str(plan_path), "--steps", "1", "--json", str(fifo)],
+                 ["show", str(plan_path), "--png", str(fifo)]):
+        _error(capsys, argv, f"cannot write {fifo}: it exists and is not a regular file")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_a_directory_given_for_a_png_suggests_a_png(saved, tmp_path, capsys) -> None:
+    _error(capsys, ["show", str(saved[1]), "--png", str(tmp_path)], f"such as {tmp_path / 'timeline.png'}")
+
+
+def test_a_closed_stdout_keeps_the_profile(tmp_path) -> None:
+    """The profile is saved before its table is printed: with the reader gone (``| head``) the
+    command ends quietly (status 1, no traceback) and the file is whole."""
+    out = tmp_path / "p.json"
+    read, write = os.pipe()
+    os.close(read)
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    try:
+        done = subprocess.run([sys.executable, "-m", "autopipe", "profile", SPEC, "--input-shape", str(FEATURES),
+                               "--batch-size", "4", "--devices", "cpu", "--warmup", "0", "--repeats", "1", "--quiet",
+                               "-o", str(out)], stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
+    assert autopipe.Profile.load(out).model["spec"] == SPEC

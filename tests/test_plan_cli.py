@@ -2,12 +2,26 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
+import numpy as np
 import pytest
 from synthetic import make_profile
 
 from autopipe.cli import main
+from autopipe.cli.plan import summary
+from autopipe.errors import OptionError
+from autopipe.planning._options import parse_bytes
+from autopipe.planning.compare import compare
+from autopipe.planning.cost import CostModel
 from autopipe.planning.plans import Plan
+from autopipe.planning.replicas import plan
+from autopipe.planning.simulate import evaluate
 
 
 @pytest.fixture
@@ -105,3 +119,90 @@ def test_png_is_written_atomically_and_never_over_the_plan(profile_path, tmp_pat
     capsys.readouterr()
     assert main(["show", str(plan_path), "--png", str(plan_path)]) == 2
     assert "is the input file" in capsys.readouterr().err and plan_path.read_bytes() == before
+
+
+def test_compare_prices_the_baselines_under_the_plans_schedule():
+    """A 1F1B plan's baselines are priced under 1F1B too (by the simulator, as the plan is), so
+    each ratio is that of the split alone, not of fill-drain against 1F1B."""
+    profile = make_profile([3.0, 1.0, 1.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0], sizes=(1, 2, 4, 8, 16),
+                           devices=4, output_bytes=1000, param_bytes=[10**6 * (i % 3) for i in range(13)],
+                           copies=(0.05, 1e-5))
+    chosen = plan(profile, 4, replicas=1, schedule="1f1b", chunks=8, interleave=1)
+    assert chosen.schedule == "1f1b"
+    model = CostModel(profile, chosen.options["devices"], chosen.options["speeds"], chosen.batch_size,
+                      chosen.options["optimizer_state_factor"])
+    rows = compare(profile, chosen)
+    for row in rows[1:]:
+        bounds = [0, *np.cumsum(row.balance).tolist()]
+        priced = evaluate(model, bounds, row.chunks, chosen.checkpoint, "1f1b")
+        assert row.iteration_ms == pytest.approx(priced.iteration_ms)
+        assert row.ratio == pytest.approx(priced.iteration_ms / chosen.predicted.iteration_ms)
+    fill_drain = model.evaluate([0, *np.cumsum(rows[1].balance).tolist()], 8, chosen.checkpoint).iteration_ms
+    assert rows[1].iteration_ms < fill_drain  # the schedule matters here: the test tells them apart
+
+
+@pytest.mark.parametrize("speeds, words", [
+    ("5e-324,1", "speeds must be 2 finite positive numbers (one per device, each at least 2.23e-308)"),
+    ("1e-300,1", "speeds [1e-300, 1.0] make the fastest device 1e+300 times the slowest; give speeds within a "
+                 "factor of 1,000,000"),
+])
+def test_speeds_are_normal_numbers_within_a_ratio(profile_path, capsys, speeds, words):
+    """A denormal speed (or one a million times another) made the predicted time nan, the bound
+    inf and the plan 'optimal'; the API and the command line refuse it alike."""
+    with pytest.raises(OptionError) as caught:
+        plan(profile_path, 2, speeds=[float(v) for v in speeds.split(",")])
+    assert words in str(caught.value)
+    assert main(["plan", str(profile_path), "--devices", "2", "--speeds", speeds]) == 2
+    assert "error: " + words.replace("speeds", "--speeds") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("factor", [math.inf, 1e308, 1001, -1, math.nan])
+def test_an_optimizer_state_factor_is_finite_and_at_most_1000(profile_path, capsys, factor):
+    with pytest.raises(OptionError, match="optimizer_state must be one of .* or a number from 0 to 1000"):
+        plan(profile_path, 2, optimizer_state=factor)
+    assert main(["plan", str(profile_path), "--optimizer-state", str(factor)]) == 2
+    assert "error: --optimizer-state must be one of" in capsys.readouterr().err
+
+
+def test_memory_limits_are_finite_whole_bytes(profile_path, capsys):
+    """``1e400`` is refused as ``inf`` is (it silently meant no limit), and ``1.5B`` rather than
+    planned as 1.5 bytes and reported as 1."""
+    for limit in ("1e400", "inf"):
+        assert main(["plan", str(profile_path), "--memory-limit", limit]) == 2
+        assert f"error: --memory-limit '{limit}' is not a finite size" in capsys.readouterr().err
+    assert main(["plan", str(profile_path), "--memory-limit", "1.5B"]) == 2
+    assert "'1.5B' is 1.5 bytes, not a whole number; give whole bytes (e.g. 1 or 2)" in capsys.readouterr().err
+    assert [parse_bytes(text) for text in ("0.3GB", "1.5KiB", "7")] == [3e8, 1536.0, 7.0]
+    assert [parse_bytes(number) for number in (math.inf, 2.5)] == [math.inf, 2.5]  # the API's numbers, as given
+
+
+def test_errors_name_the_options_not_the_api_parameters(profile_path, capsys):
+    assert main(["plan", str(profile_path), "--time-limit", "-1"]) == 2
+    assert "error: --time-limit must be a positive number of seconds (finite; 0 for no limit)" in \
+        capsys.readouterr().err
+    assert main(["plan", str(profile_path), "--memory-limit", "1KB", "--time-limit", "0", "--replicas", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "raise --memory-limit" in err and "--checkpoint " in err and "memory_limit" not in err, err
+
+
+def test_a_gap_of_rounding_is_reported_optimal(profile_path):
+    chosen = plan(profile_path, 2, replicas=1)
+    chosen.predicted = replace(chosen.predicted, lower_bound_ms=chosen.predicted.iteration_ms * (1 - 2e-8))
+    assert chosen.predicted.gap and "optimal (search finished)" in summary(chosen)
+
+
+def test_a_closed_stdout_keeps_the_plan_and_ends_quietly(profile_path, tmp_path):
+    """The plan is written before anything is printed; a reader gone (``| head``) ends the
+    command with status 1 and no traceback, buffered output or not."""
+    for unbuffered in ("1", ""):
+        out = tmp_path / f"plan{unbuffered}.json"
+        read, write = os.pipe()
+        os.close(read)
+        env = {**os.environ, "PYTHONUNBUFFERED": unbuffered, "PYTHONPATH": str(Path(__file__).parents[1])}
+        try:
+            done = subprocess.run([sys.executable, "-m", "autopipe", "plan", str(profile_path), "-o", str(out)],
+                                  stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (1, "")
+        assert Plan.load(out).stages

@@ -49,6 +49,16 @@ def edit(path, change):
     (lambda d: d["stages"][0].update(device="cuda:7"), "stages[0]", "devices[0] is cpu"),
     (lambda d: d["predicted"].update(iteration_ms="fast"), "predicted.iteration_ms", "a finite number"),
     (lambda d: d.update(schema_version=99), "schema_version", "upgrade autopipe"),
+    # read later by the consistency check, the fingerprint check and bench, which failed there
+    (lambda d: d["model"].pop("layers"), "model.layers", "missing"),
+    (lambda d: d["model"].update(layers=5), "model.layers", "expected a list, found int"),
+    (lambda d: d["model"].update(digest=7), "model.digest", "expected a string"),
+    (lambda d: d.update(options=[]), "options", "expected an object, found list"),
+    (lambda d: d["options"].update(optimizer_state_factor="abc"), "options.optimizer_state_factor",
+     "a finite number"),
+    (lambda d: d["model"].update(spec=5), "model.spec", "expected a string, found 5"),
+    (lambda d: d["model"].update(input_shape="16"), "model.input_shape", "expected a shape (a list of integers)"),
+    (lambda d: d["model"].update(input_shape=[0, 3]), "model.input_shape", "dimensions of at least 1"),
 ])
 def test_validation_names_the_field(saved, change, field, words):
     _, path = saved
@@ -76,3 +86,16 @@ def test_an_infinite_memory_limit_is_no_limit_in_the_file(tmp_path, limit):
     loaded = Plan.load(chosen.save(tmp_path / "p.json"))
     assert loaded.options["memory_limit_bytes"][:2] == [None, None]
     assert loaded.options["memory_limit"] in (None, [None, None, 1e12])
+
+
+def test_save_refuses_what_load_would(saved):
+    """A plan changed in memory is checked as a file is read: nothing is written that
+    :meth:`Plan.load` would refuse, and an earlier file stays whole."""
+    chosen, path = saved
+    before = path.read_text()
+    chosen.chunks = 100_000_000
+    with pytest.raises(FormatError, match="in-memory plan: field 'chunks': 100000000 micro-batches"):
+        chosen.save(path)
+    with pytest.raises(FormatError, match="field 'chunks'"):
+        chosen.validate()
+    assert path.read_text() == before and [p.name for p in path.parent.iterdir()] == ["p.json"]

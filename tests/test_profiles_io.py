@@ -133,6 +133,16 @@ def test_missing_file(tmp_path: Path) -> None:
     (lambda d: d.update(environment=[]), "environment", "expected an object"),
     (lambda d: d["model"].pop("digest"), "model.digest", "missing"),
     (lambda d: d["layers"].pop(), "layers", "4 layers but the model fingerprint lists 5"),
+    # a workspace measured at some sizes only read the others as 0 bytes (a negative 'transient')
+    (lambda d: d["layers"][3]["workspace_bytes"].pop("4"), "layers[3].workspace_bytes",
+     "has sizes [2], expected the profile's batch_sizes [2, 4] (or none)"),
+    (lambda d: d.update(input_shape=[-16]), "input_shape", "expected dimensions of at least 1, found [-16]"),
+    (lambda d: d.update(input_shape="16"), "input_shape", "expected a shape (a list of integers)"),
+    (lambda d: d["model"].update(layers=5), "model.layers", "expected a list, found int"),
+    (lambda d: d["model"]["layers"].__setitem__(0, 5), "model.layers[0]", "expected an object"),
+    (lambda d: d["model"]["layers"][0]["tensors"].__setitem__(0, ["weight", 4, "float32"]),
+     "model.layers[0].tensors[0][1]", "expected a shape"),
+    (lambda d: d["model"].update(spec=5), "model.spec", "expected a string"),
 ])
 def test_bad_field_is_named(saved_file: Path, change: Callable[[dict[str, Any]], None], field: str,
                             problem: str) -> None:
@@ -159,3 +169,15 @@ def test_copy_fits_written_with_integers_are_read_as_floats(measured: Profile, s
 
 def test_stat_spread() -> None:
     assert Stat(2.0, 1.5, 3.0, 5).spread_ms == 1.5
+
+
+def test_a_profile_without_workspaces_is_read_and_its_empty_shape_kept(measured: Profile, saved_file: Path) -> None:
+    """Profiles made before the workspace was measured have none (the cost model estimates it);
+    a sample of no dimensions (a scalar per sample) is a shape of its own, not a missing one."""
+    def older(document: dict[str, Any]) -> None:
+        for layer in document["layers"]:
+            del layer["workspace_bytes"]
+        document["input_shape"] = []
+
+    loaded = Profile.load(edit(saved_file, older))
+    assert all(layer.workspace_bytes == {} for layer in loaded.layers) and loaded.input_shape == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -47,11 +48,31 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; user errors print one line and exit with status 2."""
+    """Run one subcommand; user errors print one line and exit with status 2.
+
+    A closed standard output (``... | head``) ends the command quietly with status 1: every
+    subcommand writes its files before it prints, so they are kept."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(_command(argv)).parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 1
     except (FormatError, ValueError, TypeError, OSError) as error:
         print(f"autopipe {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point standard output at the null device, so that Python's own flush at exit does not
+    fail on the closed pipe again (the recipe of Python's documentation on SIGPIPE)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # not a file (captured): nothing to flush at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)

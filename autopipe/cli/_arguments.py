@@ -39,19 +39,21 @@ def _dest(option: str) -> str:
     return option.lstrip("-").replace("-", "_").lower()
 
 
-def output_path(text: str | None, option: str, inputs: Iterable[str | None] = ()) -> Path | None:
+def output_path(text: str | None, option: str, inputs: Iterable[str | None] = (),
+                example: str = "out.json") -> Path | None:
     """The file ``option`` names, refused at once if it is empty, would replace one of the
-    command's ``inputs`` (by any name: :func:`os.path.samefile`), or cannot be written there."""
+    command's ``inputs`` (by any name: :func:`os.path.samefile`), or cannot be written there
+    (``example``: the kind of file name to suggest)."""
     if text is None:
         return None
     if not text.strip():
-        raise ValueError(f"{option} is empty; give a file name, e.g. {option} out.json")
+        raise ValueError(f"{option} is empty; give a file name, e.g. {option} {example}")
     target = Path(text)
     for source in filter(None, inputs):
         if _same_file(target, source):
             raise ValueError(f"{option} {text} is the input file {source}: writing it would replace the "
                              "input; choose another file name")
-    return check_writable(target)
+    return check_writable(target, example)
 
 
 def _same_file(a: Path, b: str) -> bool:

@@ -5,7 +5,7 @@ import argparse
 
 import torch
 
-from ..bench import BenchResult, bench_plan, format_bench, synthetic_batch
+from ..bench import BenchResult, bench_plan, format_bench, plan_devices, synthetic_batch
 from ..device import resolve_devices
 from ..model.fingerprint import environment_fingerprint
 from .._jsonio import write_json_atomic
@@ -64,12 +64,13 @@ def run(args: argparse.Namespace) -> int:
     batch, target = synthetic_batch(model, shape, batch_size)
     chosen = saved if saved is not None else _plan(args, measured, model, batch, devices)
     result = bench_plan(model, chosen, batch, target, steps=args.steps, warmup=args.warmup)
+    written = None if output is None else write_json_atomic(output, _document(result, spec, shape))  # before printing
     print(format_bench(result))
     if args.timeline:
         print(f"\npredicted timeline:\n{render(result.predicted_events)}")
         print(f"\nmeasured timeline (last step):\n{render(result.measured_events)}")
-    if output is not None:
-        print(f"wrote {write_json_atomic(output, _document(result, spec, shape))}")
+    if written is not None:
+        print(f"wrote {written}")
     return 0
 
 
@@ -78,6 +79,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan | None, Profile | None]:
     saved = Plan.load(args.plan) if args.plan else None
     if saved is not None:
         _check_unused(args, saved)
+        plan_devices(saved)  # as the pipeline will, before the model is built
     return saved, Profile.load(args.profile) if args.profile else None
 
 
@@ -90,7 +92,7 @@ def _shape(text: str | None, known: Plan | Profile | None) -> list[int]:
     refused if the two differ (the plan's times and memory are those of its own shape)."""
     recorded = known.input_shape if isinstance(known, Profile) else known.model.get("input_shape") if known else None
     if text is None:
-        return recorded or DEFAULT_SHAPE
+        return DEFAULT_SHAPE if recorded is None else recorded  # [] is a shape: a scalar per sample
     shape = parse_ints(text, "--input-shape")
     if known is not None and recorded not in (None, shape):
         raise ValueError(f"--input-shape {text} is not the shape the {_what(known)} was made for "
@@ -127,13 +129,14 @@ def _check_unused(args: argparse.Namespace, saved: Plan) -> None:
     if args.batch_size not in (None, saved.batch_size):
         raise ValueError(f"the plan is for batch size {saved.batch_size}, not {args.batch_size}; "
                          "plan again for another batch")
-    planned = ",".join(saved.devices[: saved.device_count])
+    planned = ",".join(saved.used_devices)
     asked = {"--devices": args.devices if args.devices and args.devices.replace(" ", "") != planned else None,
              "--profile": args.profile, "--chunks": args.chunks,
              "--checkpoint": None if args.checkpoint == "auto" else args.checkpoint}
     given = [option for option, value in asked.items() if value is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} would be ignored: the plan fixes its devices ({planned}), "
+        raise ValueError(f"{', '.join(given)} would be ignored: the plan fixes its devices ({planned}"
+                         + (f": {saved.replicas} replicas" if saved.replicas > 1 else "") + "), "
                          f"chunks ({saved.chunks}) and checkpointing ({saved.checkpoint}); drop "
                          f"{'them' if len(given) > 1 else 'it'} or plan again with them")
 

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import re
+from contextlib import contextmanager
+from typing import Iterator
 
+from ..errors import OptionError, PlanningError
 from ..planning.plans import Plan
 from ..profiling.profiles import Profile
 from ._arguments import device_names, output_path
@@ -58,17 +62,50 @@ def run(args: argparse.Namespace) -> int:
                    optimizer_state=_optimizer_state(args.optimizer_state), speeds=_speeds(args.speeds),
                    chunks=args.chunks, engine=args.engine, interleave=_auto_or_count(args.interleave, "--interleave"),
                    schedule=args.schedule, time_limit=args.time_limit or None, placement=args.placement)
-    chosen = plan(profile, devices, replicas=_auto_or_count(args.replicas, "--replicas"), **options)
+    with in_option_terms():
+        chosen = plan(profile, devices, replicas=_auto_or_count(args.replicas, "--replicas"), **options)
+    written = None if output is None else chosen.save(output)  # before printing: a closed stdout loses nothing
     print(summary(chosen))
     if args.compare:
         print()
-        print(parallelism(profile, chosen, devices, **options))
+        with in_option_terms():
+            print(parallelism(profile, chosen, devices, **options))
         if chosen.replicas == 1:
             print()
             print(format_comparison(compare(profile, chosen, args.chunks)))
-    if output is not None:
-        print(f"\nplan written to {chosen.save(output)}")
+    if written is not None:
+        print(f"\nplan written to {written}")
     return 0
+
+
+#: The planner's parameters named in its errors, as ``name=value`` (``chunks=4``) or, for those
+#: that are no ordinary word, alone (``raise memory_limit``).
+_SET = ("time_limit", "memory_limit", "optimizer_state", "batch_size", "speeds", "chunks", "checkpoint",
+        "schedule", "interleave", "replicas", "engine", "placement")
+_ALONE = ("time_limit", "memory_limit", "optimizer_state", "batch_size", "speeds")
+_NAMED = re.compile(rf"\b(?:({'|'.join(_SET)})=('?)([^\s,;:)']+)\2|({'|'.join(_ALONE)})\b)")
+
+
+def option_terms(message: str) -> str:
+    """A planner's error as the command line's: its parameters (``time_limit=None``,
+    ``memory_limit``) named as the options that set them (``--time-limit 0``, ``--memory-limit``)."""
+    message = message.replace("time_limit=None", "--time-limit 0").replace("None for no limit", "0 for no limit")
+
+    def option(match: re.Match[str]) -> str:
+        if match.group(4):
+            return "--" + match.group(4).replace("_", "-")
+        return f"--{match.group(1).replace('_', '-')} {match.group(3)}"
+
+    return _NAMED.sub(option, message)
+
+
+@contextmanager
+def in_option_terms() -> Iterator[None]:
+    """Re-raise the planner's errors about options worded by :func:`option_terms`."""
+    try:
+        yield
+    except (OptionError, PlanningError) as error:
+        raise type(error)(option_terms(str(error))) from None
 
 
 def _devices(text: str | None) -> int | list[str] | None:
@@ -125,10 +162,14 @@ def summary(chosen: Plan) -> str:
     ])
 
 
+#: Gaps below this are the rounding of sums taken in another order, not a weak bound.
+ROUNDING_GAP = 1e-6
+
+
 def _bound_line(chosen: Plan) -> str:
     """The proven lower bound and the gap: 0 says the plan is optimal for the cost model."""
     gap = chosen.predicted.gap or 0.0
-    if gap == 0:
+    if gap < ROUNDING_GAP:
         verdict = "optimal (search finished)"
     elif chosen.options.get("time_limit_reached"):
         verdict = "time limit reached; --time-limit for more"

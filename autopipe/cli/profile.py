@@ -62,12 +62,17 @@ def run(args: argparse.Namespace) -> int:
     measured = profile(model, sample, devices, sizes, warmup=args.warmup, repeats=args.repeats,
                        quiet=args.quiet, under_load=False if args.alone else None)
     measured.model.update(spec=args.model, input_shape=shape)  # lets bench rebuild it from a plan
-    print(format_table(measured))
-    if output is not None:
-        print(f"saved {measured.save(output)}")
-    else:
-        print("not saved (pass -o profiles/NAME.json to keep it)")
+    _report(measured, output, "not saved (pass -o profiles/NAME.json to keep it)")
     return 0
+
+
+def _report(measured: Profile, output: Path | None, unsaved: str = "") -> None:
+    """Save the profile (first: a closed stdout then loses nothing), then print its table and
+    where it went (or ``unsaved``)."""
+    written = None if output is None else measured.save(output)
+    print(format_table(measured))
+    if written is not None or unsaved:
+        print(f"saved {written}" if written is not None else unsaved)
 
 
 def _bytes_of(args: argparse.Namespace, output: Path | None) -> int:
@@ -79,9 +84,7 @@ def _bytes_of(args: argparse.Namespace, output: Path | None) -> int:
     torch.manual_seed(0)
     model = load_model(spec)
     measured = remeasure_memory(saved, model, torch.randn(saved.batch_size, *saved.input_shape), quiet=args.quiet)
-    print(format_table(measured))
-    if output is not None:
-        print(f"saved {measured.save(output)}")
+    _report(measured, output)
     return 0
 
 

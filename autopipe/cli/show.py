@@ -23,19 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     at_least(args, {"--width": MIN_WIDTH})
-    png = output_path(args.png, "--png", [args.plan])
+    png = output_path(args.png, "--png", [args.plan], "timeline.png")
     pyplot = _pyplot() if png is not None else None
     plan = Plan.load(args.plan)
     simulation = simulate_plan(plan)
     events = simulation.events + reduction_events(simulation, [s.reduce_ms for s in plan.stages])
+    drawn = None if png is None else draw_png(pyplot, events, png)  # before printing: a closed stdout loses nothing
     print(stage_table(plan))
     print()
     each = f" of each replica, all {plan.replicas} at once" if plan.replicas > 1 else ""
     print(f"timeline of one iteration{each} ({plan.chunks} micro-batches, checkpoint={plan.checkpoint}; "
           "F/f forward, B/b backward, C/c copy in, G/g gradient copy, A reduction, . idle):")
     print(render(events, args.width))
-    if pyplot is not None:
-        print(f"\ntimeline drawn to {draw_png(pyplot, events, png)}")
+    if drawn is not None:
+        print(f"\ntimeline drawn to {drawn}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -160,7 +161,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str | float | int) -> float:
-    """``16GiB``, ``500MB``, ``1e9`` or a number → bytes."""
+    """``16GiB``, ``500MB``, ``1e9`` or a number → bytes (a number ``inf``: no limit).
+
+    A string is a size as a user writes it: one that is not a whole number of bytes (``1.5B``)
+    is refused rather than planned as the fraction and reported as its floor, and so is one too
+    large to be finite (``1e400``), which would silently mean no limit.  A number is taken as
+    it is (a limit computed from predicted bytes need not be whole)."""
     if isinstance(text, numbers.Real) and not isinstance(text, bool):
         if math.isnan(text):
             raise OptionError("memory limit nan is not a size; give bytes (e.g. 16e9) or '16GiB'")
@@ -171,22 +177,40 @@ def parse_bytes(text: str | float | int) -> float:
     number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = stripped[len(number):]
     try:
-        return float(number) * _UNITS[unit]
+        value = float(stripped) if stripped in ("inf", "infinity", "nan") else float(number) * _UNITS[unit]
     except (ValueError, KeyError):
         raise OptionError(f"cannot read '{text}' as a memory size; write e.g. 16GiB, 500MB or 1e9") from None
+    if not math.isfinite(value):
+        raise OptionError(f"memory_limit '{text}' is not a finite size; give a size such as 16GiB, or no "
+                          "memory_limit for none")
+    whole = round(value)
+    if abs(value - whole) > 1e-9 * max(abs(value), 1.0):  # a decimal unit's float error is whole: 0.3GB
+        raise OptionError(f"memory_limit '{text}' is {value:g} bytes, not a whole number; give whole bytes "
+                          f"(e.g. {math.floor(value)} or {math.ceil(value)})")
+    return float(whole)
+
+
+#: The most the fastest device may be faster than the slowest: beyond it the times divided by
+#: the speeds lose their precision (a denormal speed such as 1e-320 made them inf, and the plan nan).
+SPEED_RATIO = 1e6
 
 
 def device_speeds(speeds: Sequence[float] | float | None, names: Sequence[str]) -> list[float]:
     """One relative speed per device: default 1 each, or one for all; raises :class:`OptionError`
-    unless finite and positive (a ``nan`` or ``inf`` would become the plan's predicted time)."""
+    unless each is a positive, finite, normal number (a ``nan``, ``inf`` or denormal would become
+    the plan's predicted time) and the fastest at most :data:`SPEED_RATIO` times the slowest."""
     if speeds is None or isinstance(speeds, numbers.Real):
         given = [1.0 if speeds is None else speeds] * len(names)
     else:
         given = list(speeds) if isinstance(speeds, Iterable) and not isinstance(speeds, str) else []
-    if len(given) != len(names) or not all(is_positive_number(v) for v in given):
-        raise OptionError(f"speeds must be {len(names)} finite positive numbers (one per device) or one for all, "
-                          f"got {speeds!r}")
-    return [float(v) for v in given]
+    if len(given) != len(names) or not all(is_positive_number(v) and v >= sys.float_info.min for v in given):
+        raise OptionError(f"speeds must be {len(names)} finite positive numbers (one per device, each at least "
+                          f"{sys.float_info.min:.3g}) or one for all, got {speeds!r}")
+    rates = [float(v) for v in given]
+    if max(rates) > SPEED_RATIO * min(rates):
+        raise OptionError(f"speeds {rates} make the fastest device {max(rates) / min(rates):.3g} times the slowest; "
+                          f"give speeds within a factor of {SPEED_RATIO:,.0f} of each other (e.g. 1 and 2)")
+    return rates
 
 
 def memory_limits(limit: Any, names: Sequence[str]) -> np.ndarray:

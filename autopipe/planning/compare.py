@@ -1,8 +1,9 @@
 """Our plan next to the splits other systems would choose, all priced by the same cost model.
 
-Baselines are costed for the plan's engine and use every offered device, the plan's micro-batch
-count (or the ``chunks`` the user fixed) and its checkpoint mode, so each ratio isolates the
-choice of split points:
+Baselines are costed for the plan's engine and under its schedule (fill-drain or 1F1B, by the
+same simulator), and use every offered device (one stage each), the plan's micro-batch count (or
+the ``chunks`` the user fixed) and its checkpoint mode, so each ratio isolates the choice of
+split points:
 
 * ``equal layers`` — the same number of layers per stage;
 * ``parameter-balanced`` — the least largest per-stage parameter bytes (DeepSpeed's
@@ -22,6 +23,7 @@ from .cost import CostModel
 from .plans import Plan
 from ..profiling.profiles import Profile
 from .candidates import greedy_split, least_largest
+from .simulate import evaluate
 
 __all__ = ["Baseline", "compare", "format_comparison", "min_max_split", "equal_split"]
 
@@ -59,7 +61,7 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
         ("time min-max, no copies", min_max_split(np.diff(costs.forward + costs.backward), parts), m),
     ]
     for name, bounds, count in splits:
-        evaluation = model.evaluate(bounds, count, plan.checkpoint)
+        evaluation = evaluate(model, bounds, count, plan.checkpoint, plan.schedule, turns=plan.turns)
         fits = all(stage.memory <= limit for stage, limit in zip(evaluation.stages, limits))
         rows.append(Baseline(name, list(np.diff(bounds)), count, plan.checkpoint, evaluation.iteration_ms,
                              evaluation.iteration_ms / plan.predicted.iteration_ms, fits))

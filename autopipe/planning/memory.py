@@ -69,6 +69,11 @@ __all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "optimizer_factor",
 OPTIMIZER_STATE: Mapping[str, float] = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
 
 
+#: The largest optimizer-state factor taken: far above any optimizer's (Adam keeps 2), and far
+#: below where the state's bytes stop being finite (``1e308`` times the parameters overflowed).
+MAX_OPTIMIZER_FACTOR = 1000.0
+
+
 def optimizer_factor(state: str | float) -> float:
     """The factor of an optimizer name or a given factor (bytes of state per parameter byte)."""
     if isinstance(state, str):
@@ -76,9 +81,10 @@ def optimizer_factor(state: str | float) -> float:
             raise OptionError(f"optimizer_state '{state}' is not one of {list(OPTIMIZER_STATE)} "
                               "nor a number (state bytes per parameter byte)")
         return OPTIMIZER_STATE[state]
-    if isinstance(state, bool) or not isinstance(state, (int, float)) or not state >= 0:
-        raise OptionError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number ≥ 0 "
-                          f"(state bytes per parameter byte: 1 for SGD with momentum, 2 for Adam), got {state!r}")
+    if isinstance(state, bool) or not isinstance(state, (int, float)) or not 0 <= state <= MAX_OPTIMIZER_FACTOR:
+        raise OptionError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number from 0 to "
+                          f"{MAX_OPTIMIZER_FACTOR:g} (state bytes per parameter byte: 1 for SGD with momentum, "
+                          f"2 for Adam), got {state!r}")
     return float(state)
 
 

@@ -1,12 +1,14 @@
 """What the planner decided and predicts: the :class:`Plan` and its JSON file."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._jsonio import Fields, read_json, write_json_atomic
+from ..profiling.profiles import read_model
 from .._vocab import CHECKPOINT_MODES, SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
 __all__ = ["StagePlan", "Prediction", "Plan", "placement", "PLAN_SCHEMA_VERSION", "CHECKPOINT_MODES", "SCHEDULES"]
@@ -168,6 +170,12 @@ class Plan:
         return len(self.stages) // self.interleave
 
     @property
+    def used_devices(self) -> list[str]:
+        """The devices of every replica, replica by replica (``replica_devices`` without an
+        interleaved plan's repeats): what the plan runs on, as the devices it was planned for."""
+        return [name for group in self.replica_devices for name in group[: self.device_count]]
+
+    @property
     def placement(self) -> list[int]:
         """Device index of every stage: stage ``s`` on ``s % device_count``."""
         return placement(len(self.stages), self.interleave)
@@ -219,17 +227,25 @@ class Plan:
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as JSON, atomically."""
-        return write_json_atomic(path, self.to_json())
+        """Validate (:meth:`validate`) and write the plan as JSON, atomically."""
+        document = self.to_json()
+        Plan._read(_as_file(document))
+        return write_json_atomic(path, document)
+
+    def validate(self) -> None:
+        """Check a plan built or changed in memory as :meth:`load` checks a file; raises
+        :class:`FormatError` naming the field: what is saved is what a file can hold."""
+        Plan._read(_as_file(self.to_json()))
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
         """Read and validate a plan file; raises ``FormatError`` naming file and field."""
-        f = read_json(path, "plan", PLAN_SCHEMA_VERSION)
-        model = f.get("model")
-        model.get("digest")
+        return Plan._read(read_json(path, "plan", PLAN_SCHEMA_VERSION))
+
+    @staticmethod
+    def _read(f: Fields) -> Plan:
         plan = Plan(
-            model=model.value,
+            model=read_model(f.get("model")),
             profile_digest=f.str("profile_digest"),
             devices=f.str_list("devices"),
             batch_size=f.int("batch_size", 1),
@@ -238,7 +254,7 @@ class Plan:
             schedule=f.str("schedule") if f.has("schedule") else "gpipe",
             stages=f.list_of("stages", StagePlan.from_json),
             predicted=Prediction.from_json(f.get("predicted")),
-            options=f.get("options").value if f.has("options") else {},
+            options=_options(f.get("options")) if f.has("options") else {},
             interleave=f.int("interleave", 1) if f.has("interleave") else 1,
             replicas=f.int("replicas", 1) if f.has("replicas") else 1,
             replica_devices=([_names(item) for item in f.get("replica_devices").items()]
@@ -247,6 +263,21 @@ class Plan:
         )
         _check_consistent(plan, f)
         return plan
+
+
+def _as_file(document: dict[str, Any]) -> Fields:
+    """``document`` as :meth:`Plan.load` would read it back from its JSON (tuples as lists; a
+    ``nan``, which saving refuses, as itself), to check before it is written."""
+    return Fields(json.loads(json.dumps(document)), "in-memory plan", "")
+
+
+def _options(f: Fields) -> dict[str, Any]:
+    """What the planner was asked: an object, with the optimizer-state factor that ``bench``
+    trains for (where recorded) a number."""
+    f.keys()
+    if f.has("optimizer_state_factor"):
+        f.float("optimizer_state_factor", 0.0)
+    return f.value
 
 
 def _names(f: Fields) -> list[str]:

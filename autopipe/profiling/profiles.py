@@ -16,7 +16,8 @@ from typing import Any, Callable, TypeVar
 from .._jsonio import digest
 from .._jsonio import Fields, is_finite, read_json, write_json_atomic
 
-__all__ = ["Stat", "LayerProfile", "CopyFit", "ReductionFit", "Profile", "PROFILE_SCHEMA_VERSION", "REDUCTION_ENGINES"]
+__all__ = ["Stat", "LayerProfile", "CopyFit", "ReductionFit", "Profile", "PROFILE_SCHEMA_VERSION", "REDUCTION_ENGINES",
+           "read_model", "read_shape"]
 
 #: where gradients are reduced: between replicas in one process, or by a process group's all_reduce.
 REDUCTION_ENGINES = ("local", "distributed")
@@ -370,15 +371,12 @@ class Profile:
 
     @staticmethod
     def _read(f: Fields) -> Profile:
-        model = f.get("model")
-        model.str("digest")
-        model.get("layers").items()
         f.get("environment").keys()
         profile = Profile(
-            model=model.value,
+            model=read_model(f.get("model")),
             environment=f.get("environment").value,
             devices=f.str_list("devices"),
-            input_shape=f.int_list("input_shape"),
+            input_shape=read_shape(f.get("input_shape")),
             input_dtype=f.str("input_dtype"),
             input_bytes=f.int("input_bytes", 0),
             batch_size=f.int("batch_size", 1),
@@ -389,6 +387,38 @@ class Profile:
         )
         _check_consistent(profile, f)
         return profile
+
+
+def read_model(f: Fields) -> dict[str, Any]:
+    """A model fingerprint as profiles and plans hold it (:func:`~autopipe.model.fingerprint.model_fingerprint`,
+    with the ``spec`` and ``input_shape`` that ``profile`` records), checked field by field: the
+    fingerprint check and ``bench`` read it without checking again."""
+    f.str("digest")
+    for layer in f.get("layers").items():
+        layer.str("name")
+        layer.str("type")
+        for tensor in layer.get("tensors").items():
+            value = tensor.value
+            if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+                    and isinstance(value[2], str)):
+                raise tensor.error(f"expected [name, shape, dtype], found {json.dumps(value)[:60]}")
+            read_shape(Fields(value[1], f.source, parent=tensor, key=1), least=0)
+    if f.has("spec"):
+        f.str("spec")
+    if f.has("input_shape"):
+        read_shape(f.get("input_shape"))
+    return f.value
+
+
+def read_shape(f: Fields, least: int = 1) -> list[int]:
+    """A shape: a list of dimensions of at least ``least`` (an empty one for a scalar per
+    sample); torch would refuse anything else far from the file, or take it for another shape."""
+    shape = f.value
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise f.error(f"expected a shape (a list of integers), found {json.dumps(shape)[:60]}")
+    if any(d < least for d in shape):
+        raise f.error(f"expected dimensions of at least {least}, found {shape}")
+    return shape
 
 
 def _batch_size_list(f: Fields) -> list[int]:
@@ -405,11 +435,12 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
         raise f.error(f"{len(profile.layers)} layers but the model fingerprint lists "
                       f"{len(profile.model['layers'])}", "layers")
     for index, layer in enumerate(profile.layers):
-        for table in ("forward", "backward", "saved_bytes"):
+        for table in ("forward", "backward", "saved_bytes", "workspace_bytes"):
             sizes = sorted(getattr(layer, table))
-            if sizes != sorted(profile.batch_sizes):
-                raise f.error(f"has sizes {sizes}, expected the profile's batch_sizes "
-                              f"{sorted(profile.batch_sizes)}", f"layers[{index}].{table}")
+            # the workspace may be absent (a profile made before it was measured: estimated), never partial
+            if sizes != profile.batch_sizes and (sizes or table != "workspace_bytes"):
+                raise f.error(f"has sizes {sizes}, expected the profile's batch_sizes {profile.batch_sizes}"
+                              + (" (or none)" if table == "workspace_bytes" else ""), f"layers[{index}].{table}")
         if sorted(layer.stash_bytes) != sorted(layer.stash):
             raise f.error(f"has names {sorted(layer.stash_bytes)}, expected the layer's stash "
                           f"{sorted(layer.stash)}", f"layers[{index}].stash_bytes")
