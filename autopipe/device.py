@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from typing import ContextManager, Iterator, Sequence
+from typing import ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from ._vocab import check_device_name
 from ._checks import check_device_list
 from .errors import DeviceError
 
-__all__ = ["DeviceOps", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
+__all__ = ["DeviceOps", "check_not_meta", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
 
 
 class Timer(ABC):
@@ -183,13 +183,23 @@ class MetaOps(CPUOps):
     """The ``meta`` device: shapes without data, used in tests to catch misrouted tensors.
 
     A meta tensor has no values to copy out, so a copy to another device is zeros of its
-    shape there: devices and shapes stay checkable end to end, values do not.
+    shape there: devices and shapes stay checkable end to end, values do not.  That is for
+    messages between stages; a caller's meta tensor bound for a device with data is refused
+    before (:func:`check_not_meta`), as the plain model refuses it.
     """
 
     def copy_to(self, tensor: Tensor, target: DeviceOps, stream: object | None) -> Tensor:
         if tensor.is_meta and target.device.type != "meta":
             return torch.zeros(tensor.shape, dtype=tensor.dtype, device=target.device)
         return super().copy_to(tensor, target, stream)
+
+
+def check_not_meta(tensors: Iterable[Tensor], device: torch.device, what: str) -> None:
+    """Refuse ``what`` (the caller's tensors) if one is a meta tensor bound for ``device`` with
+    data: it holds no values, and :class:`MetaOps` would copy it there as zeros."""
+    if device.type != "meta" and any(t.is_meta for t in tensors):
+        raise DeviceError(f"{what} is a meta tensor (a shape without values) but goes to a stage on {device}, "
+                          "which computes on values; give it as a real tensor (the plain model refuses it too)")
 
 
 def ops_for(device: torch.device | str) -> DeviceOps:

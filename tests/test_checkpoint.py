@@ -10,7 +10,7 @@ from torch.nn.utils import parametrizations, spectral_norm
 
 import autopipe
 from autopipe.runtime.checkpoint import RandomGuard
-from helpers import assert_training_matches
+from helpers import assert_step_matches, assert_training_matches
 from models import Regain
 
 
@@ -181,3 +181,26 @@ def test_a_module_added_between_a_forward_and_its_backward_is_refused() -> None:
     parametrizations.spectral_norm(model[2])
     with pytest.raises(RuntimeError, match="added or removed between this step's forward and its backward"):
         out.sum().backward()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("written", ["all", "another micro-batch's rows"])
+def test_an_input_written_between_a_forward_and_its_backward_is_refused(checkpoint: str, written: str) -> None:
+    """A checkpointed micro-batch recomputes from its inputs, which are the caller's batch: the
+    plain model (and ``torch.utils.checkpoint``) refuses a write into it before the backward,
+    where the pipeline gave the gradients of the written batch.  Rows of one micro-batch are a
+    view of the batch, so a write into any of its rows counts, as in the plain model."""
+    model = two_tanh_layers()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    x = torch.randn(4, 4, dtype=torch.double)
+    for m in (reference, pipe):
+        out = m(x)
+        with torch.no_grad():
+            (x if written == "all" else x[2:]).add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    for m in (reference, pipe):
+        m.zero_grad(set_to_none=True)  # what both backwards added before they failed
+    assert_step_matches(pipe, reference, x, chunks=2)

@@ -61,3 +61,12 @@ def test_join_outputs_refuses_a_dim_0_that_is_not_the_micro_batch_only_when_join
     with pytest.raises(ValueError, match=r"output \['state'\] has shape \(3, 2\) in a micro-batch of 2 samples"):
         join_outputs([{"state": torch.ones(3, 2)}, {"state": torch.ones(3, 1)}], [2, 1])
     assert join_outputs([torch.ones(5)], [2]).shape == (5,)  # one micro-batch: nothing joined
+
+
+def test_join_outputs_names_an_item_that_cannot_be_joined() -> None:
+    """A value that is neither a tensor nor a plain value alike in every micro-batch has no batch
+    value; the error names where it is and what may stand there."""
+    with pytest.raises(TypeError, match=r"output \[1\]\['n'\] is int \(3, 2 in its micro-batches\).*tensors"):
+        join_outputs([(torch.zeros(3), {"n": 3}), (torch.zeros(2), {"n": 2})], [3, 2])
+    with pytest.raises(TypeError, match=r"output \[0\] is object .* plain values"):
+        join_outputs([(object(),)], [2])

@@ -175,7 +175,7 @@ def test_cli_plan_replicas_compare_and_show(tmp_path, capsys) -> None:
     shown = capsys.readouterr().out
     assert "replica 1: stages on cpu" in shown and "stage 0  reduce" in shown
     assert main(["plan", str(path), "--replicas", "3"]) != 0
-    assert "replicas=3 does not divide the 2 devices" in capsys.readouterr().err
+    assert "--replicas 3 does not divide the 2 devices" in capsys.readouterr().err
     assert main(["plan", str(path), "--replicas", "1", "-o", str(out)]) == 0
     assert Plan.load(out).replicas == 1
 

@@ -270,6 +270,41 @@ def test_copied_replicas_of_a_norm_a_forward_has_run(copies: None, checkpoint: s
     assert_step_matches(pipe, normed(), torch.randn(8, 8), 2, 2)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_copied_replicas_follow_freezing_and_eval_after_building(copies: None, checkpoint: str) -> None:
+    """Replicas on copies: a parameter frozen after building (on the model or through the
+    pipeline) and a dropout put in eval mode reach the copies, as they reach shared modules; the
+    copies kept training (dropout on) and gave the frozen parameter a gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu"] * 4, chunks=2, checkpoint=checkpoint,
+                             replicas=2)
+    for module in (model, reference):
+        module[2].eval()
+        module[0].weight.requires_grad_(False)
+    pipe[3].bias.requires_grad_(False)
+    reference[3].bias.requires_grad_(False)
+    for step in range(2):  # the second unfreezes the weight
+        x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out = pipe(x)
+        g = torch.randn_like(out)
+        expected = reference_step(reference, x_ref, g, 2, 2)
+        (out * g).sum().backward()
+        assert_close(out, expected, f"step {step} output")
+        assert_close(x.grad, x_ref.grad, f"step {step} input gradient")
+        expected_params = dict(reference.named_parameters())
+        for name, param in pipe.named_parameters():
+            if expected_params[name].grad is None:
+                assert param.grad is None, f"step {step}: {name} is frozen but has a gradient"
+            else:
+                assert_close(param.grad, expected_params[name].grad, f"step {step} {name}.grad")
+        for module in (model, reference):
+            module[0].weight.requires_grad_(True)
+            module.zero_grad()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_replicas_equal_the_plain_model() -> None:

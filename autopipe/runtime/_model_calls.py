@@ -12,13 +12,13 @@ micro-batch (with one, nothing is joined and it comes back as the model returned
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 from torch import Tensor, nn
 
 from ..model import CapturedLayer
-from .microbatch import Value, gather
+from .microbatch import Value, gather, items_of, rebuilt
 
 __all__: list[str] = []
 
@@ -28,23 +28,78 @@ def model_output(last: nn.Module, output: Value) -> Any:
     return last.structure(output) if isinstance(last, CapturedLayer) else output
 
 
+#: Plain values an output may hold, joined when every micro-batch's is equal.
+_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
 def join_outputs(outputs: Sequence[Value], sizes: Sequence[int], where: str = "") -> Value:
     """Micro-batch outputs joined: tensors concatenated along dim 0, scalars averaged by size,
-    through tuples, lists (joined as tuples) and dicts (joined key by key, as plain dicts).
+    item by item through tuples, lists, dicts (as plain dicts), namedtuples and dataclasses, each
+    of its own type.
 
-    ``where`` is the position inside the output (``[1]['hidden']``), for the error naming an
-    output that is not batch-first.
+    ``where`` is the position inside the output (``[1]['hidden']``), for the errors naming an
+    output that is not batch-first or not alike in every micro-batch.
     """
     first = outputs[0]
-    if isinstance(first, (tuple, list)):
-        return tuple(join_outputs([out[i] for out in outputs], sizes, f"{where}[{i}]") for i in range(len(first)))
-    if isinstance(first, dict):
-        return {key: join_outputs([out[key] for out in outputs], sizes, f"{where}[{key!r}]") for key in first}
+    items = items_of(first)
+    if items is not None:
+        parts = _alike(outputs, where)
+        return rebuilt(first, {key: join_outputs([part[key] for part in parts], sizes, f"{where}[{key!r}]")
+                               for key, _ in items})
     if isinstance(first, Tensor) and first.dim() == 0:
         return sum(out * size for out, size in zip(outputs, sizes)) / sum(sizes)
+    if isinstance(first, _CONSTANTS) and all(type(out) is type(first) and out == first for out in outputs):
+        return first  # a plain value every micro-batch returned alike (None, a flag, a scale): the model's
+    if not isinstance(first, Tensor):
+        _refuse_unjoinable(outputs, where)
     if len(outputs) > 1:  # one micro-batch joins nothing, so any dim 0 comes back as it is
         _check_batch_first(outputs, sizes, where)
     return gather(outputs)
+
+
+def _alike(outputs: Sequence[Value], where: str) -> list[dict[Hashable, Value]]:
+    """Each micro-batch's output container as its items by key, refused unless all have the
+    first's type and keys: joined by key, a key only some have would be dropped, and the
+    gradients of the rest paired with other outputs."""
+    first = outputs[0]
+    keys = {key for key, _ in items_of(first) or ()}
+    parts = []
+    for j, out in enumerate(outputs):
+        items = items_of(out) if type(out) is type(first) else None
+        if items is None or {key for key, _ in items} != keys:
+            name = f"output {where}" if where else "output"
+            raise ValueError(
+                f"the pipeline's {name} is {_layout(first)} in micro-batch 0 but {_layout(out)} in micro-batch "
+                f"{j}; a pipeline joins its micro-batches' outputs item by item, so each must hold the same "
+                "items: return the same keys (or length) whatever the input (e.g. zeros where there is nothing), "
+                "or run the pipeline with chunks=1")
+        parts.append(dict(items))
+    return parts
+
+
+def _layout(value: Value) -> str:
+    """A container's type and keys (or length), for an error."""
+    items = items_of(value)
+    if items is None:
+        return f"a {type(value).__name__}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(items)}"
+    return f"a {type(value).__name__} with keys {[key for key, _ in items]}"
+
+
+def _refuse_unjoinable(outputs: Sequence[Value], where: str) -> None:
+    """Refuse an output item that is neither a tensor nor a plain value alike in every micro-batch:
+    there is no batch's value to make of the micro-batches' (a string, an object, a count that
+    differs), so the error names the item and what may stand there."""
+    name = f"output {where}" if where else "output"
+    kinds = sorted({type(out).__name__ for out in outputs})
+    raise TypeError(
+        f"the pipeline's {name} is {' or '.join(kinds)} ({', '.join(repr(out)[:40] for out in outputs[:3])}"
+        f"{', ...' if len(outputs) > 3 else ''} in its micro-batches), which cannot be joined into the batch's: "
+        "the last stage may return tensors (concatenated along dim 0, scalars averaged), plain values "
+        f"({', '.join(t.__name__ for t in _CONSTANTS[1:])} or None) equal in every micro-batch, and tuples, "
+        "lists, dicts, namedtuples and dataclasses of them; return other values from outside the pipeline"
+    )
 
 
 def _check_batch_first(outputs: Sequence[Value], sizes: Sequence[int], where: str) -> None:

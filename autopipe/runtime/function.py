@@ -84,6 +84,12 @@ class PipelineTie(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: a graph of this backward is asked for
+            raise RuntimeError(
+                "double backward through a pipeline is not supported (create_graph=True): the stages "
+                "differentiate on their own threads and their gradients come back without a graph, so "
+                "what is built on them (a gradient penalty) would lose its second-order terms; compute "
+                "that term with the plain model, or backward without create_graph=True")
         replicas: Replicas = ctx.replicas
         runs = replicas.runs
         if any(run.output_grads for run in runs):

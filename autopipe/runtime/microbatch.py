@@ -1,7 +1,7 @@
 """Micro-batches: split a call's arguments along dim 0, and join the outputs back.
 
 A pipeline call ``pipe(*args)`` becomes ``m`` calls ``first_layer(*args_j)``: every tensor
-argument (also inside tuple, list and dict arguments, a dict split by key) is split with
+argument (also inside tuple, list, dict and dataclass arguments, a dict split by key) is split with
 :func:`torch.tensor_split`, so micro-batch sizes differ by at most one (the first ``batch % m``
 are one sample larger, the planner's rule); non-tensor arguments are passed to every micro-batch
 unchanged.  A batch of ``n < m`` samples yields ``n`` micro-batches of one sample each (never an
@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..model._tensors import Value, map_tensors, tensors_of
+from ..model._tensors import Value, items_of, map_tensors, rebuilt, tensors_of
 
-__all__ = ["scatter", "gather", "split_sizes", "map_tensors", "tensors_of", "Value"]
+__all__ = ["scatter", "gather", "split_sizes", "items_of", "map_tensors", "rebuilt", "tensors_of", "Value"]
 
 
 def split_sizes(batch: int, chunks: int) -> list[int]:
@@ -27,7 +27,7 @@ def split_sizes(batch: int, chunks: int) -> list[int]:
 
 
 def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
-    """``args`` as micro-batches: tensors (also inside tuples, lists and dicts) split along dim 0,
+    """``args`` as micro-batches: tensors (also inside tuples, lists, dicts and dataclasses) split along dim 0,
     other values repeated."""
     tensors = tensors_of(args)
     if not tensors:
@@ -45,13 +45,15 @@ def scatter(args: tuple[Any, ...], chunks: int) -> list[tuple[Any, ...]]:
 
 
 def gather(outputs: Sequence[Value]) -> Value:
-    """Concatenate micro-batch outputs (a tensor or a tuple of tensors each) along dim 0."""
+    """Concatenate micro-batch outputs (a tensor or a tuple of tensors each, a namedtuple kept)
+    along dim 0; :func:`~autopipe.runtime._model_calls.join_outputs` joins nested ones."""
     first = outputs[0]
     if isinstance(first, Tensor):
         return torch.cat(list(outputs))
     if isinstance(first, (tuple, list)) and all(isinstance(v, Tensor) for v in first):
-        return tuple(torch.cat([out[i] for out in outputs]) for i in range(len(first)))
+        return rebuilt(first, {i: torch.cat([out[i] for out in outputs]) for i in range(len(first))})
     raise TypeError(
         f"the last stage returned {type(first).__name__}; a pipeline's output must be a tensor or "
-        "a tuple of tensors so that micro-batches can be concatenated"
+        "a tuple of tensors (or lists, dicts, namedtuples and dataclasses of them) so that "
+        "micro-batches can be concatenated"
     )

@@ -14,6 +14,7 @@ values are the model's own, so checkpoints load both ways.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -24,7 +25,7 @@ from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .._checks import check_choice, is_positive_int, loaded, positive_int
 from .batchnorm import DeferredBatchNorm, subclassed
 from ..errors import ChainError, DeviceError, OptionError
-from ..device import resolve_devices
+from ..device import check_not_meta, resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
 from ..model.capture import CapturedLayer, autocast_state
@@ -96,11 +97,15 @@ class Pipeline(nn.Module):
     * Under ``torch.no_grad()`` only the forward runs and nothing is kept.  In ``eval()``
       layers behave as in eval and nothing is checkpointed, but gradients still flow.
     * Each call's state lives in its own run: several forwards may precede their backwards,
-      and a forward whose output is dropped frees its state with the output.
+      and a forward whose output is dropped frees its state with the output.  Calls from
+      several threads may overlap: every worker takes their phases in one order.
+    * A checkpointed micro-batch recomputes from the caller's batch: a write into it between
+      the forward and the backward is refused as autograd refuses it (``modified by an inplace
+      operation``).  A meta tensor (no values) given for a stage with data is refused.
     * A stage's failure, forward or backward, stops the other stages after their current
       micro-batch and reaches the caller as the layer's own exception, with a note naming the
-      stage, phase and micro-batch (``KeyboardInterrupt`` and ``SystemExit`` unchanged); the
-      workers live on, so the pipeline stays usable.
+      stage (and replica), phase and micro-batch (``KeyboardInterrupt`` and ``SystemExit``
+      unchanged); the workers live on, so the pipeline stays usable.
     * A module instance called at several positions (``nn.Sequential(a, act, b, act)``) runs
       at each, sharing its parameters; refused are shared parameters on two devices and shared
       buffers (batch norm statistics) on two stages.
@@ -132,8 +137,9 @@ class Pipeline(nn.Module):
 
     Each stage runs its own backward, so parameters receive their gradients in ``.grad`` (as
     with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
-    parameters, ``create_graph=True`` and a second backward through the same output are not
-    supported (gradients with respect to the inputs are).
+    parameters is not supported (they are not in the caller's graph, so they get no gradient,
+    without an error; gradients with respect to the inputs work), and ``create_graph=True`` (a
+    gradient penalty) and a second backward through the same output are refused.
 
     Args:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
@@ -210,8 +216,8 @@ class Pipeline(nn.Module):
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
         chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
-        self._engines = [Engine(_build_stages(chain, self.balance, group, turns), schedule)
-                         for chain, group in zip(chains, groups)]
+        self._engines = [Engine(_build_stages(chain, self.balance, group, turns, r if replicas > 1 else None), schedule)
+                         for r, (chain, group) in enumerate(zip(chains, groups))]
         self._copies = None if shared or replicas == 1 else Copies(chains[0], chains[1:])
         if replicas > 1:
             pair_stages(self._engines, shared)
@@ -299,27 +305,54 @@ class Pipeline(nn.Module):
 
         Raises:
             Exception: a layer's (or ``loss_fn``'s, on the last stage) own exception, with a note
-                naming the stage, phase and micro-batch.
-            ValueError: ``target`` does not have the inputs' batch size.
+                naming the stage, phase and micro-batch.  A ``.grad`` that was ``None`` before the
+                failed step is ``None`` again; one that held gradients and now holds part of the
+                step's too gets a note saying so.
+            ValueError: ``target`` does not have the inputs' batch size, or the batch is empty
+                with ``reduction="mean"``.
+            TypeError: ``target`` holds no tensor.
+            DeviceError: an input or ``target`` is a meta tensor, for a stage with data.
             OptionError: ``reduction`` is not ``"mean"`` or ``"sum"``.
         """
         check_choice(reduction, "reduction", REDUCTIONS)
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
         replicas = self._replicas(args, True)
         total = sum(replicas.sizes)
-        targets = [None] * len(replicas.runs) if target is None else self._shares((target,))
+        if total == 0 and reduction == "mean":
+            raise ValueError("train_step got a batch of 0 samples, whose mean loss is undefined (the plain model's "
+                             "is NaN); skip empty batches, or give reduction='sum' with a loss_fn that sums")
+        targets = [None] * len(replicas.runs) if target is None else self._shares(self._target(target, total))
         last = self.stages[-1].modules[-1]
 
         def on_model_output(output: Any, micro_target: Any) -> torch.Tensor:
             return loss_fn(model_output(last, output), micro_target)
 
         for run, share_target in zip(replicas.runs, targets):
-            micro_targets = _micro_targets(share_target, self.chunks, run.sizes, total, target)
+            micro_targets = _micro_targets(share_target, self.chunks, run.chunks)
             weights = [n / total if reduction == "mean" else 1.0 for n in run.sizes]
             run.loss = Loss(on_model_output, micro_targets, weights)
-        replicas.run_phase("train")
+        with _restored_on_failure(list(self.parameters())):
+            replicas.run_phase("train")
         losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
+
+    def _target(self, target: Any, batch: int) -> tuple[Any]:
+        """``target`` as the one argument to split like the inputs, refused (naming ``target``)
+        unless it holds tensors with one row per sample on devices with data where it goes."""
+        tensors = tensors_of(target)
+        if not tensors:
+            raise TypeError(f"target is of type {type(target).__name__}, but it is split into micro-batches like the "
+                            "inputs: give a tensor (or a tuple of tensors) with one row per sample (torch.tensor(...) "
+                            "makes one), or None for a model that computes its own loss")
+        for tensor in tensors:
+            if tensor.dim() == 0 or tensor.shape[0] != batch:
+                found = (f"is a scalar tensor but the inputs have batch size {batch}" if tensor.dim() == 0
+                         else f"has batch size {tensor.shape[0]} but the inputs {batch}")
+                raise ValueError(f"target {found}; target is split along dim 0 like the inputs, so give one target "
+                                 "row per sample (a target shared by every sample belongs in loss_fn)")
+        for engine in self._engines:
+            check_not_meta(tensors, engine.stages[-1].device, "target")
+        return (target,)
 
     def _shares(self, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         """``args`` split into the replicas' shares of the batch, as micro-batches are split."""
@@ -327,6 +360,8 @@ class Pipeline(nn.Module):
 
     def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
         """One call's runs: the batch split into replica shares, each into micro-batches."""
+        for engine in self._engines:
+            check_not_meta(tensors_of(args), engine.stages[0].device, "an input of the pipeline")
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
         replays = any(any(run.checkpointed) for run in runs)  # the replicas share generators and buffers
         for run in runs:
@@ -449,17 +484,36 @@ def _linked_slots(module: nn.Module, kind: str) -> _LinkedSlots:
     return slots
 
 
-def _micro_targets(share: tuple[Any, ...] | None, chunks: int, sizes: list[int], total: int,
-                   target: Any) -> list[Any]:
-    """A replica's ``share`` of the target split as its micro-batches (``sizes``), or ``None``
-    for each where there is no target (a model that computes its own loss)."""
+def _micro_targets(share: tuple[Any, ...] | None, chunks: int, count: int) -> list[Any]:
+    """A replica's ``share`` of the target split as its ``count`` micro-batches (as its inputs:
+    :meth:`Pipeline._target` checked the batch sizes), or ``None`` for each where there is no
+    target (a model that computes its own loss)."""
     if share is None:
-        return [None] * len(sizes)
-    micro_targets = [parts[0] for parts in scatter(share, chunks)]
-    if [len(tensors_of(t)[0]) for t in micro_targets] != sizes:
-        raise ValueError(f"target has batch size {len(tensors_of(target)[0])} but the inputs "
-                         f"{total}; give one target row per sample")
-    return micro_targets
+        return [None] * count
+    return [parts[0] for parts in scatter(share, chunks)]
+
+
+@contextlib.contextmanager
+def _restored_on_failure(params: list[nn.Parameter]) -> Iterator[None]:
+    """A failed step's gradients taken back where that is cheap: a ``.grad`` that was ``None``
+    is ``None`` again (1F1B runs backwards before the last forward, which may fail; the plain
+    model's failed forward leaves ``.grad`` alone).  One that held gradients (accumulation) and
+    changed cannot be taken back without a copy per step, so the error says so."""
+    before = [(p, p.grad, None if p.grad is None else p.grad._version) for p in params]
+    try:
+        yield
+    except BaseException as error:
+        changed = False
+        for param, grad, version in before:
+            if grad is None:
+                param.grad = None
+            else:
+                changed = changed or param.grad is not grad or grad._version != version
+        if changed and isinstance(error, Exception):
+            error.add_note("autopipe: .grad held gradients before this failed step and now also holds part of its "
+                           "gradients (of the micro-batches whose backward ran); call optimizer.zero_grad() (or "
+                           "redo the accumulated steps) before the next step")
+        raise
 
 
 def _from_plan(plan: Plan, layers: list[Layer],
@@ -545,8 +599,9 @@ def _check_deferrable(layers: Sequence[Layer], why: str) -> None:
 
 
 def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.device],
-                  turns: TurnRule) -> list[Stage]:
-    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns (taken by rule ``turns``)."""
+                  turns: TurnRule, replica: int | None) -> list[Stage]:
+    """Stage ``s`` on ``devices[s % len(devices)]``, sharing that device's turns (taken by rule ``turns``),
+    of ``replica`` (``None`` without replicas)."""
     routes = stage_routes(skip_spans(layers, stage_of_layer(balance)), len(balance))
     shared = [Turns(turns) for _ in devices]
     stages: list[Stage] = []
@@ -556,6 +611,7 @@ def _build_stages(layers: list[Layer], balance: list[int], devices: list[torch.d
         chunk = layers[start:start + count]
         for layer in chunk:
             layer.module.to(device)
-        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, shared[index % len(devices)]))
+        stages.append(Stage(index, len(balance), chunk, device, routes[index], stages, shared[index % len(devices)],
+                            replica))
         start += count
     return stages

@@ -14,11 +14,12 @@ hook, an attribute) reaches every replica.
 
 Elsewhere (CUDA) a module lives on one device, so replicas ``1..R-1`` run copies
 (:class:`Copies`), as ``torch.nn.parallel`` does: before each forward the first replica's
-parameters and buffers are copied to them, and after the backward their gradients are added
-into the first replica's and cleared (dropped if the backward fails, as the first replica's own
-partial gradient is left for ``zero_grad``; with two calls' backwards under way at once, when the
-last ends).  ``parameters()`` stays the first replica's.  This side
-runs on CPU in the tests (forced); on CUDA it is written and never ran here.
+parameters and buffers are copied to them (with each parameter's ``requires_grad`` and each
+module's train/eval mode; hooks and other attributes are the copies' own), and after the
+backward their gradients are added into the first replica's and cleared (dropped if the
+backward fails, as the first replica's own partial gradient is left for ``zero_grad``; with
+two calls' backwards under way at once, when the last ends).  ``parameters()`` stays the first
+replica's.  This side runs on CPU in the tests (forced); on CUDA it is written and never ran here.
 
 Batch norm: replicas always use :class:`~autopipe.DeferredBatchNorm` (the pipeline converts),
 bracketed here once per call rather than per stage.  Shared, its running statistics are
@@ -39,7 +40,7 @@ import threading
 from typing import TYPE_CHECKING, Sequence, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._vocab import Phase
 from ..device import ops_for
@@ -57,6 +58,12 @@ if TYPE_CHECKING:
 __all__ = ["Copies", "Replicas", "copied_layers", "pair_stages", "shares_parameters"]
 
 _Item = TypeVar("_Item")
+
+#: Held while a phase's jobs go to the workers, so that calls from several threads reach every
+#: worker in one order.  In different orders a worker could run one call's job while another
+#: waits in the other call's for a message the first worker would send only later: a deadlock.
+#: In one order the earliest job not done is every worker's current or next, so it finishes.
+_submitting = threading.Lock()
 
 
 def shares_parameters(devices: Sequence[Sequence[torch.device]]) -> bool:
@@ -109,19 +116,30 @@ class Copies:
         forward may assign a buffer a new tensor)."""
         return [_paired(_slots(self.primary), _slots(layers)) for layers in self.copies]
 
+    @property
+    def modules(self) -> list[list[tuple[nn.Module, nn.Module]]]:
+        """Each copy's modules, paired with the first replica's."""
+        return [_paired(_modules(self.primary), _modules(layers)) for layers in self.copies]
+
     @torch.no_grad()
     def broadcast(self) -> None:
         """Every copy takes the first replica's parameters and buffers, written through
         ``.data``, which autograd does not count: a forward whose backward is still pending (two
         forwards, then their backwards) would fail a counted write.  Its saved values change
         only if the first replica's did, whose own backward then fails as the plain model's.
-        A tensor of another shape or dtype by now is replaced, on the copy's device."""
+        A tensor of another shape or dtype by now is replaced, on the copy's device.  Each
+        parameter's ``requires_grad`` and each module's ``training`` are taken too: a parameter
+        frozen or a module put in eval mode since building is so in every replica."""
         for pairs in self.params:
             for source, target in pairs:
                 if target.shape == source.shape and target.dtype == source.dtype:
                     target.data.copy_(source)
                 else:
                     target.data = source.detach().to(target.device, copy=True)
+                target.requires_grad_(source.requires_grad)
+        for modules in self.modules:
+            for first, module in modules:
+                module.training = first.training
         for slots in self.buffers:
             for source, target in slots:
                 put(target, slot_tensor(source))
@@ -179,14 +197,19 @@ class Copies:
 def _paired(first: list[_Item], copy: list[_Item]) -> list[tuple[_Item, _Item]]:
     """The first replica's items paired with a copy's, which were made alike when it was built."""
     if len(first) != len(copy):
-        raise RuntimeError("parameters or buffers were added to or removed from the model after the pipeline was "
-                           "built, and its replicas run copies of the modules made then (as on CUDA devices): "
-                           "build the pipeline after changing the model")
+        raise RuntimeError("modules, parameters or buffers were added to or removed from the model after the "
+                           "pipeline was built, and its replicas run copies of the modules made then (as on CUDA "
+                           "devices): build the pipeline after changing the model")
     return list(zip(first, copy))
 
 
 def _params(layers: Sequence[Layer]) -> list[Tensor]:
     return [p for layer in layers for p in layer.module.parameters()]
+
+
+def _modules(layers: Sequence[Layer]) -> list[nn.Module]:
+    """Layer by layer, as :func:`_slots`."""
+    return [module for layer in layers for module in layer.module.modules()]
 
 
 def _slots(layers: Sequence[Layer]) -> list[BufferSlot]:
@@ -228,8 +251,9 @@ class Replicas:
                 bn.begin_step()
         if phase != "forward" and self.copies is not None:
             self.copies.begin_backward()
-        for engine, run in self.pairs:
-            engine.start_phase(run, phase)
+        with _submitting:
+            for engine, run in self.pairs:
+                engine.start_phase(run, phase)
 
     def finish_phase(self, phase: Phase) -> None:
         """Wait for every replica; then raise the first failure, if any."""

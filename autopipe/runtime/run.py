@@ -30,6 +30,11 @@ class Aborted(Exception):
     """Raised in a stage's wait when another stage of the same call failed."""
 
 
+def _raised() -> Aborted:
+    """What a run keeps as its error once the error was raised to the caller (:meth:`Run.wait_phase`)."""
+    return Aborted("this call failed; its error was raised to the caller")
+
+
 class Inbox:
     """Messages addressed to one stage, keyed by what they are and their micro-batch."""
 
@@ -102,7 +107,9 @@ class Saved:
     ``leaving`` the results with their autograd graph, or ``None`` for a checkpointed
     micro-batch, whose backward recomputes them replaying ``rng`` on ``buffers`` (copies of
     the stage's buffers as the forward found them) in ``modes`` (its modules' ``training``
-    flags at the forward, which the recomputation must find again).
+    flags at the forward, which the recomputation must find again) from the received leaves
+    at ``versions`` (their version counters at the forward: a leaf may be the caller's batch,
+    which the caller may write into before the backward).
     """
 
     args: tuple[Any, ...]
@@ -112,6 +119,7 @@ class Saved:
     rng: RngStates | None = None
     buffers: list[Tensor] | None = None
     modes: tuple[bool, ...] | None = None
+    versions: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,15 +207,21 @@ class Run:
         """Block until every stage finished the phase; re-raise the first failure.
 
         An interrupt of the wait itself (``KeyboardInterrupt``) fails the call, so the stages
-        stop after their current micro-batch, and is raised once they have."""
+        stop after their current micro-batch, and is raised once they have.  The run then
+        keeps only that it failed, not the error: raised, its traceback takes in the caller's
+        frames, which hold the run through the output's autograd graph, a cycle through C++
+        that the garbage collector cannot see (it kept a dropped pipeline and its threads alive)."""
         try:
             self._wait_stages()
         except BaseException as interrupt:
             self.fail(interrupt)
             self._wait_stages()
+            self.error = _raised()
             raise
-        if self.error is not None:
-            raise self.error
+        error = self.error
+        if error is not None:
+            self.error = _raised()
+            raise error
 
     def _wait_stages(self) -> None:
         with self._done:

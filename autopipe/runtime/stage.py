@@ -51,10 +51,11 @@ Message = tuple[Value, list[bool]]
 
 
 class Stage:
-    """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``."""
+    """Layers ``[start, stop)`` of the chain on ``device``; stage ``index`` of ``count``, of
+    ``replica`` where there are several (its errors name it), else ``None``."""
 
     def __init__(self, index: int, count: int, layers: Sequence[Layer], device: torch.device,
-                 routes: SkipRoutes, neighbours: Sequence[Stage], turns: Turns) -> None:
+                 routes: SkipRoutes, neighbours: Sequence[Stage], turns: Turns, replica: int | None = None) -> None:
         self.index, self.count = index, count
         self.turns = turns  # shared with the other stages on this device
         self.layers = list(layers)
@@ -70,7 +71,8 @@ class Stage:
         self.replay_lock: threading.Lock | None = None
         # False when the caller brackets the deferred batch norms' steps (replicas share them)
         self.brackets_batch_norm = True
-        self.name = f"stage {index} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
+        of_replica = "" if replica is None else f" of replica {replica}"
+        self.name = f"stage {index}{of_replica} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
 
     # The modules and buffers are read at each use: the caller may add some to the layers after
@@ -151,7 +153,8 @@ class Stage:
             run.events.append(Event(self.index, "compute", "F", j, begin, run.ms()))
         self._send_forward(run, j, output, leaving, checkpointed, args, skips, watch)
         if run.grad_enabled:
-            saved = Saved(args, skips, rng=rng, buffers=kept, modes=self._modes() if checkpointed else None)
+            saved = Saved(args, skips, rng=rng, buffers=kept, modes=self._modes() if checkpointed else None,
+                          versions=_versions((args, skips)) if checkpointed else None)
             if not checkpointed:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
@@ -180,7 +183,7 @@ class Stage:
     def _compute(self, run: Run, j: int, args: tuple[Any, ...], skips: dict[SkipKey, Value], wrap: bool, keep: bool,
                  marks: dict[Hashable, Marks] | None = None) -> tuple[Value, dict[SkipKey, Value], Watch]:
         """Run the layers on micro-batch ``j``'s ``args`` under the caller's autocast (the last
-        stage then the loss, in ``train_step``); ``wrap`` puts grad-requiring leaves behind a
+        stage then the loss, under it too, in ``train_step``); ``wrap`` puts grad-requiring leaves behind a
         Boundary; ``keep`` leaves ``args`` and ``skips`` as they are even if the first layer
         writes into its input (:mod:`~autopipe.runtime.inplace`).  The received tensors that
         ``marks`` marks are watched: the layers must not write into them
@@ -192,8 +195,7 @@ class Stage:
             if wrap:
                 args, skips = map_tensors((args, skips), _boundary)
             tracker = StageTracker(skips, self.routes.leaving)
-            for kind, dtype in run.autocast:
-                stack.enter_context(torch.autocast(kind, dtype))
+            stack.enter_context(_autocast(run))
             stack.enter_context(use_skip_tracker(tracker))
             marks = marks or {}
             watch = Watch([("their input", args, marks.get(("x", j), {}))]
@@ -224,7 +226,8 @@ class Stage:
         """Micro-batch ``j``'s weighted loss (``train_step``)."""
         assert run.loss is not None
         target = map_tensors(run.loss.targets[j], lambda t: self._pull(run, j, t, "C"))
-        loss = run.loss.fn(output, target)
+        with _autocast(run):  # as loss_fn(model(x), y) runs in the caller's context
+            loss = run.loss.fn(output, target)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a tensor of one element (a mean over the micro-batch), "
                             f"got {type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}")
@@ -332,11 +335,27 @@ class Stage:
         return tuple(m.training for m in self.submodules)
 
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
+        self._check_inputs_unchanged(j, saved)
         with torch.enable_grad(), self.random.replay(saved.rng):
             # keep: a received tensor may be the sender's own saved input (a stage that passes its
             # input on, as output or skip), which the sender's recomputation reads after this one
             output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=True)
             return output, leaving
+
+    def _check_inputs_unchanged(self, j: int, saved: Saved) -> None:
+        """Refuse to recompute micro-batch ``j`` from inputs written in place since its forward
+        (``y = pipe(x); x.add_(1); y.sum().backward()``): it would give the gradients of other
+        inputs, where the plain model (and ``torch.utils.checkpoint``) raises autograd's error."""
+        assert saved.versions is not None
+        for i, (then, now) in enumerate(zip(saved.versions, _versions((saved.args, saved.skips)))):
+            if now != then:
+                which = (f"the pipeline's input tensor {i}" if self.index == 0 and i < len(tensors_of(saved.args))
+                         else f"tensor {i} received by {self.name}")
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {which} (in micro-batch {j}) is at version {now}, but was at version {then} when "
+                    "its forward ran; this checkpointed micro-batch recomputes its forward from it in backward. "
+                    "Write into a copy (x = x.clone()) or after backward(), or use checkpoint='never'")
 
     def _as_at_forward(self, saved: Saved) -> contextlib.AbstractContextManager[None]:
         """A checkpointed micro-batch's recomputation and backward see the buffers as its forward
@@ -417,10 +436,23 @@ class Stage:
         return self.turns.hold(self.turns.rank(self.index, kind))
 
 
+def _versions(value: Value) -> list[int]:
+    """The version counter of each tensor in ``value`` (autograd's count of in-place writes)."""
+    return [t._version for t in tensors_of(value)]
+
+
 def _leaves(value: Value, flags: list[bool]) -> Value:
     """``value``'s tensors as fresh leaves, requiring grad per ``flags``."""
     needs = iter(flags)
     return map_tensors(value, lambda t: t.detach().requires_grad_(next(needs)))
+
+
+def _autocast(run: Run) -> contextlib.ExitStack:
+    """The caller's autocast (autocast is per thread), entered on this worker's."""
+    stack = contextlib.ExitStack()
+    for kind, dtype in run.autocast:
+        stack.enter_context(torch.autocast(kind, dtype))
+    return stack
 
 
 def _boundary(tensor: Tensor) -> Tensor:

@@ -50,17 +50,24 @@ class Worker:
 
 
 def _serve(stage: Stage, jobs: queue.SimpleQueue[_Job | None]) -> None:
-    # Takes the stage, never the pipeline, so that a dropped pipeline can be collected.
+    # Takes the stage, never the pipeline, so that a dropped pipeline can be collected; for the
+    # same reason nothing of a job outlives it while the thread waits for the next: a failed
+    # run holds its error, whose traceback holds the caller's frames (the pipeline's forward).
     while (job := jobs.get()) is not None:
-        run, actions = job
-        try:
-            if torch.get_num_threads() != run.threads:
-                torch.set_num_threads(run.threads)
-            with run.meter.track(stage) if run.meter is not None else contextlib.nullcontext():
-                stage.execute(run, actions)
-        except Aborted:
-            pass
-        except BaseException as error:  # reported to the caller, the worker lives on
-            run.fail(error)
-        finally:
-            run.stage_done()
+        _execute(stage, *job)
+        job = None
+
+
+def _execute(stage: Stage, run: Run, actions: list[Action]) -> None:
+    """One job: ``stage`` runs ``actions`` of ``run``; a failure is the run's, not the worker's."""
+    try:
+        if torch.get_num_threads() != run.threads:
+            torch.set_num_threads(run.threads)
+        with run.meter.track(stage) if run.meter is not None else contextlib.nullcontext():
+            stage.execute(run, actions)
+    except Aborted:
+        pass
+    except BaseException as error:  # reported to the caller, the worker lives on
+        run.fail(error)
+    finally:
+        run.stage_done()
