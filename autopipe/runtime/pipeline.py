@@ -524,8 +524,7 @@ def _from_plan(plan: Plan, layers: list[Layer],
                         "chunks, checkpoint, interleave, replicas, schedule and turns; to change one, plan again "
                         "with it (autopipe.plan(..., chunks=8)) or give all of them without a plan")
     check_made_for(plan.model, layers, "plan", "plan this model again")
-    devices_used = [name for group in plan.replica_devices for name in group[: plan.device_count]]
-    return (plan.balance, devices_used, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas,
+    return (plan.balance, plan.used_devices, plan.chunks, plan.checkpoint, plan.interleave, plan.replicas,
             plan.schedule)
 
 
