@@ -143,6 +143,10 @@ def test_missing_file(tmp_path: Path) -> None:
     (lambda d: d["model"]["layers"][0]["tensors"].__setitem__(0, ["weight", 4, "float32"]),
      "model.layers[0].tensors[0][1]", "expected a shape"),
     (lambda d: d["model"].update(spec=5), "model.spec", "expected a string"),
+    (lambda d: d["layers"][0].update(stash_params=["half"]), "layers[0].stash_params", "not in the layer's stash"),
+    (lambda d: d["layers"][0].update(grad_param_bytes=10 ** 6), "layers[0].grad_param_bytes",
+     "more than the layer's param_bytes"),
+    (lambda d: d["layers"][0].update(grad_param_bytes=-1), "layers[0].grad_param_bytes", "at least 0"),
 ])
 def test_bad_field_is_named(saved_file: Path, change: Callable[[dict[str, Any]], None], field: str,
                             problem: str) -> None:
@@ -181,3 +185,19 @@ def test_a_profile_without_workspaces_is_read_and_its_empty_shape_kept(measured:
 
     loaded = Profile.load(edit(saved_file, older))
     assert all(layer.workspace_bytes == {} for layer in loaded.layers) and loaded.input_shape == []
+
+
+def test_a_profile_without_trainable_bytes_or_stashed_parameters_reads_as_before(measured: Profile,
+                                                                                 saved_file: Path) -> None:
+    """Profiles made before ``grad_param_bytes`` and ``stash_params`` were recorded charge
+    gradients for every parameter and every skip as a new tensor: the old behaviour."""
+    assert [layer.grad_param_bytes for layer in measured.layers] == [layer.param_bytes for layer in measured.layers]
+
+    def older(document: dict[str, Any]) -> None:
+        for layer in document["layers"]:
+            layer.pop("grad_param_bytes")
+            assert "stash_params" not in layer  # written only when a skip is a parameter
+
+    loaded = Profile.load(edit(saved_file, older))
+    assert all(layer.grad_param_bytes is None and layer.stash_params == [] for layer in loaded.layers)
+    assert [layer.trainable_bytes for layer in loaded.layers] == [layer.param_bytes for layer in loaded.layers]

@@ -154,6 +154,7 @@ class SizeCosts:
     backward: np.ndarray
     saved: np.ndarray
     params: np.ndarray
+    grads: np.ndarray  # the parameters that get gradients (and optimizer state)
     buffers: np.ndarray
     input_bytes: np.ndarray  # per layer: its main input at b
     output_bytes: np.ndarray  # per layer: its output at b
@@ -238,10 +239,11 @@ class CostModel:
         for index, layer in enumerate(layers):
             if not layer.workspace_bytes:
                 workspace[index] = estimated_workspace(layer, inputs[index])
-        params = _prefix([layer.param_bytes for layer in layers])
-        tables = BackwardTables.build(_prefix(saved), params, workspace, outputs, output_saved_flags(layers),
+        grads = _prefix([layer.trainable_bytes for layer in layers])
+        tables = BackwardTables.build(_prefix(saved), grads, workspace, outputs, output_saved_flags(layers),
                                       [bool(layer.aliases_input) for layer in layers], self.own_copies)
-        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), params,
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved),
+                         _prefix([layer.param_bytes for layer in layers]), grads,
                          _prefix([layer.buffer_bytes for layer in layers]), inputs, outputs,
                          np.asarray([s.bytes_per_sample * b + s.fixed_bytes for s in self.chain.skips], dtype=float),
                          tables)
@@ -261,14 +263,36 @@ class CostModel:
 
     def held_bytes(self, costs: SizeCosts, start: Any, stop: Any) -> Any:
         """Bytes per micro-batch of the skips stage ``[start, stop)`` sends on or receives, and
-        when relayed also passes along (either bound may be an index array)."""
+        when relayed also passes along (either bound may be an index array).
+
+        A skip that is the stashing layer's own parameter (a tied head's weight) is that
+        parameter where it is made, counted with the parameters.  A receiver with memory of its
+        own holds a copy per micro-batch until that micro-batch's backward (the runtime's saved
+        skips); on CPU it is the same tensor, no new bytes.  Its gradients,
+        made by the receiver, wait for the sender's backward in the sender's inbox: the
+        receiver's memory on CPU, a copy on the sender's device otherwise.  No backpressure
+        bounds how many (only neighbours' input gradients are; a consumer stages away runs
+        further ahead): one per micro-batch in flight, a bound (one to two of four measured
+        on CPU, varying run to run)."""
         held = np.zeros(np.broadcast(start, stop).shape)
         for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
             sends = (start <= skip.stash) & (skip.stash < stop) & (stop <= skip.pop)
             receives = (skip.stash < start) & (start <= skip.pop) & (skip.pop < stop)
             passes = (skip.stash < start) & (stop <= skip.pop) & self.relayed
-            held = held + nbytes * (sends | receives | passes)
+            copied = receives | passes
+            held = held + nbytes * (copied | (sends & self.own_copies) if skip.param else sends | copied)
         return held
+
+    def inner_bytes(self, costs: SizeCosts, start: Any, stop: Any) -> Any:
+        """Bytes per micro-batch of the skips stashed and popped inside stage ``[start, stop)``
+        (either bound may be an index array): no layer's saved bytes count them (a pop layer's
+        leave popped tensors out), though the pop layer may save one for its backward.  A
+        parameter stashed is the parameter itself: nothing."""
+        inner = np.zeros(np.broadcast(start, stop).shape)
+        for skip, nbytes in zip(self.chain.skips, costs.skip_bytes):
+            if not skip.param:
+                inner = inner + nbytes * ((start <= skip.stash) & (skip.pop < stop))
+        return inner
 
     def memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                skip_bytes: Any) -> Any:
@@ -284,7 +308,8 @@ class CostModel:
         first = np.asarray(start) == 0
         inputs = costs.input_bytes[start]
         return stage_memory(
-            params=costs.sum(costs.params, start, stop), buffers=costs.sum(costs.buffers, start, stop),
+            params=costs.sum(costs.params, start, stop), grads=costs.sum(costs.grads, start, stop),
+            buffers=costs.sum(costs.buffers, start, stop), inner_skips=self.inner_bytes(costs, start, stop),
             saved=costs.sum(costs.saved, start, stop), output=costs.output_bytes[np.asarray(stop) - 1],
             output_saved=1.0 * (costs.backward_peaks.extra[stop] == 0), input_bytes=inputs, first=first,
             skips=skip_bytes, in_flight=chunks if held is None else held,
@@ -304,7 +329,8 @@ class CostModel:
                                   refilled)
         extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
         if np.any(extra):
-            terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop))
+            terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop),
+                            skips=terms.skips + extra * self.inner_bytes(costs, start, stop))
         return terms
 
     def schedule_memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,

@@ -25,6 +25,7 @@ class Skip:
     pop: int
     bytes_per_sample: int
     fixed_bytes: int = 0  # per micro-batch, whatever its size (a weight stashed for a tied head)
+    param: bool = False  # the stashing layer's own parameter or buffer: no new memory where it is made
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Chain:
 
 def build_graph(profile: Profile) -> nx.MultiDiGraph:
     """The chain as a DiGraph; raises ``ValueError`` naming a skip that is not stashed once
-    and then popped once by a later layer."""
+    and then popped once by a later layer.  A name a layer both stashes and pops with no earlier
+    stash of it open is paired inside that layer (a nested block's own skip): no edge."""
     graph = nx.MultiDiGraph()
     for index, layer in enumerate(profile.layers):
         graph.add_node(index, name=layer.name, profile=layer)
@@ -50,20 +52,24 @@ def build_graph(profile: Profile) -> nx.MultiDiGraph:
         graph.add_edge(index, index + 1, kind="main", name=f"{layer.name}:out", bytes=layer.output_bytes)
     stashed: dict[str, int] = {}
     for index, layer in enumerate(profile.layers):
-        for name in layer.stash:
-            if name in stashed:
-                raise ValueError(f"skip '{name}' is stashed by layers {stashed[name]} and {index}; "
-                                 "give each stash its own name (or a Namespace)")
-            stashed[name] = index
-    for index, layer in enumerate(profile.layers):
+        inside = set(layer.stash) & set(layer.pop) - set(stashed)
         for name in layer.pop:
+            if name in inside:
+                continue
             source = stashed.pop(name, None)
             if source is None or source >= index:
                 raise ValueError(f"skip '{name}' is popped by layer {index} ({layer.name}) but not "
                                  "stashed by an earlier layer (or popped twice); fix the skippable layers")
-            size = profile.layers[source].stash_bytes.get(name, 0)
-            fixed = profile.layers[source].stash_fixed_bytes.get(name, 0)
-            graph.add_edge(source, index, kind="skip", name=name, bytes=size, fixed_bytes=fixed)
+            stasher = profile.layers[source]
+            graph.add_edge(source, index, kind="skip", name=name, bytes=stasher.stash_bytes.get(name, 0),
+                           fixed_bytes=stasher.stash_fixed_bytes.get(name, 0), param=name in stasher.stash_params)
+        for name in layer.stash:
+            if name in inside:
+                continue
+            if name in stashed:
+                raise ValueError(f"skip '{name}' is stashed by layers {stashed[name]} and {index}; "
+                                 "give each stash its own name (or a Namespace)")
+            stashed[name] = index
     if stashed:
         raise ValueError(f"skips {sorted(stashed)} are stashed but never popped; pop them or remove the stash")
     return graph
@@ -78,6 +84,7 @@ def chain_of(graph: nx.MultiDiGraph) -> Chain:
         if data["kind"] == "main":
             output[source] = int(data["bytes"])
         else:
-            skips.append(Skip(data["name"], source, target, int(data["bytes"]), int(data.get("fixed_bytes", 0))))
+            skips.append(Skip(data["name"], source, target, int(data["bytes"]), int(data.get("fixed_bytes", 0)),
+                              bool(data.get("param", False))))
     skips.sort(key=lambda s: (s.stash, s.pop, s.name))
     return Chain(count, output, skips)

@@ -1,9 +1,10 @@
 """The memory of one stage, term by term: what a run of the stage measures at its peak.
 
 Stage ``s`` holds layers ``[a, c)``; ``n`` micro-batches of ``b`` samples are in flight at
-once (all ``m`` under fill-drain); ``P`` is its parameter bytes, ``opt`` the optimizer-state
-factor (:data:`OPTIMIZER_STATE`); per micro-batch ``S`` is its layers' saved bytes, ``O`` its
-output ``out`` unless among them (``output_saved``): ``H = S + O`` is what it holds from
+once (all ``m`` under fill-drain); ``P`` is its parameter bytes, ``G`` those of the parameters
+that get gradients (frozen ones, ``requires_grad=False``, get no gradient nor optimizer state),
+``opt`` the optimizer-state factor (:data:`OPTIMIZER_STATE`); per micro-batch ``S`` is its
+layers' saved bytes, ``O`` its output ``out`` unless among them (``output_saved``): ``H = S + O`` is what it holds from
 forward to backward (checkpointed, only ``out``: the saved bytes come back one micro-batch at a
 time, in its recomputation).
 
@@ -23,15 +24,17 @@ its bytes, leaving gradients of its input ``g`` with the previous stage: ``W - 1
 (:data:`~autopipe.planning.schedules.GRADIENT_WINDOW` ``W``, the runtime's backpressure: one the
 stage before is using, one on its way).  So the peak is the larger of::
 
-    first  P + opt·P + buffers + P(l..c) + (n-1)·H + max_l backward_l
-    later  P + P + opt·P + buffers + (n-2)·H + (W-1)·g + max_l backward_l       (n ≥ 2)
+    first  P + opt·G + buffers + G(l..c) + (n-1)·H + max_l backward_l
+    later  P + G + opt·G + buffers + (n-2)·H + (W-1)·g + max_l backward_l       (n ≥ 2)
 
 and, checkpointed, ``n·out`` (the outputs in flight) in place of ``(n-1)·H`` and ``(n-2)·H``.
 On devices with memory of their own, ``n`` copies of the input and of the skips received are
-added.  :class:`MemoryTerms` splits that sum: ``activations`` (the saved bytes of the
-micro-batches in flight), ``outputs``, ``inputs``, ``input_grad``, ``skips`` and ``transient``:
-the rest, what the backward holds beyond the steady terms (negative when the peak comes in
-the first backward, before every gradient exists).
+added.  A skip stashed and popped inside the stage is held like saved bytes (``n`` times, once
+checkpointed), since the pop layer's saved bytes leave popped tensors out.  :class:`MemoryTerms`
+splits that sum: ``activations`` (the saved bytes of the micro-batches in flight), ``outputs``,
+``inputs``, ``input_grad``, ``skips`` and ``transient``: the rest, what the backward holds
+beyond the steady terms (negative when the peak comes in the first backward, before every
+gradient exists).
 
 What is a stage's memory where devices share memory?  CPU "devices" share one address space
 and a tensor sent from one CPU stage to the next is the same memory, so the measurement
@@ -124,7 +127,8 @@ class MemoryTerms:
 def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_saved: Any,
                  input_bytes: Any, first: Any, skips: Any, backward: tuple[Any, Any], in_flight: Any,
                  checkpointed: bool, optimizer: float, own_copies: bool,
-                 received: Any = 0.0, refilled: bool = False) -> MemoryTerms:
+                 received: Any = 0.0, refilled: bool = False, grads: Any = None,
+                 inner_skips: Any = 0.0) -> MemoryTerms:
     """The terms for a stage (or arrays of candidate stages), every byte count at size ``b``.
 
     Args:
@@ -133,7 +137,10 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
             whether the output is among ``saved`` (1/0).
         input_bytes: its main input's bytes; ``first``: whether it is the first stage (whose
             input needs no gradient).
-        skips: bytes of the skip tensors it holds per micro-batch.
+        skips: bytes of the skip tensors it holds per micro-batch (sends on or receives).
+        inner_skips: bytes per micro-batch of the skips stashed and popped inside it, held as
+            its saved bytes are: for every micro-batch in flight, or only the one recomputed
+            when checkpointed (an over-count where the pop layer does not save the skip).
         backward: ``max_l backward_l`` of the module docstring, in the first micro-batch's
             backward (with the gradients ``P(l..c)`` that exist then) and in a later one.
         in_flight: micro-batches whose activations it holds at once.
@@ -143,7 +150,10 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         received: bytes per micro-batch of the distributed engine's receive buffer.
         refilled: whether a forward runs between two backwards (1F1B), so a later backward
             still finds ``in_flight`` micro-batches held, not one fewer.
+        grads: bytes of its parameters that get gradients (default all ``params``): what the
+            gradients and optimizer state are charged for; ``backward`` counts the same ones.
     """
+    grads = params if grads is None else grads
     extra = output * (1 - output_saved)  # O: the output, unless among the saved bytes
     # (W-1)·g: the first stage's input needs none
     gradient = input_bytes * (1 - np.asarray(first, dtype=float)) * (GRADIENT_WINDOW - 1)
@@ -155,14 +165,14 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
         activations, outputs, input_grad = saved * in_flight, extra * in_flight, gradient * 0.0
         before = (saved + extra) * (in_flight - 1)
         after = (saved + extra) * (in_flight - 2 + refilled) + gradient
-    peak = in_first + before - params  # the gradients of the first backward are in in_first
+    peak = in_first + before - grads  # the gradients of the first backward are in in_first
     later = (np.asarray(in_flight) > 1) | checkpointed | refilled
     peak = np.where(later, np.maximum(peak, in_later + after), peak)
-    terms = dict(parameters=params, gradients=params, optimizer=optimizer * params, buffers=buffers,
+    terms = dict(parameters=params, gradients=grads, optimizer=optimizer * grads, buffers=buffers,
                  activations=activations, outputs=outputs,
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
-                 input_grad=input_grad, skips=skips * in_flight)
-    steady = params * (2 + optimizer) + buffers + terms["inputs"] + terms["skips"]
+                 input_grad=input_grad, skips=skips * in_flight + inner_skips * (1 if checkpointed else in_flight))
+    steady = params + grads * (1 + optimizer) + buffers + terms["inputs"] + terms["skips"]
     total = steady + peak
     return MemoryTerms(**terms, transient=total - sum(terms.values()))
 
@@ -231,8 +241,8 @@ class BackwardTables:
 
 def estimated_workspace(layer: LayerProfile, input_bytes: float) -> float:
     """A layer's workspace when the profile has none measured: a new gradient of its
-    parameters and the gradient of its input."""
-    return layer.param_bytes + input_bytes
+    parameters (those that get one) and the gradient of its input."""
+    return layer.trainable_bytes + input_bytes
 
 
 def output_saved_flags(layers: Sequence[LayerProfile]) -> np.ndarray:

@@ -9,7 +9,8 @@ from typing import Iterator
 from torch import Tensor
 
 from ..model import Layer
-from ._layer_runs import Measure, Origin, nbytes
+from ..model.skip import SkipKey
+from ._layer_runs import Measure, Origin, external_skips, nbytes
 from .profiles import LayerProfile
 
 __all__: list[str] = []
@@ -85,14 +86,17 @@ def attributed(by_size: dict[int, list[Measure]]) -> tuple[dict[int, list[int]],
 def layer_profiles(layers: list[Layer], by_size: dict[int, list[Measure]]) -> list[LayerProfile]:
     """Every layer's profile from its measures at each size."""
     saved, flags = attributed(by_size)
-    return [_layer_profile(layer, i, by_size, saved, flags[i]) for i, layer in enumerate(layers)]
+    skips = external_skips(layers)
+    return [_layer_profile(layer, i, by_size, saved, flags[i], skips[i]) for i, layer in enumerate(layers)]
 
 
 def _layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
-                   saved: dict[int, list[int]], output_saved: bool) -> LayerProfile:
+                   saved: dict[int, list[int]], output_saved: bool,
+                   skips: tuple[list[SkipKey], list[SkipKey]]) -> LayerProfile:
     largest = max(by_size)
     top = by_size[largest][index]
     params = _unique(layer.module.parameters())
+    stashes, pops = skips
     return LayerProfile(
         name=layer.name,
         type=type(layer.module).__name__,
@@ -104,10 +108,12 @@ def _layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         output_saved=output_saved,
         aliases_input=top.aliases_input,
         param_bytes=sum(nbytes(p) for p in params),
+        grad_param_bytes=sum(nbytes(p) for p in params if p.requires_grad),
         buffer_bytes=sum(nbytes(t) for t in _unique(layer.module.buffers())),
         param_count=sum(p.nelement() for p in params),
-        stash=[str(k) for k in layer.stash],
-        pop=[str(k) for k in layer.pop],
+        stash=[str(k) for k in stashes],
+        pop=[str(k) for k in pops],
+        stash_params=top.stash_params,
         **_stash_bytes(by_size, index),
     )
 

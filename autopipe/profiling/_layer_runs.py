@@ -15,7 +15,7 @@ from ..model._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
 from ..errors import ProfileError
 from ..model import Layer
-from ..model.skip import SkipKey, SkipTracker, use_skip_tracker
+from ..model.skip import SkipKey, SkipTracker, internal_keys, use_skip_tracker
 from ._progress import Progress
 from .profiles import Stat
 
@@ -54,6 +54,7 @@ class Measure:
     new_bytes: list[int]  # per new output storage: its bytes
     new_saved: list[bool]  # per new output storage: does this layer save it
     workspace: int = 0
+    stash_params: list[str] = field(default_factory=list)  # skips that are the layer's own state
     output: Any = None
     stashed: dict[SkipKey, Any] = field(default_factory=dict)
 
@@ -67,8 +68,8 @@ def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
     skips: dict[SkipKey, Any] = {}
     runs: list[LayerRun] = []
     measures: list[Measure] = []
-    for index, layer in enumerate(layers):
-        popped = {key: skips.pop(key) for key in layer.pop}
+    for index, (layer, (_, pops)) in enumerate(zip(layers, external_skips(layers))):
+        popped = {key: skips.pop(key) for key in pops}
         with naming(layer, size):
             run = LayerRun(layer, args, popped, index > 0, ops)
             measure = run.record()
@@ -79,6 +80,20 @@ def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
         runs.append(run)
         measures.append(measure)
     return runs, measures
+
+
+def external_skips(layers: list[Layer]) -> list[tuple[list[SkipKey], list[SkipKey]]]:
+    """Each layer's stashes and pops that cross to other layers: a skip a layer pairs inside
+    itself (a nested block with its own skip) is part of that layer, measured with it."""
+    open_keys: set[SkipKey] = set()
+    result = []
+    for layer in layers:
+        inside = internal_keys(layer.stash, layer.pop, open_keys)
+        stashes = [key for key in layer.stash if key not in inside]
+        pops = [key for key in layer.pop if key not in inside]
+        open_keys = (open_keys - set(pops)) | set(stashes)
+        result.append((stashes, pops))
+    return result
 
 
 def train_pass(runs: list[LayerRun], size: int) -> list[tuple[float, float]]:
@@ -246,6 +261,9 @@ class LayerRun:
             new_bytes=[outputs[ptr] for ptr in new],
             new_saved=[ptr in saved for ptr in new],
             workspace=workspace,
+            stash_params=[str(k) for k, value in stashed.items()
+                          if tensors_of(value) and all(storage(t)[0] in self.state_storages
+                                                       for t in tensors_of(value))],
             output=map_tensors(output, _detached),
             stashed={k: map_tensors(value, _detached) for k, value in stashed.items()},
         )

@@ -100,8 +100,8 @@ def profile(
     inputs = sample_tensors(layers, sample_input)
     batch = inputs[0].shape[0]
     sizes = _batch_sizes(batch_sizes, batch)
-    _check_counts(warmup, repeats, copy_sizes)
     resolved = resolve_devices(devices)
+    _check_counts(warmup, repeats, copy_sizes, len(resolved))
     if under_load is None:
         under_load = len(resolved) > 1 and all(d.type == "cpu" for d in resolved)
     root = model if isinstance(model, nn.Module) else _holder(layers)
@@ -193,12 +193,17 @@ def _sample_form(inputs: tuple[Tensor, ...]) -> dict[str, Any]:
     return {"input_shape": list(inputs[0].shape[1:]), "input_dtype": str(inputs[0].dtype).removeprefix("torch.")}
 
 
-def _check_counts(warmup: int, repeats: int, copy_sizes: Sequence[int]) -> None:
-    """Refuse pass counts and copy sizes out of range before any measuring starts."""
+def _check_counts(warmup: int, repeats: int, copy_sizes: Sequence[int], devices: int) -> None:
+    """Refuse pass counts and copy sizes out of range before any measuring starts: a copy fit
+    between ``devices`` needs two or more sizes (a latency and a slope), found wanting only
+    after every layer was timed otherwise."""
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0 or not is_positive_int(repeats):
         raise OptionError(f"need warmup >= 0 and repeats >= 1 (integers), got warmup={warmup!r}, repeats={repeats!r}")
     if not all(is_positive_int(n) for n in copy_sizes):
         raise OptionError(f"copy_sizes must be positive byte counts, got {list(copy_sizes)}")
+    if devices > 1 and len(set(copy_sizes)) < 2:
+        raise OptionError(f"copy_sizes needs two or more different byte counts to fit the copy time between "
+                          f"{devices} devices (a latency and a cost per byte), got {list(copy_sizes)}")
 
 
 def _as_inputs(sample_input: Any) -> tuple[Tensor, ...]:

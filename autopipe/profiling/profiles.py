@@ -82,7 +82,11 @@ class LayerProfile:
     ``output_bytes`` is per sample: every tensor the layer returns (what crosses a stage
     boundary after it).  ``stash_bytes`` is per sample per skip name (``str(SkipKey)``);
     ``stash_fixed_bytes`` the bytes of a skip whose size does not grow with the micro-batch (a
-    weight stashed for a tied head), per micro-batch, whatever its size.
+    weight stashed for a tied head), per micro-batch, whatever its size.  ``stash_params`` names
+    the skips that are the stashing layer's own parameters or buffers (the weight of a tied
+    head, or a view of it): the same memory, so no new bytes per micro-batch where they are made
+    or on a device sharing memory; absent (``[]``) in profiles made before it was recorded,
+    whose fixed-size skips are then charged as new tensors.
 
     ``saved_bytes[b]`` is what autograd keeps alive for this layer's backward at micro-batch
     size ``b`` (measured with ``saved_tensors_hooks``; each storage counted once), such that the
@@ -97,7 +101,10 @@ class LayerProfile:
       the layer that first made it).
 
     It never holds parameters or buffers (``param_bytes``, ``buffer_bytes``), the input of the
-    chain's first layer, nor popped skip tensors (count them with ``stash_bytes``).  So a
+    chain's first layer, nor popped skip tensors (count them with ``stash_bytes``).
+    ``grad_param_bytes`` is the part of ``param_bytes`` whose parameters need gradients
+    (``requires_grad``): what gradients and optimizer state are charged for; ``None`` in
+    profiles made before it was recorded, which then charge them for every parameter.  So a
     stage's activations per micro-batch are its layers' ``saved_bytes`` plus its own input
     (``b * output_bytes`` of the layer before it, or ``b * Profile.input_bytes``), which a
     pipeline holds until backward anyway and which is what checkpointing keeps.
@@ -126,6 +133,13 @@ class LayerProfile:
     workspace_bytes: dict[int, int] = field(default_factory=dict)
     output_saved: bool | None = None
     aliases_input: bool | None = None
+    stash_params: list[str] = field(default_factory=list)
+    grad_param_bytes: int | None = None
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes of the parameters that get gradients (all of them where not recorded)."""
+        return self.param_bytes if self.grad_param_bytes is None else self.grad_param_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,6 +160,8 @@ class LayerProfile:
                if self.workspace_bytes else {}),
             **({} if self.output_saved is None else {"output_saved": self.output_saved}),
             **({} if self.aliases_input is None else {"aliases_input": self.aliases_input}),
+            **({"stash_params": self.stash_params} if self.stash_params else {}),
+            **({} if self.grad_param_bytes is None else {"grad_param_bytes": self.grad_param_bytes}),
         }
 
     @staticmethod
@@ -168,6 +184,8 @@ class LayerProfile:
                              if f.has("workspace_bytes") else {}),
             output_saved=_flag(f, "output_saved"),
             aliases_input=_flag(f, "aliases_input"),
+            stash_params=f.str_list("stash_params") if f.has("stash_params") else [],
+            grad_param_bytes=f.int("grad_param_bytes", 0) if f.has("grad_param_bytes") else None,
         )
 
 
@@ -447,6 +465,12 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
         if not set(layer.stash_fixed_bytes) <= set(layer.stash):
             raise f.error(f"has names {sorted(layer.stash_fixed_bytes)} that are not in the layer's stash "
                           f"{sorted(layer.stash)}", f"layers[{index}].stash_fixed_bytes")
+        if not set(layer.stash_params) <= set(layer.stash):
+            raise f.error(f"has names {sorted(layer.stash_params)} that are not in the layer's stash "
+                          f"{sorted(layer.stash)}", f"layers[{index}].stash_params")
+        if layer.trainable_bytes > layer.param_bytes:
+            raise f.error(f"is {layer.trainable_bytes}, more than the layer's param_bytes {layer.param_bytes}",
+                          f"layers[{index}].grad_param_bytes")
     for index, fit in enumerate(profile.copies):
         if not (0 <= fit.src < len(profile.devices) and 0 <= fit.dst < len(profile.devices)):
             raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", f"copies[{index}]")
