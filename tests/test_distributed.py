@@ -632,6 +632,37 @@ def test_a_batch_that_does_not_split_into_equal_replica_shares_is_refused() -> N
 
 
 @skippable(stash=["x"])
+class StashPair(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        yield stash("x", (x, x * 3))
+        return x
+
+
+@skippable(pop=["x"])
+class AddPair(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        a, b = yield pop("x")
+        return x + a * b
+
+
+def test_a_skip_holding_a_tuple_across_stages_is_refused_naming_it() -> None:
+    """The engine sends tensors only; the in-process runtime runs the same split."""
+    from autopipe.distributed import StageModule
+    from autopipe.errors import StageOutputError
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    model = nn.Sequential(nn.Linear(4, 4), StashPair(), nn.Tanh(), AddPair())
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=1)
+    pipe(torch.randn(3, 4)).sum().backward()  # in-process: runs
+    layers = layer_chain(model)
+    first = StageModule(layers[:2], 0, 2, skip_spans(layers, stage_of_layer([2, 2])))
+    with pytest.raises(StageOutputError, match=r"the skip 'x' holds a tuple of \(Tensor, Tensor\) and crosses from "
+                                               r"stage 0 .* must be one tensor"):
+        first(torch.randn(3, 4))
+
+
+@skippable(stash=["x"])
 class StashCopy(nn.Module):
     def forward(self, x: Tensor) -> Any:
         yield stash("x", x.clone())

@@ -71,7 +71,7 @@ class StageModule(nn.Module):
         watch.check(f"stage {self.index} ('{self.layer_names[0]}'..)", self.micro_batch)
         if self.is_last:
             return main
-        sent = self._flat_main(main) + tuple(tracker.tensors.pop(key) for key in self.skips_out)
+        sent = self._flat_main(main) + tuple(self._skip_out(tracker, key) for key in self.skips_out)
         # The receiver's buffers copy the first micro-batch's strides and gloo refuses
         # non-contiguous buffers (a slice like x[:, :8]), so send contiguous tensors only.
         return tuple(t.contiguous() for t in sent)
@@ -111,6 +111,17 @@ class StageModule(nn.Module):
             "tuple of two or more tensors to the next rank. Fix: split the model at another layer "
             "(change the plan's balance) or make that layer return tensors only"
         )
+
+    def _skip_out(self, tracker: SkipTracker, key: Any) -> Tensor:
+        """The engine sends tensors only (``.contiguous()`` on anything else fails inside it)."""
+        value = tracker.tensors.pop(key)
+        if isinstance(value, Tensor):
+            return value
+        raise StageOutputError(
+            f"the skip '{key}' holds {_describe(value)} and crosses from stage {self.index} to a later rank; "
+            "torch.distributed.pipelining sends tensors only, so a skip between stages must be one tensor. "
+            "Fix: stash each tensor under its own name, split the model so the stash and its pop share a "
+            "stage (change the plan's balance), or use the in-process runtime (autopipe.Pipeline)")
 
 
 def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, frozenset[str]]]:
