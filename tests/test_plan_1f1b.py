@@ -71,7 +71,7 @@ def test_1f1b_plans_fit_or_fail_with_the_reason() -> None:
         assert chosen.schedule == "1f1b"
         bound = chosen.predicted.lower_bound_ms
         assert bound is not None and bound <= chosen.predicted.iteration_ms
-    with pytest.raises(PlanningError, match="no plan fits"):
+    with pytest.raises(PlanningError, match="no 1F1B plan fits"):
         plan(profile, memory_limit=500, schedule="1f1b")
     with pytest.raises(ValueError, match="schedule 'pipedream' is not one of"):
         plan(profile, schedule="pipedream")

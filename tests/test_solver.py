@@ -5,6 +5,7 @@ import itertools
 import math
 import random
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from synthetic import make_profile, random_profile
 from autopipe.profiling.profiles import Profile
 from autopipe.planning._infeasible import infeasible
 from autopipe.planning._options import Options
+from autopipe.planning.cost import CostModel
+from autopipe.planning.plans import placement
 from autopipe.planning.solver import PlanningError, candidate_chunks, plan, smallest_memory, solve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -469,13 +472,64 @@ def test_a_first_grid_is_placed_around_the_best_plans_lanes_scaled_to_its_micro_
 
 
 def test_a_1f1b_search_that_finds_nothing_where_fill_drain_fits_says_so() -> None:
-    """Without a fill-drain search (``schedule="1f1b"``), limits a fill-drain plan fits are not
-    'too small': the error says a fill-drain plan fits and how to plan one."""
+    """Limits a plan fits are not 'too small': where the 1F1B search (a heuristic) found none
+    the error says which plan fits them, and without a fill-drain search (``schedule="1f1b"``)
+    that a fill-drain one does and how to plan one; below, that none fits."""
     profile = random_profile(random.Random(5), 8, 3, skips=2, per_pair=False)
     model = model_of(profile, [1.0] * 3)
     chunks, modes = candidate_chunks(profile.batch_size, profile.batch_sizes), ["never", "except_last", "always"]
     smallest = smallest_memory(model, chunks, modes, 3)[0]
-    for schedule, expected in (("1f1b", "though a fill-drain plan fits them"), ("gpipe", "the smallest per-device")):
-        options = Options.check(profile, profile.devices, None, smallest * 1.5, "auto", "momentum", schedule, None,
+    for schedule, factor, expected in (
+            ("1f1b", 1.5, "though one fits them: a 1F1B plan needs"),
+            ("1f1b", 1.5, "a fill-drain plan fits them, needing"), ("auto", 1.5, "though one fits them: a 1F1B plan"),
+            ("gpipe", 0.5, "no plan fits the memory limits"), ("gpipe", 0.5, "the smallest per-device")):
+        options = Options.check(profile, profile.devices, None, smallest * factor, "auto", "momentum", schedule, None,
                                 None, "local", 1)
         assert expected in infeasible(model, options)
+
+
+def least_device_memory(model: CostModel, chunks: Sequence[int], modes: Sequence[str], devices: int, schedule: str,
+                        interleave: int) -> float:
+    """The least, over every plan of ``schedule`` with ``interleave`` stages per device (on one
+    to ``devices`` devices, two at least where they share one), micro-batch count and mode, of
+    the memory of the device that holds the most (the sum of its stages')."""
+    best = math.inf
+    for k in range(1 if interleave == 1 else 2, min(devices, model.layers // interleave) + 1):
+        where = placement(k * interleave, interleave)
+        for cuts in itertools.combinations(range(1, model.layers), k * interleave - 1):
+            for m in chunks:
+                for mode in modes:
+                    lanes = model.stage_lanes((0, *cuts, model.layers), m, mode, where, schedule)
+                    best = min(best, max(sum(lane.memory for lane, at in zip(lanes, where) if at == device)
+                                         for device in range(k)))
+    return best
+
+
+@pytest.mark.parametrize("schedule, interleave", [("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("auto", "auto")])
+def test_the_limit_named_is_the_least_of_the_schedule_and_interleave_asked(schedule: str, interleave) -> None:
+    """The limit an infeasible error names is the least any plan of the schedules and stages per
+    device asked for fits in, against every split (it was that of one-stage-per-device
+    fill-drain plans: 73,200 bytes where interleave=2 needs 84,400, below the 80,000 given, and
+    more than 1F1B's 72,500 under schedule='auto'); at that limit a plan is found, or the error
+    says one fits that the 1F1B search (a heuristic) missed."""
+    rng = random.Random(11)
+    cases = [(make_profile([1.0] * 4, devices=2, saved_bytes=1000, param_bytes=10000, output_bytes=100), 2)]
+    cases += [(random_profile(rng, rng.randint(4, 7), devices, skips=rng.randint(0, 2), per_pair=False), devices)
+              for devices in (2, 3, 3)]
+    for profile, devices in cases:
+        model = model_of(profile, [1.0] * devices)
+        chunks = candidate_chunks(profile.batch_size, profile.batch_sizes)
+        families = [(s, v) for s in (["gpipe", "1f1b"] if schedule == "auto" else [schedule])
+                    for v in ([1, 2] if interleave == "auto" else [interleave])]
+        expected = min(least_device_memory(model, chunks, ["never", "except_last"] + ["always"] * (s == "1f1b"),
+                                           devices, s, v) for s, v in families)
+        asked = {"schedule": schedule, "interleave": interleave, "time_limit": None}
+        with pytest.raises(PlanningError, match=rf"^no (1F1B )?plan fits .* the smallest per-device memory limit "
+                                                rf"that would fit is {math.ceil(expected)} bytes") as error:
+            plan(profile, devices, memory_limit=math.ceil(expected) - 1, **asked)
+        try:
+            chosen = plan(profile, devices, memory_limit=math.ceil(expected), **asked)
+        except PlanningError as missed:
+            assert "though one fits them: an interleaved 1F1B plan" in str(missed), error.value
+            continue
+        assert max(chosen.device_memory_bytes) <= math.ceil(expected)

@@ -26,11 +26,16 @@ The planner (:func:`plan`) runs the exact pipeline search (:func:`autopipe.plann
 for every ``R`` that divides ``D`` and takes the least total time, ties to fewer replicas.
 With ``R = 1`` there is no reduction, and with one device per replica one split, so the
 pipeline of least ``T`` is the answer.  With several replicas of several stages a split of
-larger ``T`` but shorter tail can win: since the total is at least ``T``, every
-``(split, chunks, mode)`` of ``T`` under the best total found is then priced
-(:func:`_least_total`, one stage per device), as long as there are at most
-:data:`SPLITS` splits; beyond that the plan's options say
-``"replica_split": "pipeline-optimal"`` (the total is then not proven least).
+larger ``T`` but shorter tail can win: since the total is at least ``T``, every fill-drain
+``(split, chunks, mode)`` with one stage per device, on every device order the pipeline search
+tried, of ``T`` under the best total found is then priced (:func:`_least_total`), as long as
+there are at most :data:`SPLITS` of them; beyond that the plan's options say
+``"replica_split": "pipeline-optimal"`` (the total is then not proven least).  The 1F1B and
+interleaved plans the pipeline search also tries (``schedule="auto"``, ``interleave="auto"``)
+are not priced with their tails (the simulator would have to run every split): what bounds
+them is the pipeline search's bound, so with them the plan's lower bound is the least of the
+fill-drain total and that bound (or what the tail needs at least, if larger), and its gap is
+rarely 0.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from .._checks import is_positive_int, loaded
 from ..errors import OptionError
 from ..profiling.profiles import Profile
 from ..timeline import Event
+from . import placement as placements
 from ._budget import Budget
 from .cost import CostModel
 from .plans import Plan
@@ -173,7 +179,7 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
             the batch (a ``ValueError`` and ``TypeError``).
         DeviceError: a device name that is not one, or a device count the profile cannot give.
         FormatError: the ``profile`` file is corrupt or of another schema.
-        PlanningError: no replica count has a plan within the memory limits.
+        PlanningError: no plan was found within the memory limits for any replica count.
     """
     budget = Budget(time_limit)  # from the start: checking the profile counts too
     profile = loaded(profile, Profile, "profile")
@@ -208,9 +214,10 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
         if best is None or candidate.predicted.iteration_ms < best.predicted.iteration_ms:
             best = candidate
     if best is None:
-        raise PlanningError(f"no replica count ({', '.join(map(str, counts))}) fits the memory limits; the smallest "
-                            "limit named for a count is for that count's plans, the least of them fits: "
-                            + " | ".join(failures))
+        # each count's error says whether none of its plans fits or none was found
+        raise PlanningError(f"no plan was found within the memory limits for any replica count "
+                            f"({', '.join(map(str, counts))}); the limit named for a count is for that count's plans, "
+                            "the least of them fits: " + " | ".join(failures))
     if lowest is not None:  # each count's bound (its pipeline's; the reduction adds to it) holds
         best.predicted = replace(best.predicted, lower_bound_ms=min(lowest, best.predicted.iteration_ms))
     measured = reduction_time(profile, engine, 2, 1.0)[1]
@@ -236,20 +243,31 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     pipeline = search_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
                              speeds=[float(v) for v in speed], engine=engine, budget=budget, **options)
-    searched = pipeline.predicted.gap == 0  # the pipeline search finished: its time is the least
     bound = pipeline.predicted.lower_bound_ms
+    # exact: the total found is the least of the plans priced with their tails, or whose totals
+    # follow from their pipeline times (without several replicas of several stages the least
+    # pipeline time is the least total: no tail, or one stage's, after the pipeline's end)
+    exact, others = pipeline.predicted.gap == 0, False
     if count > 1 and per > 1:
         pipeline = _least_total(profile, pipeline, count, engine, budget)
-        searched = searched and pipeline.options["replica_split"] == "least total" and pipeline.interleave == 1
+        exact, others = pipeline.options["replica_split"] == "least total", not _fill_drain_only(pipeline.options)
     order = pipeline.options.get("device_order", list(range(per)))  # the pipeline's devices, as placed
     replica_devices = [[group[order[d]] for d in pipeline.placement] for group in groups]
     chosen = with_reduction(profile, pipeline, replica_devices, batch, engine)
-    # Exact where every split was priced with its reduction tail; else the larger of the
-    # pipeline's own bound (which the tail only adds to) and what the tail needs at least.
-    floor = _floor(profile, pipeline, count, engine) if count > 1 else 0.0
-    least = chosen.predicted.iteration_ms if searched else max(bound, floor)
+    # No plan's total is below the larger of its pipeline's bound (which the tail only adds to)
+    # and what the tail needs at least; one priced with its tail reaches the total found.
+    total = chosen.predicted.iteration_ms
+    unpriced = max(bound, _floor(profile, pipeline, count, engine) if count > 1 else 0.0)
+    least = (min(total, unpriced) if others else total) if exact else unpriced
     chosen.predicted = replace(chosen.predicted, lower_bound_ms=least)
     return chosen
+
+
+def _fill_drain_only(options: dict[str, Any]) -> bool:
+    """Whether the pipeline search tried fill-drain plans of one stage per device only (no 1F1B
+    or interleaved ones, which :func:`_least_total` does not price with their tails)."""
+    fill_drain = options["schedule"] == "gpipe" or options["engine"] == "distributed"  # its 'auto' is gpipe
+    return fill_drain and list(options["interleaves_searched"]) == [1]
 
 
 def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> float:
@@ -267,52 +285,66 @@ def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> floa
 def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget) -> Plan:
     """The replica pipeline of least total time (pipeline + reduction tail), starting from
     ``pipeline``, the one of least pipeline time: every one-stage-per-device fill-drain
-    ``(split, chunks, mode)`` on the devices in the order given whose pipeline time is under the
-    best total is priced, until ``budget`` runs out (the plan's options then say the search was
-    cut).  Only where the options allow such plans: a schedule or stages per device asked for
-    stay as asked."""
+    ``(split, chunks, mode)``, on the devices in each order the pipeline search tried
+    (:func:`_placements`), whose pipeline time is under the best total is priced, until
+    ``budget`` runs out (the plan's options then say the search was cut).  Only where the
+    options allow such plans: a schedule or stages per device asked for stay as asked."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
     model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
     layers = model.layers
+    limits = np.asarray([math.inf if v is None else v for v in options["memory_limit_bytes"]], dtype=float)
     allowed = options["schedule"] in ("gpipe", "auto") and 1 in options["interleaves_searched"]
-    if not allowed or sum(math.comb(layers - 1, k - 1) for k in range(1, len(devices) + 1)) > SPLITS:
+    placed = _placements(model, options["placement"], limits)
+    if not allowed or sum(math.comb(layers - 1, len(prefix) - 1) for prefix in placed) > SPLITS:
         options["replica_split"] = "pipeline-optimal"
         return pipeline
-    limits = [math.inf if v is None else v for v in options["memory_limit_bytes"]]
     chunks = candidate_chunks(share, profile.batch_sizes, options["chunks"], equal=engine == "distributed")
     asked = options["checkpoint"]
     modes = ["never", "except_last"] if asked == "auto" else [asked]
     first = [stage.start for stage in pipeline.stages] + [layers]
     best = pipeline.predicted.iteration_ms + _tail(simulate_plan(pipeline),
                                                    _reductions(profile, first, replicas, engine))
+    moved = {order: placements.permuted(model, order) for order in placed.values()}
     found, split = None, "least total"
-    for bounds in _splits(layers, len(devices)):
+    splits = ((order, bounds) for prefix, order in placed.items() for bounds in _splits(layers, len(prefix)))
+    for order, bounds in splits:
         if budget.out():
             split = "least total of the splits priced before the time limit"
             break
         for m in chunks:
             for mode in modes:
-                evaluation = model.evaluate(bounds, m, mode)
+                evaluation = moved[order].evaluate(bounds, m, mode)
                 if evaluation.iteration_ms >= best or any(
-                        stage.memory > limit for stage, limit in zip(evaluation.stages, limits)):
+                        stage.memory > limit for stage, limit in zip(evaluation.stages, limits[list(order)])):
                     continue
                 timeline = simulate(evaluation.stages, m, mode)
                 total = evaluation.iteration_ms + _tail(timeline, _reductions(profile, bounds, replicas, engine))
                 if total < best:
-                    best, found = total, (bounds, m, mode)
+                    best, found = total, (bounds, m, mode, order)
     options["replica_split"] = split
     if found is None:
         return pipeline
-    bounds, m, mode = found
-    return build_plan(profile, model, bounds, m, mode, {**options, "device_order": list(range(len(devices)))})
+    bounds, m, mode, order = found
+    return build_plan(profile, placements.permuted(model, order), bounds, m, mode,
+                      {**options, "device_order": list(order)})
 
 
-def _splits(layers: int, devices: int) -> Iterator[tuple[int, ...]]:
-    """Every split of ``layers`` into 1..``devices`` stages, as bounds."""
-    for stages in range(1, min(devices, layers) + 1):
-        for cuts in itertools.combinations(range(1, layers), stages - 1):
-            yield (0, *cuts, layers)
+def _placements(model: CostModel, placement: str, limits: np.ndarray) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """The devices the stages of a split can take, in order: every prefix of the device orders
+    the pipeline search tries (:func:`autopipe.planning.placement.orders`), each with an order
+    it starts (stages use a prefix of an order, so distinct prefixes are distinct plans)."""
+    placed: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for order in placements.orders(model, placement, limits)[0]:
+        for stages in range(1, min(len(order), model.layers) + 1):
+            placed.setdefault(order[:stages], order)
+    return placed
+
+
+def _splits(layers: int, stages: int) -> Iterator[tuple[int, ...]]:
+    """Every split of ``layers`` into ``stages`` stages, as bounds."""
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        yield (0, *cuts, layers)
 
 
 def pure_data_parallel(profile: Profile, devices: Sequence[Any] | int | None = None, **options: Any) -> Plan:

@@ -103,8 +103,9 @@ def plan(
         The :class:`Plan`, with its predicted times and the options it was made with.
 
     Raises:
-        PlanningError: no plan fits the memory limits (the message gives the smallest limit that
-            would fit).
+        PlanningError: no plan fits the memory limits, or none was found within them (the message
+            says which, and names the smallest per-device limit that would fit:
+            :mod:`autopipe.planning._infeasible`).
         OptionError: an option is invalid (unknown mode, schedule or optimizer, chunks outside the
             profiled sizes, a memory size that cannot be read, ...); a ``ValueError`` and ``TypeError``.
         DeviceError: a device name that is not one, or a device count the profile cannot give.
@@ -135,7 +136,7 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                              optimizer_state, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
                       options.batch_size, optimizer_state, engine)
-    searched, complete = placements.orders(model, placement)
+    searched, complete = placements.orders(model, placement, options.limits)
     choice, lower, order, tried = None, math.inf, searched[0], 0
     for candidate_order in searched:  # each order only looks for plans faster than the best so far
         if tried and budget.out():  # an order's setup alone takes 10-20 ms
@@ -145,12 +146,14 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
         lower, tried = min(lower, bound), tried + 1
         if found is not None and (choice is None or found.iteration_ms < choice.iteration_ms):
             choice, order = found, candidate_order
+    everywhere = complete and tried == len(searched)  # every order that could differ was searched
     if choice is None:
         limited = budget.spent or np.all(np.isinf(options.limits))  # without limits some plan fits: the search stopped
-        raise PlanningError(unfound(options, time_limit) if limited else infeasible(model, options, budget))
+        raise PlanningError(unfound(options, time_limit) if limited else
+                            infeasible(model, options, budget, None if everywhere else tried))
     record = {**options.record(), "time_limit": time_limit, "time_limit_reached": budget.spent,
               "memory_limit_reached": budget.crowded,
-              "placement": placement, "placements_searched": "all" if complete and tried == len(searched) else tried,
+              "placement": placement, "placements_searched": "all" if everywhere else tried,
               "device_order": list(order)}
     return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
                       choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
