@@ -16,7 +16,7 @@ from autopipe.planning import interleaved
 from autopipe.planning.cost import CostModel
 from autopipe.planning.placement import permuted
 from autopipe.planning.plans import Plan, placement
-from autopipe.planning.replicas import plan, reduction_time
+from autopipe.planning.replicas import _reductions, plan, reduction_time
 from autopipe.planning.simulate import simulate
 from autopipe.planning.solver import PlanningError, candidate_chunks
 from autopipe.profiling.profiles import Profile, ReductionFit
@@ -294,3 +294,11 @@ def test_splits_are_priced_with_their_tails_on_every_device_order_searched() -> 
         chosen = plan(profile, devices, replicas=2, speeds=speeds * 2, optimizer_state=2.0, interleave=1,
                       placement="search", time_limit=None)
         assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9) and chosen.predicted.gap == 0
+
+
+def test_frozen_parameters_are_not_reduced():
+    profile = make_profile([1.0, 1.0], devices=2, param_bytes=40_000, copies=(0.1, 1e-6))
+    trained = _reductions(profile, [0, 1, 2], 2, "local")
+    profile.layers[0].grad_param_bytes = 0  # layer 0 frozen: its stage has no gradient to reduce
+    frozen = _reductions(profile, [0, 1, 2], 2, "local")
+    assert trained[0] > 0 and frozen == [0.0, trained[1]]

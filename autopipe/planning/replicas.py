@@ -108,9 +108,10 @@ def _volume(engine: str, replicas: int) -> float:
 
 
 def _reductions(profile: Profile, bounds: Sequence[int], replicas: int, engine: str) -> list[float]:
-    """Each stage's gradient reduction time (ms)."""
+    """Each stage's gradient reduction time (ms): of the parameters that get gradients (frozen
+    ones are not reduced)."""
     return [reduction_time(profile, engine, replicas,
-                           sum(layer.param_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]]))[0]
+                           sum(layer.trainable_bytes for layer in profile.layers[bounds[s]:bounds[s + 1]]))[0]
             for s in range(len(bounds) - 1)]
 
 
@@ -274,11 +275,11 @@ def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> floa
     """A lower bound on any of this replica count's plans, pipeline and reduction tail: every
     stage's last backward comes after one micro-batch's forward through every layer (each at its
     least profiled time, on the fastest device), and some stage holds at least ``1/n`` of the
-    parameters, ``n`` the most stages searched, whose reduction starts only then."""
+    parameters that get gradients, ``n`` the most stages searched, whose reduction starts only then."""
     options = pipeline.options
     forward = sum(min(stat.median_ms for stat in layer.forward.values()) for layer in profile.layers)
     stages = len(options["devices"]) * max(options["interleaves_searched"])
-    params = sum(layer.param_bytes for layer in profile.layers)
+    params = sum(layer.trainable_bytes for layer in profile.layers)
     return forward / max(options["speeds"]) + reduction_time(profile, engine, replicas, params / stages)[0]
 
 
