@@ -332,6 +332,25 @@ def test_profiling_leaves_model_state_unchanged() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class ReentrantCheckpointed(nn.Module):
+    """A linear layer under ``checkpoint(..., use_reentrant=True)``, which refuses a backward
+    limited by ``inputs=``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.linear(t)), x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_layer_profiles_and_leaves_no_grad() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), ReentrantCheckpointed(8), nn.Linear(8, 2))
+    result = run(model, torch.randn(8, 8), [4, 8])  # two CPU devices: timed under a twin's load too
+    assert all(layer.backward[b].median_ms > 0 for layer in result.layers for b in (4, 8))
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("as_list", [False, True])
 def test_profiling_runs_each_module_in_the_mode_it_trains_with(as_list: bool) -> None:
     """A batch norm frozen in a training model (``model.bn.eval()``) is profiled in eval mode, as

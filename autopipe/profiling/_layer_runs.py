@@ -169,13 +169,18 @@ class LayerRun:
         state = [*layer.module.parameters(), *layer.module.buffers()]
         self.state_storages = {storage(t)[0] for t in state}
         self.grads: list[Tensor] | None = None
+        # False once the layer refuses a backward limited to ``inputs=`` (a reentrant
+        # ``torch.utils.checkpoint`` inside it): :meth:`record` finds out, a twin inherits it.
+        self.limit_inputs = True
 
     def twin(self, module: nn.Module) -> LayerRun:
         """The same layer on ``module``, a deep copy of its module, with leaves of its own
         (gradients land in ``.grad`` of the leaves and parameters, so another thread needs its
         own)."""
         layer = dataclasses.replace(self.layer, module=module)
-        return LayerRun(layer, self.leaves, self.pop_leaves, self.input_grad, self.ops)
+        twin = LayerRun(layer, self.leaves, self.pop_leaves, self.input_grad, self.ops)
+        twin.limit_inputs = self.limit_inputs
+        return twin
 
     def forward(self, pack: Callable[[Tensor], Any] | None = None) -> Run:
         """The layer's forward on clones of its inputs, timed (``pack`` sees what it saves)."""
@@ -197,14 +202,20 @@ class LayerRun:
 
     def backward(self, run: Run) -> float:
         """The backward of ``run`` down to the layer's inputs and parameters, timed; the same
-        random output gradients every time."""
+        random output gradients every time.
+
+        A layer that refuses ``inputs=`` runs its whole backward without it, as in training: its
+        graph starts at detached leaves, so gradients land only in ``.grad`` of those leaves and
+        of parameters (its own, cleared here; any other, shared one is put back by the profiler,
+        which restores every ``.grad`` of the model)."""
         roots = [t for t in run.results if t.requires_grad]
         if not roots:
             return 0.0
         self._output_grads(roots)
         timer = self.ops.timer()
         timer.start()
-        torch.autograd.backward(roots, self.grads, inputs=self.grad_inputs or None)
+        torch.autograd.backward(roots, self.grads,
+                                inputs=(self.grad_inputs or None) if self.limit_inputs else None)
         backward_ms = timer.stop()
         for tensor in self.grad_inputs:
             tensor.grad = None
@@ -224,7 +235,22 @@ class LayerRun:
         computes before it passes or accumulates them.  The parameters already hold gradients
         (as for every micro-batch after a step's first), so a new one is a temporary added to
         them; the output gradients arrive from elsewhere and are not counted.  Only CPU
-        storages are counted (:mod:`autopipe.profiling._meter`; elsewhere the workspace is 0)."""
+        storages are counted (:mod:`autopipe.profiling._meter`; elsewhere the workspace is 0).
+
+        A layer whose backward refuses ``inputs=`` (a reentrant checkpoint inside it) fails
+        partway through its first backward; it is recorded again from a fresh forward, with
+        backwards that do not limit their inputs from then on."""
+        try:
+            return self._record()
+        except RuntimeError as error:
+            if not (self.limit_inputs and _refuses_inputs(error)):
+                raise
+        self.limit_inputs = False
+        for tensor in self.grad_inputs:
+            tensor.grad = None
+        return self._record()
+
+    def _record(self) -> Measure:
         saved: dict[int, int] = {}
 
         def pack(tensor: Tensor) -> Tensor:
@@ -267,6 +293,13 @@ class LayerRun:
             output=map_tensors(output, _detached),
             stashed={k: map_tensors(value, _detached) for k, value in stashed.items()},
         )
+
+
+def _refuses_inputs(error: RuntimeError) -> bool:
+    """Whether ``error`` is autograd refusing ``backward(inputs=...)`` for a reentrant
+    checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``)."""
+    message = str(error)
+    return "use_reentrant=True" in message and "inputs" in message
 
 
 def _origins(inputs: list[int], outputs: list[int], others: set[int]) -> tuple[list[Origin], list[int]]:
