@@ -2,14 +2,15 @@
 and ragged arrays."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import fields
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Columns", "RangeMin", "largest_after", "pairs", "power_spans", "prefix_argmin", "ragged_arange", "states",
-           "uniform"]
+__all__ = ["Columns", "RangeMin", "all_splits", "largest_after", "pairs", "power_spans", "prefix_argmin",
+           "ragged_arange", "states", "uniform"]
 
 
 class Columns:
@@ -30,6 +31,14 @@ class Columns:
 def largest_after(values: np.ndarray) -> np.ndarray:
     """The largest value at or after each position, and 0 past the end."""
     return np.concatenate((np.maximum.accumulate(values[::-1])[::-1], [0.0]))
+
+
+def all_splits(layers: int, stages: int) -> np.ndarray:
+    """Every split of ``layers`` into ``stages`` stages of a layer at least, as bounds: one row
+    ``0, cut…, layers`` each, in lexicographic order of the cuts."""
+    cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
+                       dtype=np.int64).reshape(-1, stages - 1)
+    return np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers)))
 
 
 def ragged_arange(counts: np.ndarray) -> np.ndarray:

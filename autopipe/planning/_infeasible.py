@@ -27,6 +27,7 @@ import numpy as np
 
 from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from . import interleaved
+from ._arrays import all_splits
 from ._budget import Budget
 from ._options import Options
 from .cost import CostModel
@@ -249,9 +250,7 @@ def _interleaved(tables: _Tables, layers: int, devices: int, interleave: int,
             listed = False
             continue
         if stages not in listings:
-            cuts = itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1))
-            listings[stages] = np.pad(np.fromiter(cuts, dtype=np.int64).reshape(-1, stages - 1), ((0, 0), (1, 1)),
-                                      constant_values=((0, 0), (0, layers)))
+            listings[stages] = all_splits(layers, stages)
         bounds = listings[stages]
         memory = np.stack([tables(stages - s)[bounds[:, s], bounds[:, s + 1]] for s in range(stages)], axis=1)
         held = memory.reshape(len(bounds), interleave, k).sum(axis=1)  # stage s is on device s % k

@@ -41,7 +41,6 @@ checks the time limit.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -50,6 +49,7 @@ import numpy as np
 
 from .cost import CostModel, recomputations
 from .plans import placement
+from ._arrays import all_splits
 from ._budget import Budget, Outcome
 from ._chain import Chains, cheapest_ring_cuts
 from ._minmax import foreseen, min_max_split
@@ -107,10 +107,7 @@ class _Splits:
 
     @staticmethod
     def of(model: CostModel, devices: int, interleave: int) -> _Splits:
-        layers, stages = model.layers, devices * interleave
-        cuts = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(1, layers), stages - 1)),
-                           dtype=np.int64).reshape(-1, stages - 1)
-        bounds = np.pad(cuts, ((0, 0), (1, 1)), constant_values=((0, 0), (0, layers)))
+        bounds = all_splits(model.layers, devices * interleave)
         fixed, per_sample = _copy_lanes(model, bounds, devices)
         return _Splits(devices, bounds, fixed, per_sample)
 
