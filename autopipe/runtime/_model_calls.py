@@ -43,9 +43,9 @@ def join_outputs(outputs: Sequence[Value], sizes: Sequence[int], where: str = ""
     first = outputs[0]
     items = items_of(first)
     if items is not None:
-        parts = _alike(outputs, where)
+        parts = _alike(outputs, dict(items), where)
         return rebuilt(first, {key: join_outputs([part[key] for part in parts], sizes, f"{where}[{key!r}]")
-                               for key, _ in items})
+                               for key in parts[0]})
     if isinstance(first, Tensor) and first.dim() == 0:
         return sum(out * size for out, size in zip(outputs, sizes)) / sum(sizes)
     if isinstance(first, _CONSTANTS) and all(type(out) is type(first) and out == first for out in outputs):
@@ -57,19 +57,17 @@ def join_outputs(outputs: Sequence[Value], sizes: Sequence[int], where: str = ""
     return gather(outputs)
 
 
-def _alike(outputs: Sequence[Value], where: str) -> list[dict[Hashable, Value]]:
-    """Each micro-batch's output container as its items by key, refused unless all have the
-    first's type and keys: joined by key, a key only some have would be dropped, and the
-    gradients of the rest paired with other outputs."""
-    first = outputs[0]
-    keys = {key for key, _ in items_of(first) or ()}
-    parts = []
-    for j, out in enumerate(outputs):
-        items = items_of(out) if type(out) is type(first) else None
-        if items is None or {key for key, _ in items} != keys:
+def _alike(outputs: Sequence[Value], first: dict[Hashable, Value], where: str) -> list[dict[Hashable, Value]]:
+    """Each micro-batch's output container as its items by key (``first``: the first's, in walk
+    order), refused unless all have the first's type and keys: joined by key, a key only some
+    have would be dropped, and the gradients of the rest paired with other outputs."""
+    parts = [first]
+    for j, out in enumerate(outputs[1:], start=1):
+        items = items_of(out) if type(out) is type(outputs[0]) else None
+        if items is None or {key for key, _ in items} != first.keys():
             name = f"output {where}" if where else "output"
             raise ValueError(
-                f"the pipeline's {name} is {_layout(first)} in micro-batch 0 but {_layout(out)} in micro-batch "
+                f"the pipeline's {name} is {_layout(outputs[0])} in micro-batch 0 but {_layout(out)} in micro-batch "
                 f"{j}; a pipeline joins its micro-batches' outputs item by item, so each must hold the same "
                 "items: return the same keys (or length) whatever the input (e.g. zeros where there is nothing), "
                 "or run the pipeline with chunks=1")
