@@ -16,12 +16,13 @@ __all__ = ["build_plan"]
 def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks: int,
                mode: CheckpointMode, options: dict[str, Any], interleave: int = 1, schedule: Schedule = "gpipe",
                lower_bound: float | None = None, turns: TurnRule = "depth_first",
-               digest: str | None = None) -> Plan:
+               digest: str | None = None, phases: tuple[float, float] | None = None) -> Plan:
     """The :class:`Plan` of one split, costed by ``model`` (simulated when interleaved or not
-    fill-drain); ``lower_bound`` is what the search proved of the optimum (default: this plan's
-    time, i.e. optimal); ``digest`` the profile's, if already computed."""
+    fill-drain, unless the search's simulation gave its ``phases``); ``lower_bound`` is what
+    the search proved of the optimum (default: this plan's time, i.e. optimal); ``digest`` the
+    profile's, if already computed."""
     where = placement(len(bounds) - 1, interleave)
-    evaluation = evaluate(model, bounds, chunks, mode, schedule, where, turns)
+    evaluation = evaluate(model, bounds, chunks, mode, schedule, where, turns, phases)
     layers = profile.layers
     stages = [
         StagePlan(index=s, device=model.devices[where[s]], start=bounds[s], stop=bounds[s + 1],

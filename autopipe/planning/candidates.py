@@ -19,8 +19,10 @@ __all__ = ["Candidate", "Choice", "better", "filled", "greedy_split", "least_fea
 @dataclass(frozen=True)
 class Choice:
     """The best plan the search found: stage bounds, chunks, checkpoint mode, its time, its
-    stages per device (:mod:`autopipe.planning.interleaved`), its schedule and the turn rule of
-    its shared devices."""
+    stages per device (:mod:`autopipe.planning.interleaved`), its schedule, the turn rule of
+    its shared devices and, where a simulation priced it, the forward and backward phases that
+    simulation gave (so that assembling the plan does not run it again: at 1,000 layers it
+    takes a tenth of a second)."""
 
     bounds: tuple[int, ...]
     chunks: int
@@ -29,6 +31,7 @@ class Choice:
     interleave: int = 1
     schedule: str = "gpipe"
     turns: str = "depth_first"
+    phases: tuple[float, float] | None = None
 
 
 def better(best: Choice | None, other: Choice | None) -> Choice | None:

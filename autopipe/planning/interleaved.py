@@ -76,21 +76,22 @@ def time_of(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, int
     return timed(model, bounds, chunks, mode, interleave, limits)[0]
 
 
-def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int,
-          limits: np.ndarray, schedule: Schedule = "gpipe") -> tuple[float, str]:
-    """:func:`time_of` (under ``schedule``) and the turn rule that gives it (depth-first on a tie)."""
+def timed(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, interleave: int, limits: np.ndarray,
+          schedule: Schedule = "gpipe") -> tuple[float, str, tuple[float, float] | None]:
+    """:func:`time_of` (under ``schedule``), the turn rule that gives it (depth-first on a tie)
+    and its forward and backward phases (``None`` where it does not fit)."""
     where = placement(len(bounds) - 1, interleave)
     lanes = model.stage_lanes(bounds, chunks, mode, where, schedule)
     held = np.zeros(len(limits))
     for stage, device in zip(lanes, where):
         held[device] += stage.memory
     if np.any(held > limits[: len(held)]):
-        return math.inf, TURN_RULES[0]
+        return math.inf, TURN_RULES[0], None
     # the rule only orders stages that share a device: with one stage per device one run tells
     rules = TURN_RULES if len(set(where)) < len(where) else TURN_RULES[:1]
-    times = [(simulate(lanes, chunks, mode, where, schedule, rule, timeline=False).iteration_ms, rule)
-             for rule in rules]
-    return min(times, key=lambda timed: (timed[0], TURN_RULES.index(timed[1])))
+    runs = [(simulate(lanes, chunks, mode, where, schedule, rule, timeline=False), rule) for rule in rules]
+    run, rule = min(runs, key=lambda pair: (pair[0].iteration_ms, TURN_RULES.index(pair[1])))
+    return run.iteration_ms, rule, (run.forward_ms, run.backward_ms)
 
 
 @dataclass(frozen=True)
@@ -203,16 +204,17 @@ class Group:
         self.first: Choice | None = None  # its first plan simulated (:meth:`start`)
 
     def out(self) -> bool:
-        """Whether the time is up, or would be after one more simulation and the one that
-        prices the plan chosen (:func:`~autopipe.planning.simulate.evaluate`)."""
-        return self.budget.before("simulation", 2)
+        """Whether the time is up, or would be after one more simulation (the plan chosen is
+        not simulated again: its :class:`Choice` keeps the phases)."""
+        return self.budget.before("simulation")
 
     def better(self, bounds: tuple[int, ...], found: Choice | None) -> Choice | None:
         """``found``, or the plan of ``bounds`` if it is faster (and fits)."""
         with self.budget.step("simulation"):
-            ms, rule = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits, self.schedule)
+            ms, rule, phases = timed(self.model, bounds, self.chunks, self.mode, self.interleave, self.limits,
+                                     self.schedule)
         if math.isfinite(ms) and (found is None or ms < found.iteration_ms):
-            return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule)
+            return Choice(bounds, self.chunks, self.mode, ms, self.interleave, self.schedule, rule, phases)
         return found
 
     def enumerate(self, found: Choice | None, splits: _Splits) -> tuple[Choice | None, float]:

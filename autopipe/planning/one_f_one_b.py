@@ -124,9 +124,9 @@ def _seeded(model: CostModel, seeds: Sequence[tuple[int, ...]], candidates: Sequ
                 if budget.before("simulation"):
                     return found
                 with budget.step("simulation"):
-                    ms = timed(model, bounds, chunks, mode, 1, limits, "1f1b")[0]
+                    ms, _, phases = timed(model, bounds, chunks, mode, 1, limits, "1f1b")
                 if found is None or ms < found.iteration_ms:
-                    found = Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b")
+                    found = Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b", phases=phases)
     return found
 
 
@@ -139,8 +139,9 @@ def _group(model: CostModel, chunks: int, mode: str, k: int, factor: int, limits
     bounds = _split(model, chunks, mode, k, limits)
     if bounds is None:
         return found
-    ms = evaluate(model, bounds, chunks, mode, "1f1b").iteration_ms
-    return better(found, Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b"))
+    evaluation = evaluate(model, bounds, chunks, mode, "1f1b")
+    phases = evaluation.forward_ms, evaluation.backward_ms
+    return better(found, Choice(tuple(bounds), chunks, mode, evaluation.iteration_ms, schedule="1f1b", phases=phases))
 
 
 def _bound(model: CostModel, chunks: int, mode: str, k: np.ndarray | int, cuts: np.ndarray) -> np.ndarray:

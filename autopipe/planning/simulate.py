@@ -183,12 +183,16 @@ def simulate_plan(plan: Plan) -> Simulation:
 
 
 def evaluate(model: CostModel, bounds: Sequence[int], chunks: int, mode: str, schedule: str = "gpipe",
-             placement: Sequence[int] | None = None, turns: str = "depth_first") -> Evaluation:
+             placement: Sequence[int] | None = None, turns: str = "depth_first",
+             phases: tuple[float, float] | None = None) -> Evaluation:
     """Cost a split under ``schedule`` with stage ``s`` on device ``placement[s]`` (default
     ``s``) and shared devices taking ``turns``: fill-drain with one stage per device by the
-    closed form (:meth:`CostModel.evaluate`), anything else by simulation."""
+    closed form (:meth:`CostModel.evaluate`), anything else by simulation, or by the forward
+    and backward ``phases`` of the simulation the search already ran."""
     if schedule == "gpipe" and (placement is None or list(placement) == list(range(len(placement)))):
         return model.evaluate(bounds, chunks, mode)
     lanes = model.stage_lanes(bounds, chunks, mode, placement, schedule)
-    simulation = simulate(lanes, chunks, mode, placement, schedule, turns, timeline=False)
-    return Evaluation(lanes, simulation.forward_ms, simulation.backward_ms)
+    if phases is None:
+        simulation = simulate(lanes, chunks, mode, placement, schedule, turns, timeline=False)
+        phases = simulation.forward_ms, simulation.backward_ms
+    return Evaluation(lanes, *phases)

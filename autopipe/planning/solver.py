@@ -156,7 +156,8 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
               "placement": placement, "placements_searched": "all" if everywhere else tried,
               "device_order": list(order)}
     return build_plan(profile, placements.permuted(model, order), choice.bounds, choice.chunks, choice.mode, record,
-                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest)
+                      choice.interleave, choice.schedule, min(lower, choice.iteration_ms), choice.turns, digest,
+                      choice.phases)
 
 
 def _search_all(model: CostModel, options: Options, limits: np.ndarray, budget: Budget,
