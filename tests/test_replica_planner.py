@@ -55,7 +55,7 @@ def _total(profile: Profile, model: CostModel, bounds: tuple[int, ...], m: int, 
            interleave: int, limit: float, replicas: int) -> float:
     """A plan's pipeline time (under its faster turn rule) and reduction tail; ``inf`` if it
     does not fit."""
-    ms, rule = interleaved.timed(model, bounds, m, mode, interleave, np.full(len(model.devices), limit), schedule)
+    ms, rule, _ = interleaved.timed(model, bounds, m, mode, interleave, np.full(len(model.devices), limit), schedule)
     if math.isinf(ms):
         return ms
     where = placement(len(bounds) - 1, interleave)

@@ -248,9 +248,10 @@ class Search:
         forward_cap, backward_cap = self._caps()
         within = np.flatnonzero((forward <= forward_cap) & (back <= backward_cap))
         state, stops, start, forward, back = state[within], stops[within], start[within], forward[within], back[within]
-        memory = model.memory(costs, start, stops, self.m, self.mode, model.held_bytes(costs, start, stops))
-        fits = np.flatnonzero(memory <= self.limits[stage])
-        state, stops, start, forward, back = state[fits], stops[fits], start[fits], forward[fits], back[fits]
+        if math.isfinite(self.limits[stage]):  # pricing memory loops over the skips: only where it may not fit
+            memory = model.memory(costs, start, stops, self.m, self.mode, model.held_bytes(costs, start, stops))
+            fits = np.flatnonzero(memory <= self.limits[stage])
+            state, stops, start, forward, back = state[fits], stops[fits], start[fits], forward[fits], back[fits]
         copy_in = self.candidate.copy_forward[stage - 1, start] if stage else np.zeros(len(stops))
         copy_grad = self.candidate.copy_back[stage, stops]
         skipped = forward if self.mode == "except_last" else np.zeros(len(stops))
