@@ -99,6 +99,95 @@ def test_double_backward_is_refused(how: str) -> None:
     assert_step_matches(pipe, reference, torch.randn(6, 4), chunks=2)
 
 
+# -- a frozen pipeline ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_frozen_pipeline_on_data_gives_an_output_without_a_graph() -> None:
+    """Neither input nor parameter requires grad: the plain model's output requires none and its
+    backward raises; the pipeline's output required grad (through the tie), so a backward ran
+    every stage's recomputation and backward for no gradient, silently."""
+    model = two_linears().requires_grad_(False)
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], chunks=2)
+    x = torch.randn(6, 4)
+    out, expected = pipe(x), reference(x)
+    assert out.requires_grad is expected.requires_grad is False
+    assert_close(out, expected, "output")
+    for value in (expected, out):
+        with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad"):
+            value.sum().backward()
+    assert {e.kind for e in pipe.last_trace()} == {"F"}
+    x_pipe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()  # an input needing its gradient
+    pipe(x_pipe).pow(2).sum().backward()
+    reference(x_ref).pow(2).sum().backward()
+    assert_close(x_pipe.grad, x_ref.grad, "input gradient")
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+# -- gradients the caller names ------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{"balance": [3, 2], "checkpoint": "except_last"},
+                                     {"balance": [3, 2], "replicas": 2, "devices": ["cpu"] * 4},
+                                     {"balance": [2, 1, 1, 1], "interleave": 2, "devices": ["cpu"] * 2}], ids=str)
+def test_autograd_grad_of_the_input_is_the_plain_models_and_touches_no_grad(options: dict[str, Any]) -> None:
+    """``torch.autograd.grad(loss, x)`` gives the plain model's input gradient and, as there,
+    leaves every ``.grad`` alone (one filled would reach the next optimizer step), with replicas
+    and interleaved stages too (:mod:`test_runtime` checks skips and checkpoint modes)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, chunks=2, **options)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    mine, expected = (torch.autograd.grad(m(x).pow(2).sum(), x)[0] for m in (pipe, reference))
+    assert_close(mine, expected, "input gradient")
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+# -- a second backward through one output ------------------------------------------------------
+
+def _two_losses(model: nn.Module, x: Tensor) -> Tensor:
+    """Two losses on one output, backwarded in turn (the first retaining the graph): the
+    gradients of both, in ``.grad`` and the input's."""
+    x = x.detach().requires_grad_()
+    out = model(x)
+    out.pow(2).sum().backward(retain_graph=True)
+    torch.autograd.grad(out.sum(), x, retain_graph=True)  # an input gradient alone in between
+    out.tanh().sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_second_backward_through_a_retained_graph_is_the_plain_models(checkpoint: str) -> None:
+    """``backward(retain_graph=True)`` then another backward through the same output works on
+    the plain model; the pipeline had freed its stages' state and refused the second."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 2, 1], devices=["cpu"] * 3, chunks=2, checkpoint=checkpoint)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert_close(_two_losses(pipe, x), _two_losses(reference, x), "input gradient")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, f"{name}.grad")
+
+
+@pytest.mark.timeout(60)
+def test_a_second_backward_without_retain_graph_is_refused_as_autograd_refuses_it() -> None:
+    """Without ``retain_graph=True`` the plain model's second backward raises autograd's error,
+    which says to retain the graph; the pipeline's says the same."""
+    model = two_linears()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], chunks=2)
+    x = torch.randn(6, 4)
+    for m in (reference, pipe):
+        out = m(x)
+        out.sum().backward()
+        with pytest.raises(RuntimeError, match="backward through .* a second time.*Specify retain_graph=True"):
+            out.sum().backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, "grad")
+
+
 # -- several threads ----------------------------------------------------------------------
 
 class Interleaved:
@@ -260,6 +349,89 @@ def test_a_train_step_failing_before_any_backward_adds_no_note() -> None:
         _train(pipe, marked(8, row=0))
     assert not any("zero_grad" in note for note in info.value.__notes__)
     assert all(torch.equal(p.grad, b) for p, b in zip(pipe.parameters(), before))
+
+
+# -- a training step without gradients -------------------------------------------------------
+
+def _assert_next_step_matches(pipe: autopipe.Pipeline, reference: nn.Module) -> None:
+    """No gradient left by the refused step, and a correct step after it gives the plain model's."""
+    assert all(p.grad is None for p in pipe.parameters())
+    x = torch.randn(6, 4)
+    assert_close(_train(pipe, x), _train(reference, x), "loss")
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, "grad")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("disabled", [torch.no_grad, torch.inference_mode])
+def test_train_step_with_gradients_disabled_is_refused(schedule: str, disabled: Any) -> None:
+    """The plain model's ``loss.backward()`` raises under ``no_grad`` or ``inference_mode``; the
+    pipeline's workers ran the step with gradients anyway and filled ``.grad``."""
+    model = two_linears()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], chunks=2, schedule=schedule)
+    x = torch.randn(6, 4)
+    with disabled(), pytest.raises(RuntimeError, match="does not require grad"):
+        _train(reference, x)
+    with disabled(), pytest.raises(RuntimeError, match="called with gradients disabled .* call train_step outside"):
+        _train(pipe, x)
+    _assert_next_step_matches(pipe, reference)
+
+
+def _detached(out: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(out, target).detach()
+
+
+def _constant(out: Tensor, target: Tensor) -> Tensor:
+    return torch.tensor(1.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("loss_fn", [_detached, _constant])
+def test_a_loss_without_a_graph_is_refused(schedule: str, checkpoint: str, loss_fn: Any) -> None:
+    """The plain model's ``loss_fn(model(x), y).backward()`` raises for a loss without a graph;
+    the pipeline's step ran no backward and returned the loss, silently without gradients."""
+    model = two_linears()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], chunks=2, schedule=schedule, checkpoint=checkpoint)
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss_fn(reference(x), x).backward()
+    with pytest.raises(RuntimeError, match="loss that requires grad in no micro-batch .* return the loss computed"):
+        pipe.train_step(x, target=x, loss_fn=loss_fn)
+    _assert_next_step_matches(pipe, reference)
+
+
+IGNORED = -100.0
+
+
+def _labelled_sum(out: Tensor, target: Tensor) -> Tensor:
+    """A summed loss over the rows not marked :data:`IGNORED`, a constant where there are none."""
+    kept = target[:, 0] != IGNORED
+    if not kept.any():
+        return torch.zeros(())
+    return nn.functional.mse_loss(out[kept], target[kept], reduction="sum")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_loss_without_a_graph_in_some_micro_batches_is_the_plain_models(schedule: str) -> None:
+    """A micro-batch without labels may give a constant loss: the other micro-batches' gradients
+    are the plain model's, so only a step where no micro-batch's loss has a graph is refused."""
+    model = two_linears()
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], chunks=2, schedule=schedule)
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    target[:4] = IGNORED
+    loss = pipe.train_step(x, target=target, loss_fn=_labelled_sum, reduction="sum")
+    expected = _labelled_sum(reference(x), target)
+    expected.backward()
+    assert_close(loss, expected.detach(), "loss")
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, "grad")
 
 
 # -- errors that name the mistake ------------------------------------------------------------

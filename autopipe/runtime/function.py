@@ -20,6 +20,18 @@ whether autograd will run the node of its ``dummy`` (a view of a leaf that nothi
 asked through ``torch._C._will_engine_execute_node``, private but what
 ``torch.autograd.graph.register_multi_grad_hook`` is built on.
 
+A caller's backward with ``retain_graph=True`` has the stages keep their graphs and saved state
+too, so a second backward through the output (two losses on it, backwarded in turn) runs as on
+the plain model; without it the state is freed and a second backward refused, as autograd
+refuses it.  The tie asks autograd which through ``_get_current_graph_task_keep_graph``, private.
+
+The parameters are not in the caller's graph, so ``torch.autograd.grad(loss, params)`` and
+``loss.backward(inputs=[param])`` give them nothing, and the tie cannot even tell (autograd does
+not run a node that leads to none of the tensors asked for).  Tying them in as inputs would
+make every ``loss.backward()`` call their ``AccumulateGrad`` with no gradient (their tensor
+hooks see ``None``, their post-accumulate hooks fire once more) unless the tie returned their
+gradients, which the stages cannot compute without firing those hooks themselves.
+
 The tie's backward waits for the stages before it returns, so that the phase is over, and its
 failure raised, before the caller's backward goes on: a caller whose backward then fails
 elsewhere finds no stage still adding into ``.grad``.  One case cannot wait: a gradient of the
@@ -47,6 +59,10 @@ _execution_engine = Variable._execution_engine  # queue_callback, as DDP and FSD
 # private; without it (no torch this package supports) the stages add into every .grad, as
 # loss.backward() does
 _will_execute = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+# private; whether the caller's backward keeps its graph (retain_graph=True), so the stages keep theirs;
+# without it (no torch this package supports) a second backward is refused
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: False)
 
 __all__ = ["PipelineTie"]
 
@@ -92,14 +108,18 @@ class PipelineTie(torch.autograd.Function):
                 "that term with the plain model, or backward without create_graph=True")
         replicas: Replicas = ctx.replicas
         runs = replicas.runs
-        if any(run.output_grads for run in runs):
-            raise RuntimeError("backward through a pipeline output twice is not supported "
-                               "(the pipeline frees its saved state after the first backward)")
+        if any(run.freed for run in runs):
+            raise RuntimeError(
+                "Trying to backward through a pipeline output a second time: the pipeline freed its saved state "
+                "(each stage's graph) after the first backward. Specify retain_graph=True in the first backward "
+                "(as for any graph) to backward through it again")
         parts = [list(micro) for micro in zip(*(split_output_grad(g, replicas.sizes) for g in grads))]
         named_inputs = not _will_execute(ctx.dummy)  # autograd.grad(loss, x), loss.backward(inputs=[x])
+        retain = _keeps_graph()
         for run in runs:
             run.output_grads, parts = parts[:run.chunks], parts[run.chunks:]
             run.inputs_only = named_inputs
+            run.retain_graph, run.freed = retain, not retain
         if not any(ctx.needs_input_grad[3:]) and _on_a_device_thread(grads):
             # Nothing to return: let the caller's backward go on and wait at its very end.
             replicas.start_phase("backward")

@@ -94,7 +94,8 @@ class Pipeline(nn.Module):
     * Grad mode, autocast and the intra-op thread count are per thread; the caller's are
       applied on the workers for each call (a layer exported by torch.export refuses an autocast
       or dtypes its graph does not cover: :mod:`autopipe.model.capture._layer`).
-    * Under ``torch.no_grad()`` only the forward runs and nothing is kept.  In ``eval()``
+    * Under ``torch.no_grad()`` only the forward runs and nothing is kept, as where neither an
+      input nor a parameter requires grad (a frozen model).  In ``eval()``
       layers behave as in eval and nothing is checkpointed, but gradients still flow.
     * Each call's state lives in its own run: several forwards may precede their backwards,
       and a forward whose output is dropped frees its state with the output.  Calls from
@@ -138,8 +139,10 @@ class Pipeline(nn.Module):
     Each stage runs its own backward, so parameters receive their gradients in ``.grad`` (as
     with ``loss.backward()``); ``torch.autograd.grad`` with respect to the pipeline's
     parameters is not supported (they are not in the caller's graph, so they get no gradient,
-    without an error; gradients with respect to the inputs work), and ``create_graph=True`` (a
-    gradient penalty) and a second backward through the same output are refused.
+    without an error, and ``loss.backward(inputs=[param])`` leaves their ``.grad`` alone;
+    gradients with respect to the inputs work), and ``create_graph=True`` (a gradient penalty) is
+    refused.  A second backward
+    through the same output needs ``retain_graph=True`` in the first, as on the plain model.
 
     Args:
         model: anything :func:`~autopipe.layer_chain` reads, or a list of layers.
@@ -257,7 +260,7 @@ class Pipeline(nn.Module):
     @_eager
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
-        grad = torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() and self._differentiable(args)
         if grad and self.schedule != "gpipe":
             raise RuntimeError(
                 f"a '{self.schedule}' pipeline interleaves forwards and backwards, so it needs the loss "
@@ -272,6 +275,13 @@ class Pipeline(nn.Module):
             replicas.run_phase("forward")
             output = replicas.take_outputs()
         return model_output(self.stages[-1].modules[-1], output)
+
+    def _differentiable(self, args: tuple[Any, ...]) -> bool:
+        """Whether a call on ``args`` can give an output that requires grad: an input or a
+        parameter requires one.  A frozen pipeline on data (a feature extractor) then runs as
+        under ``no_grad``: its output requires no grad, as the plain model's, so a backward
+        neither reaches it (running the stages' backwards for nothing) nor passes silently."""
+        return any(t.requires_grad for t in tensors_of(args)) or any(p.requires_grad for p in self.parameters())
 
     @_eager
     def train_step(self, *args: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor],
@@ -308,6 +318,9 @@ class Pipeline(nn.Module):
                 naming the stage, phase and micro-batch.  A ``.grad`` that was ``None`` before the
                 failed step is ``None`` again; one that held gradients and now holds part of the
                 step's too gets a note saying so.
+            RuntimeError: gradients are disabled (``torch.no_grad()``, ``torch.inference_mode()``),
+                or ``loss_fn``'s loss does not require grad (detached), where the plain model's
+                ``loss.backward()`` raises too.
             ValueError: ``target`` does not have the inputs' batch size, or the batch is empty
                 with ``reduction="mean"``.
             TypeError: ``target`` holds no tensor.
@@ -315,6 +328,7 @@ class Pipeline(nn.Module):
             OptionError: ``reduction`` is not ``"mean"`` or ``"sum"``.
         """
         check_choice(reduction, "reduction", REDUCTIONS)
+        _check_grad_enabled()
         args = call_arguments(self.stages[0].modules[0], args, kwargs)
         replicas = self._replicas(args, True)
         total = sum(replicas.sizes)
@@ -333,6 +347,7 @@ class Pipeline(nn.Module):
             run.loss = Loss(on_model_output, micro_targets, weights)
         with _restored_on_failure(list(self.parameters())):
             replicas.run_phase("train")
+        _check_differentiable(replicas.runs)
         losses = [run.outputs.pop(j) for run in replicas.runs for j in range(run.chunks)]
         return torch.stack([loss.detach().to(losses[0].device) for loss in losses]).sum()
 
@@ -491,6 +506,33 @@ def _micro_targets(share: tuple[Any, ...] | None, chunks: int, count: int) -> li
     if share is None:
         return [None] * count
     return [parts[0] for parts in scatter(share, chunks)]
+
+
+def _check_grad_enabled() -> None:
+    """Refuse a training step with gradients disabled: the plain model's ``loss.backward()``
+    raises there, and the workers, which take the caller's grad mode per call, would otherwise
+    compute the gradients of a step the caller asked to run without them."""
+    if not torch.is_grad_enabled():
+        mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+        raise RuntimeError(
+            f"train_step computes gradients, but it was called with gradients disabled ({mode} or "
+            "torch.set_grad_enabled(False)), where the plain model's loss.backward() raises too (element 0 of "
+            "tensors does not require grad); call train_step outside that block, and pipe(x) inside it for "
+            "inference")
+
+
+def _check_differentiable(runs: list[Run]) -> None:
+    """Refuse a step whose loss had no graph in any micro-batch (``loss_fn`` detached it, or
+    nothing it depends on requires grad), as the plain model's ``loss.backward()`` does: the
+    step ran no backward and gave no gradient.  A loss without a graph in some micro-batches
+    only (a constant for one without labels) is the plain model's too, so it passes."""
+    if not any(run.loss_has_graph for run in runs):
+        raise RuntimeError(
+            "loss_fn returned a loss that requires grad in no micro-batch (element 0 of tensors does "
+            "not require grad and does not have a grad_fn, as the plain model's loss.backward() raises), so this "
+            "step gave no gradient: the loss was detached (.detach(), .item(), torch.tensor(...)) or computed "
+            "under torch.no_grad(), or nothing it depends on requires grad; return the loss computed from "
+            "loss_fn's output argument, under autograd")
 
 
 @contextlib.contextmanager

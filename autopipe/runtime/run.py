@@ -152,9 +152,14 @@ class Run:
     events: list[Event] = field(default_factory=list)
     error: BaseException | None = None
     loss: Loss | None = None  # set by train_step: the last stage ends in the loss
+    loss_has_graph: bool = False  # set by the last stage once a micro-batch's loss requires grad
     # set by the tie's backward under autograd.grad(loss, x) or loss.backward(inputs=[x]): the stages
     # give their received tensors gradients and leave every parameter's .grad alone
     inputs_only: bool = False
+    # set by the tie's backward: whether the caller's backward keeps its graph (retain_graph=True), so
+    # the stages keep theirs and their saved state; freed once a backward did not
+    retain_graph: bool = False
+    freed: bool = False
 
     meter: StageMeter | None = None  # set when the pipeline measures memory
     # (receiving stage, message key) -> the marks of a message's tensors that are, in the plain

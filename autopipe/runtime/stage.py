@@ -14,7 +14,8 @@ order.  For micro-batch ``j`` it
 * backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
   at most ``GRADIENT_WINDOW`` of them alive), the gradient of its output and of each leaving skip, recomputes
   if checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
-  on this thread (into the received leaves alone in a call marked ``inputs_only``),
+  on this thread (into the received leaves alone in a call marked ``inputs_only``; keeping its
+  graph and saved state where the caller's backward retains its graph),
   sends each leaf's gradient back to where the leaf came from (the previous stage, a skip's
   producer, or the caller for stage 0), and gives the next stage its credit back.
 """
@@ -231,6 +232,8 @@ class Stage:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a tensor of one element (a mean over the micro-batch), "
                             f"got {type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)}")
+        if torch.is_grad_enabled() and loss.requires_grad:  # a checkpointed forward tells in its recomputation
+            run.loss_has_graph = True
         return loss.reshape(()) * run.loss.weights[j]
 
     def _send_forward(self, run: Run, j: int, output: Value, leaving: dict[SkipKey, Value], checkpointed: bool,
@@ -294,7 +297,7 @@ class Stage:
             run.outputs[j] = map_tensors(run.outputs[j], Tensor.detach)
 
     def _backward_of(self, run: Run, j: int) -> None:
-        saved = run.saved[self.index].pop(j)
+        saved = run.saved[self.index][j] if run.retain_graph else run.saved[self.index].pop(j)
         inbox = run.inboxes[self.index]
         if self.is_last and run.loss is not None:
             output_grads = None  # the loss's own: ones, once the loss exists
@@ -316,9 +319,11 @@ class Stage:
                 pairs += zip(tensors_of(saved.leaving[key]), skip_grads[key])
             pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
             into = self._gradients_into(run, saved)
+            _clear_grads((saved.args, saved.skips))
             if pairs and into != []:
                 with self._on_stream():
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=into)
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=into,
+                                            retain_graph=run.retain_graph)
             run.events.append(Event(self.index, "compute", "B", j, begin, run.ms()))
         self._send_backward(run, j, saved)
 
@@ -434,6 +439,13 @@ class Stage:
     def _turn(self, kind: TaskKind) -> contextlib.AbstractContextManager[None]:
         """This stage's turn on its device for a ``kind`` ("F" or "B") task."""
         return self.turns.hold(self.turns.rank(self.index, kind))
+
+
+def _clear_grads(leaves: Value) -> None:
+    """Empty the received leaves' ``.grad`` before a backward: after an earlier backward through a
+    retained graph they hold its gradients, already sent, which this one's would add to."""
+    for leaf in tensors_of(leaves):
+        leaf.grad = None
 
 
 def _versions(value: Value) -> list[int]:
