@@ -7,6 +7,8 @@ in-process runtime (``autopipe.Pipeline``).
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -51,11 +53,111 @@ class CatJoin(nn.Module):
         return torch.cat(pair, dim=1)
 
 
-class Labelled(nn.Module):
-    """Returns a tensor with a string: not something one rank can send to another."""
+class Counting(nn.Module):
+    """Returns a tensor with a count of its calls: a plain value that differs in every micro-batch,
+    which the engine cannot send (it sends the form of the shape probe's value once)."""
 
-    def forward(self, x: Tensor) -> tuple[Tensor, str]:
-        return x, "label"
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> tuple[Tensor, int]:
+        self.calls += 1
+        return x, self.calls
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class Halves:
+    a: Tensor
+    b: Any
+
+
+#: The values a layer returns, by name, from two tensors: a namedtuple, a list, a dataclass holding a
+#: dict inserted out of key order with plain items (None, a string), a tuple with plain items, a dict
+#: with a 0-dim tensor (an auxiliary loss).
+FORMS: dict[str, Callable[[Tensor, Tensor], Any]] = {
+    "namedtuple": lambda a, b: Pair(a, b),
+    "list": lambda a, b: [a, b],
+    "nested": lambda a, b: Halves(a, {"tag": "x", "none": None, "b": b}),
+    "plain": lambda a, b: (a, None, 3, b),
+    "dict": lambda a, b: {"b": b, "a": a, "aux": (a * a).mean()},
+}
+
+
+def halves(value: Any) -> tuple[Tensor, Tensor, Tensor | float]:
+    """The two tensors (and the auxiliary loss, 0 without one) out of a value of :data:`FORMS`, checking
+    that it arrived as the layer returned it."""
+    if isinstance(value, Pair):
+        return value.a, value.b, 0.0
+    if isinstance(value, list):
+        return value[0], value[1], 0.0
+    if isinstance(value, Halves):
+        assert list(value.b) == ["tag", "none", "b"] and value.b["tag"] == "x" and value.b["none"] is None
+        return value.a, value.b["b"], 0.0
+    if isinstance(value, dict):
+        return value["a"], value["b"], value["aux"]
+    assert type(value) is tuple and value[1:3] == (None, 3), value
+    return value[0], value[3], 0.0
+
+
+class Make(nn.Module):
+    """Returns its input's halves as a value of :data:`FORMS` (the stage's last layer)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, x: Tensor) -> Any:
+        half = x.size(1) // 2
+        return FORMS[self.form](x[:, :half], x[:, half:] * 2)
+
+
+class Use(nn.Module):
+    """Needs the value as :class:`Make` returned it (the next stage's first layer)."""
+
+    def forward(self, value: Any) -> Tensor:
+        a, b, _ = halves(value)
+        return a * b - 0.5 * b
+
+
+def sent_model(form: str) -> nn.Sequential:
+    """Balance [2, 2]: the first stage ends with a ``form`` value, the second starts by reading it."""
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 16), Make(form), Use(), nn.Linear(8, 4))
+
+
+def output_model(form: str) -> nn.Sequential:
+    """Balance [2, 2]: the last stage returns a ``form`` value, read by :func:`halves_loss`."""
+    torch.manual_seed(10)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Make(form))
+
+
+def halves_loss(output: Any, target: Tensor) -> Tensor:
+    a, b, aux = halves(output)
+    return nn.functional.mse_loss(a * b, target) + aux
+
+
+class Holder:
+    """Holds a tensor in an attribute, which no walk over values sees."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+class Switched(nn.Module):
+    """Returns what the worker sets: ``"ok"`` (a dict), or a value with no tensor the engine can
+    send: ``"text"`` (a string), ``"hidden"`` (a :class:`Holder`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.form = "ok"
+
+    def forward(self, x: Tensor) -> Any:
+        return {"ok": lambda: FORMS["dict"](x[:, :4], x[:, 4:]), "text": lambda: "text",
+                "hidden": lambda: Holder(x)}[self.form]()
 
 
 @skippable(stash=["x"])
@@ -131,9 +233,21 @@ def spectral_model() -> nn.Sequential:
                          parametrizations.spectral_norm(nn.Linear(8, 4)))
 
 
-def labelled_model() -> nn.Sequential:
+class First(nn.Module):
+    def forward(self, pair: tuple[Tensor, Any]) -> Tensor:
+        return pair[0]
+
+
+def counting_model() -> nn.Sequential:
+    """Balance [2, 2]: the first stage ends with a :class:`Counting`."""
     torch.manual_seed(4)
-    return nn.Sequential(nn.Linear(8, 8), Labelled(), nn.Linear(8, 4))
+    return nn.Sequential(nn.Linear(8, 8), Counting(), First(), nn.Linear(8, 4))
+
+
+def switched_model() -> nn.Sequential:
+    """Balance [2, 2]: the last stage returns what its :class:`Switched` is set to."""
+    torch.manual_seed(10)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), Switched())
 
 
 def skip_model() -> nn.Sequential:
@@ -191,11 +305,12 @@ class SwitchedLoss:
         return loss.detach() if self.form == "detached" else loss
 
 
-def reference(model: nn.Module, chunks: int, lr: float = 0.0) -> dict[str, Tensor]:
+def reference(model: nn.Module, chunks: int, lr: float = 0.0,
+              loss_fn: Callable[..., Tensor] = nn.functional.mse_loss) -> dict[str, Tensor]:
     """Gradients of the plain model accumulated micro-batch by micro-batch (then an SGD step)."""
     x, y = batch()
     for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
-        (nn.functional.mse_loss(model(xi), yi) / chunks).backward()
+        (loss_fn(model(xi), yi) / chunks).backward()
     torch.optim.SGD(model.parameters(), lr=lr).step()
     return {name: p.grad for name, p in model.named_parameters()}
 
@@ -265,12 +380,35 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["losses"] = _refused_losses()
     result["padded"] = _run(classifier_model(), [2, 1], CHUNKS, "gpipe", loss_fn=token_sum_per_position,
                             data=(batch()[0].double(), PADDED))["grads"]
-    # Last: rank 0 refuses to send a string and leaves; rank 1, waiting for it, then fails too.
+    for form in FORMS:
+        result[f"sent_{form}"] = _run(sent_model(form), [2, 2], 2, "gpipe")["grads"]
+        result[f"output_{form}"] = _run(output_model(form), [2, 2], 2, "1f1b", loss_fn=halves_loss)["grads"]
+    result["outputs_refused"] = _refused_outputs()
+    # Last: rank 0 refuses to send a count that differs from the shape probe's and leaves; rank 1,
+    # waiting for it, then fails too.
     if rank == 0:
-        result["non_tensor"] = error_of(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+        result["changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
         torch.save(result, out / f"rank{rank}.pt")
         os._exit(0)
-    result["peer_of_non_tensor"] = error_of(lambda: _run(labelled_model(), [2, 1], 2, "gpipe"))
+    result["peer_of_changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
+    return result
+
+
+def _refused_outputs() -> dict[str, Any]:
+    """Steps whose last stage returns no tensor, refused on every rank; then a right step, whose
+    gradients are the plain model's (the refused steps ran with zero losses)."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(switched_model(), balance=[2, 2], chunks=2, loss_fn=halves_loss)
+    switched = runner.module.layers[-1] if runner.is_last else Switched()
+    x, y = batch()
+    result: dict[str, Any] = {}
+    for form in ("text", "hidden"):
+        switched.form = form
+        result[form] = error_of(lambda: runner.step(x, target=y))
+    switched.form = "ok"
+    runner.step(x, target=y)
+    result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
     return result
 
 
@@ -502,7 +640,7 @@ def test_a_loss_that_is_not_one_number_on_the_graph_and_no_grad_are_refused_on_e
     assert last["float"].startswith("DistributedError: loss_fn returned a float,")
     assert last["detached"].startswith("DistributedError: loss_fn returned a tensor that does not require grad")
     for form in ("none", "float", "detached"):
-        assert first[form].startswith("DistributedError: the last rank refused this step's loss")
+        assert first[form].startswith("DistributedError: the last rank refused this step's output or loss")
     for result in (first, last):
         assert result["no_grad"].startswith("DistributedError: step() trains (forward and backward) but runs under "
                                             "torch.no_grad()")
@@ -525,11 +663,81 @@ def test_uneven_micro_batches_refused(two: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-def test_non_tensor_stage_output_refused_with_ourerror_of(two: list[dict[str, Any]]) -> None:
-    message = two[0]["non_tensor"]
-    assert message.startswith("StageOutputError: stage 0 ends with layer '1', which returns a tuple of (Tensor, str)")
-    assert "change the plan's balance" in message
-    assert two[1]["peer_of_non_tensor"] != "no error"
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_value_between_stages_arrives_as_the_layer_returned_it(two: list[dict[str, Any]], form: str) -> None:
+    """Its containers (namedtuple, list, dataclass, dict in its key order) and plain items, not a plain
+    tuple of its tensors: the next stage's layer reads it as in the plain model."""
+    _assert_grads_equal(_merged(two, f"sent_{form}"), reference(sent_model(form), 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", list(FORMS))
+def test_the_last_stage_output_reaches_loss_fn_as_the_layer_returned_it(two: list[dict[str, Any]], form: str) -> None:
+    """A namedtuple, list, dataclass, dict (with a 0-dim auxiliary loss) or a tuple holding None and a
+    number: loss_fn reads it as in the plain model, with the plain model's gradients."""
+    expected = reference(output_model(form), 2, loss_fn=halves_loss)
+    _assert_grads_equal(_merged(two, f"output_{form}"), expected)
+
+
+@pytest.mark.slow
+def test_a_last_stage_output_without_a_tensor_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
+    """The last rank refuses naming the layer, what it returns and the fix; the first rank raises
+    with it (not left waiting), and the pipeline goes on: the next right step gives the plain
+    model's gradients."""
+    first, last = (result["outputs_refused"] for result in two)
+    assert last["text"].startswith("DistributedError: the last stage ends with layer '3', which returns a str, with "
+                                   "no tensor in it; torch.distributed.pipelining sends and differentiates tensors")
+    assert "Fix: make that layer return its tensors" in last["text"]
+    assert last["hidden"].startswith("DistributedError: the last stage ends with layer '3', which returns a Holder: "
+                                     "a value of type Holder holds tensors in its attributes (tensor)")
+    for form in ("text", "hidden"):
+        assert last[form].endswith("This step ran with a zero loss in its place")
+        assert first[form].startswith("DistributedError: the last rank refused this step's output or loss")
+    expected = reference(switched_model(), 2, loss_fn=halves_loss)
+    _assert_grads_equal(first["grads"] | last["grads"], expected)
+
+
+@pytest.mark.slow
+def test_a_value_between_stages_unlike_the_shape_probes_is_refused_naming_it(two: list[dict[str, Any]]) -> None:
+    message = two[0]["changing_form"]
+    assert message.startswith("StageOutputError: stage 0 ends with layer '1', which returns a tuple of (Tensor, int) "
+                              "in micro-batch 0 unlike in the first step's shape probe")
+    assert "return the same containers and plain values whatever the input" in message
+    assert two[1]["peer_of_changing_form"] != "no error"
+
+
+def test_a_stage_value_without_a_tensor_is_refused_naming_it() -> None:
+    """Checked by the sending rank before anything is sent (the shape probe runs the stage first)."""
+    from autopipe.distributed import StageModule
+    from autopipe.errors import StageOutputError
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    switched = switched_model()
+    switched[3].form = "text"
+    layers = layer_chain(nn.Sequential(*switched, nn.Linear(4, 4)))
+    first = StageModule(layers[:4], 0, 2, skip_spans(layers, stage_of_layer([4, 1])))
+    with pytest.raises(StageOutputError, match="stage 0 ends with layer '3', which returns a str, with no tensor"):
+        first(torch.randn(3, 8))
+
+
+def test_a_stage_value_whose_form_was_not_sent_is_refused_unless_bare() -> None:
+    """Where torch never called the metadata hook that sends a value's form (a torch without it),
+    the receiver would read a dict as a plain tuple: the sender refuses it at its first micro-batch,
+    and still sends a tensor or a plain tuple of tensors, which the receiver reads right."""
+    from autopipe.distributed import StageModule
+    from autopipe.errors import StageOutputError
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    layers = layer_chain(nn.Sequential(*switched_model(), nn.Linear(4, 4)))
+    first = StageModule(layers[:4], 0, 2, skip_spans(layers, stage_of_layer([4, 1])))
+    first(torch.randn(3, 8))  # the shape probe (micro_batch None) keeps the form
+    first.micro_batch = 0
+    with pytest.raises(StageOutputError, match="did not pass its form to the next stage"):
+        first(torch.randn(3, 8))
+    first.form_sent = True
+    assert len(first(torch.randn(3, 8))) == 3  # the dict's three tensors
 
 
 @pytest.mark.slow

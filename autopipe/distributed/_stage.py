@@ -3,7 +3,7 @@ is relayed by every stage between its producer and its consumer."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -12,21 +12,26 @@ from torch.utils.checkpoint import checkpoint as checkpoint_fn
 from .._vocab import CheckpointMode
 from ..errors import StageOutputError
 from ..model import Layer
+from ..model._tensors import Value, items_of, map_tensors, tensors_of
 from ..model.skip import SkipTracker, use_skip_tracker
 from ..runtime.aliases import Watch
 from ..runtime.checkpoint import (buffer_slots, buffers_kept, buffers_replayed, buffers_restored, checkpointed,
-                                  recomputing)
+                                  is_recomputing, recomputing)
 from ..runtime.skips import SkipSpan
 
-__all__ = ["StageModule"]
+__all__ = ["StageModule", "zero_on"]
 
 
 class StageModule(nn.Module):
     """One rank's layers as the engine's stage: ``(main, *skips_in) -> (main, *skips_out)``.
 
-    The engine passes a stage's outputs as the next stage's positional arguments, so a tuple main
-    value travels flattened; the receiver knows how many trailing arguments are skips and packs
-    the rest back into the tuple the next layer expects.
+    The engine sends tensors only, each as one positional argument of the next stage, so the main
+    value travels as its tensors (walked as the in-process runtime walks values) and its form (the
+    value with placeholders for them: containers, keys, non-tensor items) goes once, with the shape
+    probe's metadata (:class:`~autopipe.distributed._schedule.Stage`).  The receiver knows how many
+    trailing arguments are skips and fills the form with the rest.  The last stage's output reaches
+    ``loss_fn`` from here (:meth:`take_output`), not through the engine, so any value with tensors
+    that the in-process runtime returns reaches the loss as the layer returned it.
     """
 
     def __init__(self, layers: Sequence[Layer], index: int, num_stages: int,
@@ -42,6 +47,20 @@ class StageModule(nn.Module):
         self.chunks = chunks
         #: The micro-batch being run, set by :class:`_Stage`; ``None`` in the engine's shape probe.
         self.micro_batch: int | None = None
+        #: The form of the main value this stage sent in the shape probe, and its signature, which every
+        #: micro-batch's must equal: the receiver fills that one form.
+        self.sent_form: Value = None
+        self._sent_signature: Hashable = None
+        #: Whether the form went to the next stage (a torch without the metadata hooks never sends it:
+        #: the receiver then reads one tensor as itself and several as a tuple, so nothing else may go).
+        self.form_sent = False
+        #: The form of the main value the stage before sent, ``None`` on the first stage (its inputs are the step's).
+        self.received_form: Value = None
+        #: The last stage's output in the micro-batch run last, until ``loss_fn`` takes it.
+        self.output: Any = None
+        #: Why the last stage's output cannot reach ``loss_fn``, set mid-step on the last rank (raising there
+        #: would leave the other ranks waiting); the pipeline raises it on every rank after the step.
+        self.refusal: str | None = None
 
     def forward(self, *received: Tensor) -> Any:
         if self.micro_batch is None:  # the engine's shape probe, which the plain model never ran
@@ -57,7 +76,7 @@ class StageModule(nn.Module):
         # a checkpoint's saved inputs intact for the recomputation).
         received = tuple(_non_leaf(t) for t in received)
         n_main = len(received) - len(self.skips_in)
-        main: Any = received[0] if n_main == 1 else tuple(received[:n_main])
+        main = self._main_of(received[:n_main])
         tracker = SkipTracker()
         for key, tensor in zip(self.skips_in, received[n_main:]):
             tracker.save(key, tensor)
@@ -70,8 +89,8 @@ class StageModule(nn.Module):
                 main = layer(main)
         watch.check(f"stage {self.index} ('{self.layer_names[0]}'..)", self.micro_batch)
         if self.is_last:
-            return main
-        sent = self._flat_main(main) + tuple(self._skip_out(tracker, key) for key in self.skips_out)
+            return self._output(main, received)
+        sent = self._sent(main) + tuple(self._skip_out(tracker, key) for key in self.skips_out)
         # The receiver's buffers copy the first micro-batch's strides and gloo refuses
         # non-contiguous buffers (a slice like x[:, :8]), so send contiguous tensors only.
         return tuple(t.contiguous() for t in sent)
@@ -100,17 +119,68 @@ class StageModule(nn.Module):
 
         return checkpoint_fn(run, *received, use_reentrant=False)
 
-    def _flat_main(self, main: Any) -> tuple[Tensor, ...]:
-        if isinstance(main, Tensor):
-            return (main,)
-        if isinstance(main, (tuple, list)) and len(main) > 1 and all(isinstance(t, Tensor) for t in main):
-            return tuple(main)
-        raise StageOutputError(
-            f"stage {self.index} ends with layer '{self.layer_names[-1]}', which returns "
-            f"{_describe(main)}; torch.distributed.pipelining can only send a tensor or a flat "
-            "tuple of two or more tensors to the next rank. Fix: split the model at another layer "
-            "(change the plan's balance) or make that layer return tensors only"
-        )
+    def take_output(self) -> Any:
+        """The last stage's output in the micro-batch run last, as its layer returned it, let go here."""
+        output, self.output = self.output, None
+        return output
+
+    def _main_of(self, tensors: Sequence[Tensor]) -> Any:
+        """The main value the stage before sent, or the first stage's inputs (one tensor, or a tuple)."""
+        if self.received_form is not None:
+            return _filled(self.received_form, tensors)
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+    def _sent(self, main: Any) -> tuple[Tensor, ...]:
+        """The main value's tensors; the shape probe keeps its form for the receiver, which fills that
+        form in every micro-batch, so a micro-batch whose value has another form is refused."""
+        tensors = self._tensors(main, "stage {index} ends with layer '{layer}', which returns {value}")
+        signature = _signature(main)
+        if self.micro_batch is None and not is_recomputing():  # the shape probe
+            self.sent_form, self._sent_signature = _form(main), signature
+        elif not self.form_sent and not _bare(main):
+            raise StageOutputError(
+                f"stage {self.index} ends with layer '{self.layer_names[-1]}', which returns {_describe(main)}, and "
+                f"this torch ({torch.__version__}) did not pass its form to the next stage, which would read it as "
+                "a tensor or a plain tuple of tensors. Fix: make that layer return a tensor or a tuple of tensors, "
+                "split the model at another layer, or use the torch this package is tested with (2.14)")
+        elif signature != self._sent_signature:
+            raise StageOutputError(
+                f"stage {self.index} ends with layer '{self.layer_names[-1]}', which returns {_describe(main)} in "
+                f"micro-batch {self.micro_batch} unlike in the first step's shape probe; the engine sends the tensors "
+                "and fixes the rest (container types, keys, non-tensor items) at the first step. Fix: return the "
+                "same containers and plain values whatever the input, or split the model at another layer")
+        return tuple(tensors)
+
+    def _output(self, main: Any, received: Sequence[Tensor]) -> Tensor:
+        """The last stage's output stays here for ``loss_fn`` (:meth:`take_output`, right after this
+        forward), and the engine gets one of its tensors: the engine takes tensors only and fixes their
+        count at the first step, which a dict whose keys vary between steps would not keep.  An output
+        without tensors is put in :attr:`refusal` and a zero on the received tensors' graph stands in,
+        so the step ends on every rank (their gradients are zeros) and then raises on all."""
+        try:
+            tensors = [main] if isinstance(main, Tensor) else self._tensors(
+                main, "the last stage ends with layer '{layer}', which returns {value}")
+        except StageOutputError as error:
+            self.refusal = f"{error}. This step ran with a zero loss in its place"
+            return zero_on(received)
+        if not is_recomputing():  # a checkpoint's recomputation, in backward, has no loss to feed
+            self.output = main
+        return tensors[0]
+
+    def _tensors(self, value: Any, what: str) -> list[Tensor]:
+        """The tensors in a stage's main value: at least one (the engine sends and differentiates
+        tensors, and has nothing to send for a value of none), none hidden in an object's attributes."""
+        said = what.format(index=self.index, layer=self.layer_names[-1], value=_describe(value))
+        try:
+            tensors = tensors_of(value)
+        except TypeError as error:
+            raise StageOutputError(f"{said}: {error}") from None
+        if not tensors:
+            raise StageOutputError(
+                f"{said}, with no tensor in it; torch.distributed.pipelining sends and differentiates tensors "
+                "only. Fix: make that layer return its tensors (numbers as tensors), or split the model at "
+                "another layer (change the plan's balance)")
+        return tensors
 
     def _skip_out(self, tracker: SkipTracker, key: Any) -> Tensor:
         """The engine sends tensors only (``.contiguous()`` on anything else fails inside it)."""
@@ -122,6 +192,42 @@ class StageModule(nn.Module):
             "torch.distributed.pipelining sends tensors only, so a skip between stages must be one tensor. "
             "Fix: stash each tensor under its own name, split the model so the stash and its pop share a "
             "stage (change the plan's balance), or use the in-process runtime (autopipe.Pipeline)")
+
+
+def _bare(value: Value) -> bool:
+    """Whether the next stage reads ``value`` right without its form: a tensor, or a plain tuple
+    of two or more tensors."""
+    return isinstance(value, Tensor) or (type(value) is tuple and len(value) > 1
+                                         and all(isinstance(t, Tensor) for t in value))
+
+
+def _form(value: Value) -> Value:
+    """``value`` with each tensor replaced by an empty meta tensor: what the receiver fills, small to send."""
+    return map_tensors(value, lambda tensor: torch.empty(0, device="meta"))
+
+
+def _filled(form: Value, tensors: Sequence[Tensor]) -> Value:
+    """``form`` with its placeholders replaced by ``tensors``, in the walk's order (the order sent)."""
+    queue = iter(tensors)
+    return map_tensors(form, lambda placeholder: next(queue))
+
+
+def _signature(value: Value) -> Hashable:
+    """What a value's form is made of, comparable across micro-batches: container types, keys (a
+    dict's in walk order, whatever its insertion order) and the non-tensor items' reprs."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    items = items_of(value)
+    if items is None:
+        return type(value), repr(value)
+    return type(value), tuple((key, _signature(item)) for key, item in items)
+
+
+def zero_on(value: Value) -> Tensor:
+    """Zero, computed from the value's tensors that need a gradient (its backward gives them zeros),
+    or a zero of its own when none does (nothing before the loss trains)."""
+    parts = [t.sum() * 0 for t in tensors_of(value) if t.requires_grad]
+    return torch.stack(parts).sum() if parts else torch.zeros((), requires_grad=True)
 
 
 def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, frozenset[str]]]:

@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 from .._vocab import CheckpointMode, Schedule
 from .._jsonio import write_atomic
@@ -22,7 +21,7 @@ from ..runtime.skips import skip_spans
 from ._replicas import average_buffers, data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
 from ._settings import RunSettings, agree, init_distributed, plan_device, uneven_split
-from ._stage import StageModule
+from ._stage import StageModule, zero_on
 from ._state import merge_state_dicts, state_prefix
 
 __all__ = [
@@ -126,7 +125,7 @@ class DistributedPipeline:
         self._trainable = [p.requires_grad for _, p in self.named_parameters()]
         # what this rank fed the first step it ran, "input (8, 10) float32", which the engine's buffers keep
         self._first_fed: list[str] | None = None
-        self._loss = _Share(loss_fn, self.chunks)
+        self._loss = _Share(loss_fn, self.chunks, self.module)
         # each micro-batch's loss divided by their count, and gradients left as they come: the
         # engine's own averaging (scale_grads) divides all of .grad, also what an earlier step
         # left there, so gradients accumulated over steps would not add up as the plain model's
@@ -184,8 +183,9 @@ class DistributedPipeline:
                 it is called under ``torch.no_grad()``; the first rank's inputs or the last rank's
                 target are missing or differ in batch size, shape or dtype from the first step's;
                 with replicas, a parameter's ``requires_grad`` changed since construction.  After
-                the step: ``loss_fn`` did not return a scalar tensor on the output's graph (the step
-                ran with a zero loss in its place).
+                the step (which ran with a zero loss in its place): the last stage's output holds no
+                tensor or hides tensors in an object's attributes; ``loss_fn`` did not return a
+                scalar tensor on the output's graph.
         """
         fed = self._fed(inputs, target)
         agree(self._refusal(fed), self.layout.job_group, self.device,
@@ -195,11 +195,12 @@ class DistributedPipeline:
         losses: list[Tensor] = []
         args = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
         kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}  # type: ignore[union-attr]
-        self._loss.refusal = None
-        self.schedule.step(*args, **kwargs)
-        agree(self._loss.refusal, self.layout.job_group, self.device,
-              "the last rank refused this step's loss (its error names the problem and the fix); the step "
-              "ran with a zero loss in its place")
+        self._loss.refusal = self.module.refusal = None
+        # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
+              "the last rank refused this step's output or loss (its error names the problem and the fix); the "
+              "step ran with a zero loss in its place")
         average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 
@@ -311,14 +312,19 @@ class _Share:
 
     It runs mid-step on the last rank only, where raising would leave the other ranks waiting: a
     result the engine cannot run backward from is put in :attr:`refusal` and a zero on the output's
-    graph stands in, so the step ends on every rank and then raises on all of them.
+    graph stands in, so the step ends on every rank and then raises on all of them.  ``loss_fn`` gets
+    the output as the last layer returned it (:meth:`StageModule.take_output`; the engine's ``output``
+    is one of its tensors, or the stand-in for an output the stage refused, when ``loss_fn`` is not called).
     """
 
-    def __init__(self, loss_fn: Callable[..., Tensor], chunks: int) -> None:
-        self.loss_fn, self.chunks = loss_fn, chunks
+    def __init__(self, loss_fn: Callable[..., Tensor], chunks: int, stage: StageModule) -> None:
+        self.loss_fn, self.chunks, self.stage = loss_fn, chunks, stage
         self.refusal: str | None = None
 
     def __call__(self, output: Any, target: Any) -> Tensor:
+        if self.stage.refusal is not None:
+            return zero_on(output)
+        output = self.stage.take_output()
         loss = self.loss_fn(output, target)
         if isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad:
             return loss / self.chunks
@@ -326,14 +332,7 @@ class _Share:
             f"loss_fn returned {_what_loss(loss)}, and the engine runs the backward of one number per micro-batch: "
             "return a scalar tensor computed from the output, the micro-batch's mean over its samples "
             "(reduction='mean', not 'none'; not .item()). This step ran with a zero loss in its place")
-        return _zero_on(output)
-
-
-def _zero_on(output: Any) -> Tensor:
-    """Zero, computed from the output's tensors that need a gradient (its backward gives them zeros),
-    or a zero of its own when none does (nothing before the loss trains)."""
-    parts = [t.sum() * 0 for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-    return torch.stack(parts).sum() if parts else torch.zeros((), requires_grad=True)
+        return zero_on(output)
 
 
 def _what_loss(loss: Any) -> str:
