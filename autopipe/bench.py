@@ -26,7 +26,7 @@ from .timeline import Event
 __all__ = [
     "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
-    "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices",
+    "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices", "check_local",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -351,6 +351,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    check_local(plan)
     device = plan_devices(plan)[0]
     optimizer = plan_optimizer(plan)
     single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device], optimizer=optimizer)
@@ -367,6 +368,21 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
         pipeline=medians(piped.times), steps=steps, warmup=warmup,
         predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
     )
+
+
+def check_local(plan: Plan, path: str | None = None) -> None:
+    """Refuse a plan made for the distributed engine (``--engine distributed``), naming its file
+    ``path`` if given: bench runs plans in this one process, on the in-process runtime, which
+    would run it without a word while its predictions are the distributed engine's (one process
+    per stage, skips relayed stage by stage, a receive buffer per stage), comparable with
+    nothing measured here."""
+    if plan.options.get("engine", "local") == "local":
+        return
+    processes = plan.replicas * len(plan.stages)
+    raise ValueError(f"{path or 'the plan'} was made for --engine distributed, which bench does not run (it runs "
+                     f"plans in one process): run it under torchrun, one process per stage, e.g. torchrun "
+                     f"--nproc-per-node {processes} examples/distributed_train.py --plan {path or 'PLAN'} (a "
+                     "DistributedPipeline script), or plan again without --engine distributed to bench it here")
 
 
 def plan_devices(plan: Plan) -> list[torch.device]:

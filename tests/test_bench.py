@@ -303,3 +303,22 @@ def test_a_profile_of_scalar_samples_is_benched_with_its_own_empty_shape(
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "speedup" in captured.out
+
+
+def test_a_plan_for_the_distributed_engine_is_refused_saying_how_to_run_it(
+        tiny_profile: autopipe.Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bench ran such a plan in this process without a word, against predictions made for one
+    process per stage: refused, before the model is built, naming torchrun with the plan's
+    process count; the library call too."""
+    plan = autopipe.plan(tiny_profile, ["cpu", "cpu"], engine="distributed", chunks=2, replicas=1)
+    path = plan.save(tmp_path / "distributed.json")
+    processes = len(plan.stages)
+    capsys.readouterr()
+    assert main(["bench", "--plan", str(path), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"autopipe bench: error: {path} was made for --engine distributed")
+    assert f"torchrun --nproc-per-node {processes} examples/distributed_train.py --plan {path}" in err
+    batch, target = synthetic_batch(tiny_model(), [FEATURES], BATCH)
+    with pytest.raises(ValueError, match=f"the plan was made for --engine distributed.*--nproc-per-node {processes}"):
+        bench_plan(tiny_model(), plan, batch, target, steps=1)

@@ -200,3 +200,15 @@ def test_a_closed_stdout_keeps_the_profile(tmp_path) -> None:
         os.close(write)
     assert (done.returncode, done.stderr) == (1, "")
     assert autopipe.Profile.load(out).model["spec"] == SPEC
+
+
+def test_bench_refuses_a_plan_for_the_distributed_engine(saved, tmp_path, capsys) -> None:
+    """``plan --engine distributed`` makes a plan for one process per stage under torchrun, which
+    ``bench`` ran in its one process without a word."""
+    path = tmp_path / "distributed.json"
+    assert main(["plan", str(saved[0]), "--devices", "cpu,cpu", "--engine", "distributed", "--chunks", "2",
+                 "-o", str(path)]) == 0
+    stages = len(autopipe.Plan.load(path).stages)
+    _error(capsys, ["bench", "--plan", str(path), "--steps", "1"],
+           f"{path} was made for --engine distributed, which bench does not run (it runs plans in one process): "
+           f"run it under torchrun, one process per stage, e.g. torchrun --nproc-per-node {stages}")

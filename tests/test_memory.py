@@ -17,6 +17,7 @@ from autopipe.planning.cost import CostModel
 from autopipe.planning.plans import Plan
 from autopipe.profiling.profiler import profile
 from autopipe.profiling.profiles import Profile
+from models import TiedHead
 
 D, BATCH, CHUNKS = 512, 64, 4
 B = BATCH // CHUNKS
@@ -144,6 +145,28 @@ def test_bytes_measured_again_keep_the_times(tmp_path, mlp_profile):
             (old.saved_bytes, old.workspace_bytes, old.output_saved, old.aliases_input)
     with pytest.raises(ValueError, match="another model"):
         remeasure_memory(stripped, nn.Sequential(nn.Linear(D, D)), torch.randn(BATCH, D), quiet=True)
+
+
+def test_bytes_measured_again_are_the_bytes_profiling_records(tmp_path):
+    """Every field but the times comes out as profiling makes it: ``stash_params`` (a tied
+    head's weight) and ``grad_param_bytes`` (a frozen layer's 0) were kept as the old profile
+    had them, absent, so the weight was charged as a new tensor per micro-batch and the frozen
+    parameters gradients and optimizer state."""
+    from autopipe.profiling.remeasure import remeasure_memory
+
+    model = TiedHead()
+    model.m.requires_grad_(False)
+    ids = torch.randint(0, 10, (8, 5))
+    profiled = profile(model, ids, ["cpu", "cpu"], batch_sizes=[2, 8], warmup=0, repeats=1, quiet=True)
+    assert profiled.layers[0].stash_params and profiled.layers[1].grad_param_bytes == 0
+    document = profiled.to_json()
+    for layer in document["layers"]:
+        for key in ("stash_params", "grad_param_bytes", "workspace_bytes", "output_saved", "aliases_input"):
+            layer.pop(key, None)
+    old = Profile.load(write_json_atomic(tmp_path / "old.json", document))
+    again = remeasure_memory(old, model, ids, quiet=True)
+    assert again.layers == profiled.layers
+    assert again.copies == profiled.copies and again.model == profiled.model
 
 
 def _without_memory_fields(document: dict) -> dict:

@@ -546,3 +546,121 @@ def test_a_skip_that_does_not_grow_with_the_batch_is_priced_per_micro_batch(tmp_
     del document["layers"][0]["stash_fixed_bytes"]  # a profile from before the field: per sample only
     (tmp_path / "old.json").write_text(json.dumps(document))
     assert Profile.load(tmp_path / "old.json").layers[0].stash_fixed_bytes == {}
+
+
+# --- views: the storage a tensor keeps alive, each storage once ----------------------------------
+
+class Narrow(nn.Module):
+    """Returns the first 2 of 8 columns of a new (b, 8) tensor: a view keeping all 8 alive."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x * 2)[:, :2]
+
+
+class Broadcast(nn.Module):
+    """Returns a new (b, 1) column expanded to (b, 8): 8 elements per sample on 1 float's storage."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[:, :1] * 2).expand(-1, 8)
+
+
+class Transposed(nn.Module):
+    """Passes its input on as a view: what it holds is whatever storage its input has."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.t().t()
+
+
+class Halves(nn.Module):
+    """``torch.split`` of one new (b, 8) tensor, and that tensor again transposed: three views of
+    one storage."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        y = x * 2
+        return (*torch.split(y, 4, dim=1), y.t())
+
+
+class Joined(nn.Module):
+    def forward(self, halves: tuple[Tensor, ...]) -> Tensor:  # type: ignore[override]
+        a, b, _ = halves
+        return torch.cat([a, b], dim=1)
+
+
+def test_a_view_counts_the_whole_storage_it_keeps_alive() -> None:
+    # (x * 2) is 8 floats per sample; its [:, :2] view shows 2 of them and keeps all 8; the
+    # Linear(2, 3) after it saves that view (its input): the 8 floats, counted with Narrow.
+    result = run(nn.Sequential(nn.Linear(8, 8), Narrow(), Transposed(), nn.Linear(2, 3)), torch.randn(4, 8), [2, 4])
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 8 * F32, 3 * F32]
+    assert saved(result)[1] == {2: 2 * 8 * F32, 4: 4 * 8 * F32}
+
+
+def test_an_expanded_output_counts_what_it_was_expanded_from() -> None:
+    # One float per sample, seen as 8; passed on by Transposed as it is (still one float), and
+    # saved by the Linear(8, 3) after it: one float per sample, counted with Broadcast.
+    result = run(nn.Sequential(nn.Linear(8, 8), Broadcast(), Transposed(), nn.Linear(8, 3)), torch.randn(4, 8), [2, 4])
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 1 * F32, 1 * F32, 3 * F32]
+    assert saved(result)[1] == {2: 2 * F32, 4: 4 * F32}
+
+
+def test_tensors_sharing_a_storage_count_it_once() -> None:
+    # split's two halves and the transpose are one (b, 8) storage: 8 floats per sample, not 16.
+    result = run(nn.Sequential(nn.Linear(8, 8), Halves(), Joined()), torch.randn(4, 8), [2, 4])
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 8 * F32]
+
+
+@skippable(stash=["skip"])
+class StashNarrow(nn.Module):
+    """Stashes a 2-column view of a new (b, 8) tensor: the skip keeps 8 floats per sample."""
+
+    def forward(self, x: Tensor):  # type: ignore[override]
+        yield stash("skip", (x * 2)[:, :2])
+        return x
+
+
+def test_a_stashed_view_counts_its_whole_storage() -> None:
+    result = run(nn.Sequential(nn.Linear(8, 8), StashNarrow(), nn.Linear(8, 2), Add()), torch.randn(4, 8), [2, 4])
+    assert result.layers[1].stash_bytes == {"skip": 8 * F32}
+
+
+# --- outputs that do not grow with the batch -----------------------------------------------------
+
+class WithMean(nn.Module):
+    """Returns its input and the mean over the batch: 8 floats per sample plus 8 floats at any size."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * 2, x.mean(dim=0)
+
+
+class Shifted(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:  # type: ignore[override]
+        x, mean = pair
+        return x - mean
+
+
+class BatchMean(nn.Module):
+    """Returns 8 floats whatever the batch."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=0)
+
+
+def test_an_output_that_does_not_grow_with_the_batch_is_fixed_bytes(tmp_path) -> None:
+    """Measured at sizes 2, 4 and 8, WithMean's output is 8 * b + 8 floats: 8 per sample and 8
+    per micro-batch (per sample at 8 alone it was 9, too little at 2 or 4); BatchMean's is 8
+    floats at every size, none per sample (it was 1 per sample)."""
+    result = run(nn.Sequential(nn.Linear(8, 8), WithMean(), Shifted(), BatchMean()), torch.randn(8, 8), [2, 4, 8])
+    assert [(layer.output_bytes, layer.output_fixed_bytes) for layer in result.layers] == \
+        [(8 * F32, 0), (8 * F32, 8 * F32), (8 * F32, 0), (0, 8 * F32)]
+    path = result.save(tmp_path / "p.json")
+    assert Profile.load(path) == result
+    document = json.loads(path.read_text())
+    assert [("output_fixed_bytes" in layer) for layer in document["layers"]] == [False, True, False, True]
+    for layer in document["layers"]:
+        layer.pop("output_fixed_bytes", None)  # a profile from before the field
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    assert [layer.output_fixed_bytes for layer in Profile.load(tmp_path / "old.json").layers] == [0] * 4
+
+
+def test_one_size_keeps_outputs_per_sample() -> None:
+    result = run(nn.Sequential(nn.Linear(8, 8), BatchMean()), torch.randn(8, 8), [8])
+    assert [(layer.output_bytes, layer.output_fixed_bytes) for layer in result.layers] == [(8 * F32, 0), (F32, 0)]

@@ -147,6 +147,7 @@ def test_missing_file(tmp_path: Path) -> None:
     (lambda d: d["layers"][0].update(grad_param_bytes=10 ** 6), "layers[0].grad_param_bytes",
      "more than the layer's param_bytes"),
     (lambda d: d["layers"][0].update(grad_param_bytes=-1), "layers[0].grad_param_bytes", "at least 0"),
+    (lambda d: d["layers"][0].update(output_fixed_bytes=-1), "layers[0].output_fixed_bytes", "at least 0"),
 ])
 def test_bad_field_is_named(saved_file: Path, change: Callable[[dict[str, Any]], None], field: str,
                             problem: str) -> None:
@@ -201,3 +202,19 @@ def test_a_profile_without_trainable_bytes_or_stashed_parameters_reads_as_before
     loaded = Profile.load(edit(saved_file, older))
     assert all(layer.grad_param_bytes is None and layer.stash_params == [] for layer in loaded.layers)
     assert [layer.trainable_bytes for layer in loaded.layers] == [layer.param_bytes for layer in loaded.layers]
+
+
+def test_a_copy_fit_to_the_same_device_or_a_second_one_for_a_pair_is_refused(measured: Profile,
+                                                                               saved_file: Path) -> None:
+    """Either was read silently (the first fit of a pair won, a fit to itself was never used): a
+    hand-merged or damaged file, refused in one error that names the fit and the fix, from a file
+    or in memory."""
+    expect_error(edit(saved_file, lambda d: d["copies"][0].update(dst=d["copies"][0]["src"])), "field 'copies[0]'",
+                 "is a copy fit from device 0 to itself", "fits between distinct devices only: remove it")
+    saved_file = measured.save(saved_file)
+    expect_error(edit(saved_file, lambda d: d["copies"].append({**d["copies"][0], "latency_ms": 9.0})),
+                 "field 'copies[2]'", "is a second copy fit for devices 0 -> 1 (the first is copies[0])",
+                 "keep one fit per pair")
+    doubled = Profile(**{**measured.__dict__, "copies": [*measured.copies, measured.copies[1]]})
+    with pytest.raises(FormatError, match=r"copies\[2\]': is a second copy fit for devices 1 -> 0"):
+        doubled.validate()

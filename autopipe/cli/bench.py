@@ -5,7 +5,7 @@ import argparse
 
 import torch
 
-from ..bench import BenchResult, bench_plan, format_bench, plan_devices, synthetic_batch
+from ..bench import BenchResult, bench_plan, check_local, format_bench, plan_devices, synthetic_batch
 from ..device import resolve_devices
 from ..model.fingerprint import environment_fingerprint
 from .._jsonio import write_json_atomic
@@ -78,6 +78,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Plan | None, Profile | None]:
     """The saved plan and profile given, the plan checked against the options it would ignore."""
     saved = Plan.load(args.plan) if args.plan else None
     if saved is not None:
+        check_local(saved, args.plan)
         _check_unused(args, saved)
         plan_devices(saved)  # as the pipeline will, before the model is built
     return saved, Profile.load(args.profile) if args.profile else None

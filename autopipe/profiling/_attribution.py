@@ -102,7 +102,7 @@ def _layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         type=type(layer.module).__name__,
         forward={b: m[index].forward for b, m in by_size.items()},
         backward={b: m[index].backward for b, m in by_size.items()},
-        output_bytes=per_sample(top.output_bytes, largest),
+        **_output_bytes(by_size, index),
         saved_bytes={b: counts[index] for b, counts in saved.items()},
         workspace_bytes={b: m[index].workspace for b, m in by_size.items()},
         output_saved=output_saved,
@@ -116,6 +116,22 @@ def _layer_profile(layer: Layer, index: int, by_size: dict[int, list[Measure]],
         stash_params=top.stash_params,
         **_stash_bytes(by_size, index),
     )
+
+
+def _output_bytes(by_size: dict[int, list[Measure]], index: int) -> dict[str, int]:
+    """The output's bytes as ``output_bytes`` per sample plus ``output_fixed_bytes`` per
+    micro-batch, when the profiled sizes (two or more) lie on that line exactly: an output that
+    does not grow with the batch (a mean over it, a parameter passed on) is then its own bytes
+    at every size, not ``1/b`` of them per sample, too little at any smaller size.  Otherwise,
+    and from one size, per sample at the largest size, as before."""
+    measured = {b: m[index].output_bytes for b, m in by_size.items()}
+    smallest, largest = min(measured), max(measured)
+    if smallest < largest:
+        slope, rest = divmod(measured[largest] - measured[smallest], largest - smallest)
+        fixed = measured[largest] - slope * largest
+        if rest == 0 and slope >= 0 and fixed >= 0 and all(n == slope * b + fixed for b, n in measured.items()):
+            return {"output_bytes": slope, "output_fixed_bytes": fixed}
+    return {"output_bytes": per_sample(measured[largest], largest), "output_fixed_bytes": 0}
 
 
 def _stash_bytes(by_size: dict[int, list[Measure]], index: int) -> dict[str, dict[str, int]]:

@@ -151,9 +151,10 @@ class LayerRun:
     Inputs are detached leaves, requiring grad where the tensor did when the layer before made
     it (never for the chain's first layer, whose input needs no gradient in a pipeline either;
     the runtime sets the same flags on what a stage receives), and each run feeds the layer a
-    *clone* of them: an in-place first op (``ReLU(inplace=True)``) would otherwise modify a leaf that requires grad
-    (an autograd error) or corrupt the input of the next run.  The clone is made before the
-    timer starts; its backward passes the gradient through unchanged.
+    *copy* of them (:func:`fresh_copies`): an in-place first op (``ReLU(inplace=True)``) would
+    otherwise modify a leaf that requires grad (an autograd error) or corrupt the input of the
+    next run.  The copy is made before the timer starts; its backward passes the gradient
+    through unchanged.
     """
 
     def __init__(self, layer: Layer, args: tuple[Any, ...], popped: dict[SkipKey, Any],
@@ -183,9 +184,8 @@ class LayerRun:
         return twin
 
     def forward(self, pack: Callable[[Tensor], Any] | None = None) -> Run:
-        """The layer's forward on clones of its inputs, timed (``pack`` sees what it saves)."""
-        args = map_tensors(self.leaves, lambda t: t.clone())
-        popped = {key: map_tensors(value, lambda t: t.clone()) for key, value in self.pop_leaves.items()}
+        """The layer's forward on fresh copies of its inputs, timed (``pack`` sees what it saves)."""
+        args, popped = fresh_copies((self.leaves, self.pop_leaves))
         tracker = SkipTracker()
         for key, value in popped.items():
             tracker.save(key, value)
@@ -277,8 +277,8 @@ class LayerRun:
         origins, new = _origins(input_ptrs, [storage(t)[0] for t in tensors_of(output)], others)
         return Measure(
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
-            output_bytes=sum(nbytes(t) for t in tensors_of(output)),
-            stash_bytes={str(k): sum(map(nbytes, tensors_of(value))) for k, value in stashed.items()},
+            output_bytes=held_bytes(tensors_of(output)),
+            stash_bytes={str(k): held_bytes(tensors_of(value)) for k, value in stashed.items()},
             internal_saved=sum(n for ptr, n in saved.items()
                                if ptr not in others | set(input_ptrs) | set(outputs)),
             aliases_input=bool(set(input_ptrs) & set(outputs)),
@@ -334,6 +334,45 @@ def _leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
 def storage(tensor: Tensor) -> tuple[int, int]:
     untyped = tensor.untyped_storage()
     return untyped.data_ptr(), untyped.nbytes()
+
+
+def held_bytes(tensors: list[Tensor]) -> int:
+    """The bytes ``tensors`` keep alive: each distinct storage once, whole.  A view holds all of
+    its storage (``big[:, :10]`` keeps ``big``), an expanded tensor only what it was expanded
+    from, and tensors sharing one storage (``torch.split``'s pieces, ``(y, y.t())``) hold it
+    once; counting elements would miss the first and count the others too often."""
+    return sum(dict(map(storage, tensors)).values())
+
+
+def fresh_copies(value: Any) -> Any:
+    """``value`` with each tensor copied for one run, storage and all: a copy of its whole
+    storage viewed as the tensor is, one copy per storage (tensors sharing a storage share the
+    copy).  A layer then holds what it would in the chain: passing its input on (or a view of
+    it, or saving one) keeps the whole storage the layer before made, as a compact clone would
+    not; and it meets the same strides.  The gradient passes through to the leaf unchanged."""
+    copies: dict[int, torch.UntypedStorage] = {}
+
+    def copy(tensor: Tensor) -> Tensor:
+        if tensor.layout != torch.strided:
+            return tensor.clone()
+        untyped = tensor.untyped_storage()
+        if untyped.data_ptr() not in copies:
+            copies[untyped.data_ptr()] = untyped.clone()
+        return _StorageCopy.apply(tensor, copies[untyped.data_ptr()])
+
+    return map_tensors(value, copy)
+
+
+class _StorageCopy(torch.autograd.Function):
+    """``tensor``'s view of ``copy``, a copy of its storage; the gradient passes straight back."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, copy: torch.UntypedStorage) -> Tensor:  # type: ignore[override]
+        return tensor.new_empty(0).set_(copy, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def nbytes(tensor: Tensor) -> int:

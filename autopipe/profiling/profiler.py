@@ -156,7 +156,7 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
     recorded: dict[int, tuple[list[LayerRun], list[Measure]]] = {}
     for b in sizes:
         try:
-            recorded[b] = record_size(layers, _first(inputs, b, ops.device), ops, progress)
+            recorded[b] = record_size(layers, first_samples(inputs, b, ops.device), ops, progress)
         except ProfileError:
             if not defaulted or b == sizes[-1]:
                 raise
@@ -235,8 +235,11 @@ def _batch_sizes(requested: Sequence[int] | None, batch: int) -> list[int]:
     return sizes
 
 
-def _first(inputs: tuple[Tensor, ...], size: int, device: torch.device) -> tuple[Tensor, ...]:
-    return tuple(t[:size].to(device) for t in inputs)
+def first_samples(inputs: tuple[Tensor, ...], size: int, device: torch.device) -> tuple[Tensor, ...]:
+    """The first ``size`` samples of each input on ``device``, in storages of their own: the
+    layers are run on copies of their inputs' whole storages (a view would bring the rest of
+    the batch along)."""
+    return tuple(t[:size].to(device, copy=True) for t in inputs)
 
 
 # --- keeping the model as it was ------------------------------------------------------------

@@ -79,10 +79,16 @@ class LayerProfile:
     gradient of its input and popped skip tensors, except for the chain's first layer, whose
     input needs no gradient (a pipeline's first stage does not compute it either).
 
-    ``output_bytes`` is per sample: every tensor the layer returns (what crosses a stage
-    boundary after it).  ``stash_bytes`` is per sample per skip name (``str(SkipKey)``);
-    ``stash_fixed_bytes`` the bytes of a skip whose size does not grow with the micro-batch (a
-    weight stashed for a tied head), per micro-batch, whatever its size.  ``stash_params`` names
+    ``output_bytes`` is per sample: the storages the tensors the layer returns keep alive, each
+    once (what crosses a stage boundary after it; a view holds its whole storage).
+    ``output_fixed_bytes`` is the part of the output that does not grow with the micro-batch (a
+    mean over the batch, a parameter returned), per micro-batch whatever its size, so the
+    output of a micro-batch of ``b`` is ``b * output_bytes + output_fixed_bytes``; ``0`` (and
+    absent from the file) where there is none, and in profiles made before it was recorded,
+    whose ``output_bytes`` then holds such bytes divided per sample.  ``stash_bytes`` is per
+    sample per skip name (``str(SkipKey)``), counted as outputs are; ``stash_fixed_bytes`` the
+    bytes of a skip whose size does not grow with the micro-batch (a weight stashed for a tied
+    head), per micro-batch, whatever its size.  ``stash_params`` names
     the skips that are the stashing layer's own parameters or buffers (the weight of a tied
     head, or a view of it): the same memory, so no new bytes per micro-batch where they are made
     or on a device sharing memory; absent (``[]``) in profiles made before it was recorded,
@@ -135,6 +141,7 @@ class LayerProfile:
     aliases_input: bool | None = None
     stash_params: list[str] = field(default_factory=list)
     grad_param_bytes: int | None = None
+    output_fixed_bytes: int = 0
 
     @property
     def trainable_bytes(self) -> int:
@@ -162,6 +169,7 @@ class LayerProfile:
             **({} if self.aliases_input is None else {"aliases_input": self.aliases_input}),
             **({"stash_params": self.stash_params} if self.stash_params else {}),
             **({} if self.grad_param_bytes is None else {"grad_param_bytes": self.grad_param_bytes}),
+            **({"output_fixed_bytes": self.output_fixed_bytes} if self.output_fixed_bytes else {}),
         }
 
     @staticmethod
@@ -186,6 +194,7 @@ class LayerProfile:
             aliases_input=_flag(f, "aliases_input"),
             stash_params=f.str_list("stash_params") if f.has("stash_params") else [],
             grad_param_bytes=f.int("grad_param_bytes", 0) if f.has("grad_param_bytes") else None,
+            output_fixed_bytes=f.int("output_fixed_bytes", 0) if f.has("output_fixed_bytes") else 0,
         )
 
 
@@ -471,7 +480,24 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
         if layer.trainable_bytes > layer.param_bytes:
             raise f.error(f"is {layer.trainable_bytes}, more than the layer's param_bytes {layer.param_bytes}",
                           f"layers[{index}].grad_param_bytes")
+    _check_copies(profile, f)
+
+
+def _check_copies(profile: Profile, f: Fields) -> None:
+    """One fit per ordered pair of distinct devices: a second fit for a pair would be ignored
+    (:meth:`Profile.copy_fit` takes the first), and one from a device to itself is never read
+    (nothing is copied within a device), so either means a damaged or hand-merged file whose
+    copies are not what was measured: refused rather than half used."""
+    seen: dict[tuple[int, int], int] = {}
     for index, fit in enumerate(profile.copies):
+        where = f"copies[{index}]"
         if not (0 <= fit.src < len(profile.devices) and 0 <= fit.dst < len(profile.devices)):
-            raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", f"copies[{index}]")
+            raise f.error(f"device index out of range 0..{len(profile.devices) - 1}", where)
+        if fit.src == fit.dst:
+            raise f.error(f"is a copy fit from device {fit.src} to itself; a profile holds fits between distinct "
+                          "devices only: remove it", where)
+        first = seen.setdefault((fit.src, fit.dst), index)
+        if first != index:
+            raise f.error(f"is a second copy fit for devices {fit.src} -> {fit.dst} (the first is copies[{first}]); "
+                          "keep one fit per pair: remove one, or profile again", where)
 

@@ -2,7 +2,7 @@
 
 A profile's times take many passes per size; its bytes (saved, workspace, whether each output
 is saved) take one untimed forward and backward per layer and size.  A profile made before
-workspace was measured gets it here without timing anything again.
+workspace (or any later field) was measured gets it here without timing anything again.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from torch import Tensor, nn
 from ..device import ops_for
 from ..model import layer_chain
 from ..model.fingerprint import first_difference, model_fingerprint
-from ._attribution import attributed
+from ._attribution import layer_profiles
 from ._layer_runs import record_size
 from ._progress import Progress
-from .profiler import _untouched
+from .profiler import _untouched, first_samples
 from .profiles import Profile
 
 __all__ = ["remeasure_memory"]
@@ -25,9 +25,10 @@ __all__ = ["remeasure_memory"]
 
 def remeasure_memory(profile: Profile, model: nn.Module, sample_input: Tensor, *,
                      quiet: bool = False) -> Profile:
-    """``profile`` with every layer's ``saved_bytes``, ``workspace_bytes``, ``output_saved`` and
-    ``aliases_input``
-    measured on ``model`` at the profile's sizes on its first device; times and copies kept.
+    """``profile`` with every layer's bytes and flags measured on ``model`` at the profile's sizes
+    on its first device; times and copies kept.  Each layer is what :func:`~autopipe.profile`
+    makes of the same measurements but its times, so no field is left as the old profile had it
+    (``stash_params``, ``grad_param_bytes`` and any other recorded since).
 
     Args:
         profile: the profile to complete; its model fingerprint must match ``model``'s.
@@ -48,13 +49,10 @@ def remeasure_memory(profile: Profile, model: nn.Module, sample_input: Tensor, *
     progress = Progress(len(profile.batch_sizes) * len(layers), "measuring bytes", not quiet)
     try:
         with _untouched(model, device, [device]):
-            by_size = {b: record_size(layers, (sample_input[:b].to(device),), ops, progress)[1]
+            by_size = {b: record_size(layers, first_samples((sample_input,), b, device), ops, progress)[1]
                        for b in profile.batch_sizes}
     finally:
         progress.close()
-    saved, flags = attributed(by_size)
     return dataclasses.replace(profile, layers=[
-        dataclasses.replace(layer, saved_bytes={b: saved[b][i] for b in by_size},
-                            workspace_bytes={b: by_size[b][i].workspace for b in by_size},
-                            output_saved=flags[i], aliases_input=by_size[max(by_size)][i].aliases_input)
-        for i, layer in enumerate(profile.layers)])
+        dataclasses.replace(measured, forward=old.forward, backward=old.backward)
+        for measured, old in zip(layer_profiles(layers, by_size), profile.layers)])
