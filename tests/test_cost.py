@@ -1,6 +1,8 @@
 """The cost model's formulas against hand-computed values."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from synthetic import make_profile
 
@@ -109,6 +111,26 @@ def test_skip_crossing_two_cuts_is_charged_once_on_its_route():
     # the skip is held by its producer and its consumer, not by the stage it passes
     held = [model.held_bytes(model.at(b), s, e) for s, e in [(0, 2), (2, 4), (4, 6)]]
     assert held == [1000 * b, 0, 1000 * b]
+
+
+def test_an_output_that_does_not_grow_with_the_batch_is_priced_per_micro_batch():
+    """A layer's ``output_fixed_bytes`` (a batch mean passed on) are the same at every
+    micro-batch size: the cut after it copies them whole, and the next stage holds them whole."""
+    copies = {(0, 1): (1.0, 0.001), (1, 0): (2.0, 0.002)}
+    profile = make_profile([1.0] * 4, sizes=(1, 2, 4), devices=2, output_bytes=100, copies=copies)
+    fixed = dataclasses.replace(profile, layers=[*profile.layers[:1],
+                                                 dataclasses.replace(profile.layers[1], output_fixed_bytes=5000),
+                                                 *profile.layers[2:]])
+    for b in (1, 4):
+        plain, costs = model_of(profile).at(b), model_of(fixed).at(b)
+        assert costs.input_bytes[2] - plain.input_bytes[2] == 5000  # whatever b: 100 * b + 5000 in all
+        assert costs.output_bytes[1] - plain.output_bytes[1] == 5000
+    m = 4  # micro-batches of 1 of the batch of 4
+    stages = model_of(fixed).evaluate([0, 2, 4], m, "never").stages
+    assert stages[1].copy_in == pytest.approx(1.0 + (100 + 5000) * 0.001)
+    assert stages[0].copy_grad == pytest.approx(2.0 + (100 + 5000) * 0.002)
+    plain = model_of(profile).evaluate([0, 2, 4], m, "never").stages
+    assert stages[1].memory - plain[1].memory >= 5000  # its input, held while in flight
 
 
 def test_relayed_skip_is_charged_on_every_hop_in_distributed_mode():

@@ -234,8 +234,8 @@ class CostModel:
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
         forward, backward, saved, workspace = (table @ weights for table in self._per_size)
-        outputs = np.asarray([layer.output_bytes for layer in layers], dtype=float) * b
-        inputs = np.asarray([self.profile.input_bytes * b] + [n * b for n in self.chain.output_bytes[:-1]], dtype=float)
+        outputs = np.asarray([layer.output_bytes * b + layer.output_fixed_bytes for layer in layers], dtype=float)
+        inputs = np.concatenate(([self.profile.input_bytes * b], outputs[:-1]))
         for index, layer in enumerate(layers):
             if not layer.workspace_bytes:
                 workspace[index] = estimated_workspace(layer, inputs[index])

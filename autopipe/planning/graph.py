@@ -30,7 +30,8 @@ class Skip:
 
 @dataclass(frozen=True)
 class Chain:
-    """What the solver needs from the graph: per-layer output bytes and the skip edges.
+    """What the solver needs from the graph: per-layer output bytes (per sample, and per
+    micro-batch whatever its size) and the skip edges.
 
     Every position ``1..L-1`` is a valid cut (a skip crossing it is routed straight from its
     producer to its consumer stage).
@@ -39,6 +40,7 @@ class Chain:
     layers: int
     output_bytes: list[int]
     skips: list[Skip]
+    output_fixed_bytes: list[int]
 
 
 def build_graph(profile: Profile) -> nx.MultiDiGraph:
@@ -49,7 +51,8 @@ def build_graph(profile: Profile) -> nx.MultiDiGraph:
     for index, layer in enumerate(profile.layers):
         graph.add_node(index, name=layer.name, profile=layer)
     for index, layer in enumerate(profile.layers[:-1]):
-        graph.add_edge(index, index + 1, kind="main", name=f"{layer.name}:out", bytes=layer.output_bytes)
+        graph.add_edge(index, index + 1, kind="main", name=f"{layer.name}:out", bytes=layer.output_bytes,
+                       fixed_bytes=layer.output_fixed_bytes)
     stashed: dict[str, int] = {}
     for index, layer in enumerate(profile.layers):
         inside = set(layer.stash) & set(layer.pop) - set(stashed)
@@ -78,13 +81,13 @@ def build_graph(profile: Profile) -> nx.MultiDiGraph:
 def chain_of(graph: nx.MultiDiGraph) -> Chain:
     """Read the per-layer output bytes and the skip edges off the graph."""
     count = graph.number_of_nodes()
-    output = [0] * count
+    output, fixed = [0] * count, [0] * count
     skips: list[Skip] = []
     for source, target, data in graph.edges(data=True):
         if data["kind"] == "main":
-            output[source] = int(data["bytes"])
+            output[source], fixed[source] = int(data["bytes"]), int(data.get("fixed_bytes", 0))
         else:
             skips.append(Skip(data["name"], source, target, int(data["bytes"]), int(data.get("fixed_bytes", 0)),
                               bool(data.get("param", False))))
     skips.sort(key=lambda s: (s.stash, s.pop, s.name))
-    return Chain(count, output, skips)
+    return Chain(count, output, skips, fixed)

@@ -348,10 +348,13 @@ def _copy_lanes(model: CostModel, bounds: np.ndarray,
     rows, stages = bounds.shape[0], bounds.shape[1] - 1
     where = np.arange(stages) % devices
     here, after = where[:-1], (where[:-1] + 1) % devices
-    inputs = np.asarray([model.profile.input_bytes, *model.chain.output_bytes[:-1]], dtype=float)[bounds[:, 1:-1]]
+    chain = model.chain
+    inputs = np.asarray([model.profile.input_bytes, *chain.output_bytes[:-1]], dtype=float)[bounds[:, 1:-1]]
+    fixed = np.asarray([0, *chain.output_fixed_bytes[:-1]], dtype=float)[bounds[:, 1:-1]]  # per micro-batch
     lanes = np.zeros((4, rows, stages))  # C fixed, C per sample, G fixed, G per sample
-    lanes[0, :, 1:], lanes[1, :, 1:] = (inputs > 0) * model.latency[here, after], inputs * model.per_byte[here, after]
-    lanes[2, :, :-1], lanes[3, :, :-1] = (inputs > 0) * model.latency[after, here], inputs * model.per_byte[after, here]
+    for lane, (src, dst), cut in ((0, (here, after), np.s_[1:]), (2, (after, here), np.s_[:-1])):
+        lanes[lane][:, cut] = (inputs + fixed > 0) * model.latency[src, dst] + fixed * model.per_byte[src, dst]
+        lanes[lane + 1][:, cut] = inputs * model.per_byte[src, dst]
     flat = lanes.reshape(4, -1)
     first = np.arange(rows) * stages  # each row's first entry in flat
     apart = ~np.eye(devices, dtype=bool)  # one device copies nothing
