@@ -484,6 +484,20 @@ def test_default_sizes_leave_out_a_size_batch_norm_cannot_train_at() -> None:
         run(model, torch.randn(4, 4), [1, 4])
 
 
+class WholeBatch(nn.Module):
+    """Runs on batches of 8, or of 1 (which broadcasts), only: a constant shaped like the sample."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.ones(8, 8)
+
+
+def test_default_sizes_leave_out_every_size_below_one_that_failed() -> None:
+    """Sizes 2 and 4 fail where 1 runs: keeping 1 would let the planner price micro-batches of
+    2 to 7 between 1 and 8, which fail; only 8 is kept."""
+    model = nn.Sequential(nn.Linear(8, 8), WholeBatch(), nn.Linear(8, 8))
+    assert run(model, torch.randn(8, 8)).batch_sizes == [8]
+
+
 # --- how layers are timed -------------------------------------------------------------------------
 
 class Logged(nn.Module):

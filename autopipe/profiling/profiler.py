@@ -152,7 +152,9 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
                    ops: DeviceOps, timing: _Timing, progress: Progress) -> dict[int, list[Measure]]:
     """Measure every size.  With the default sizes, a small size that a layer cannot train at
     (batch norm needs more than one value per channel) is left out rather than failing the
-    whole profile; the planner then never chooses micro-batches that small."""
+    whole profile, and so is every size below it: the planner prices micro-batches between two
+    profiled sizes, so one that ran below a size that failed (a size of 1 broadcasting where 2
+    and 4 fail) would let it choose micro-batches the model cannot run."""
     recorded: dict[int, tuple[list[LayerRun], list[Measure]]] = {}
     for b in sizes:
         try:
@@ -160,6 +162,7 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
         except ProfileError:
             if not defaulted or b == sizes[-1]:
                 raise
+            recorded.clear()
     runs = {b: size_runs for b, (size_runs, _) in recorded.items()}
     with Load(runs) if timing.under_load else contextlib.nullcontext() as load:
         timed = time_passes(runs, timing.warmup, timing.repeats, progress, load)
