@@ -49,6 +49,7 @@ from ..model._copy import deep_copy
 from ._model_calls import join_outputs
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import BufferSlot, buffer_slots, put, slot_tensor
+from .hooks import HeldHooks
 from .microbatch import Value
 
 if TYPE_CHECKING:
@@ -224,6 +225,7 @@ class Replicas:
         self.pairs = list(zip(engines, runs))
         self.runs = [run for _, run in self.pairs]
         self.copies = copies
+        self.held: HeldHooks | None = None  # parameter hooks held during a backward phase (.hooks)
         # with several replicas the call brackets deferred batch norm (module docstring)
         self.deferred: list[DeferredBatchNorm] = []
         if len(self.pairs) > 1:
@@ -251,12 +253,31 @@ class Replicas:
                 bn.begin_step()
         if phase != "forward" and self.copies is not None:
             self.copies.begin_backward()
-        with _submitting:
-            for engine, run in self.pairs:
-                engine.start_phase(run, phase)
+        held = None if phase == "forward" or self.runs[0].inputs_only else HeldHooks.hold(self._parameters())
+        try:
+            with _submitting:
+                for engine, run in self.pairs:
+                    engine.start_phase(run, phase)
+        except BaseException:
+            if held is not None:
+                held.release(fire=False)
+            raise
+        self.held = held
 
     def finish_phase(self, phase: Phase) -> None:
-        """Wait for every replica; then raise the first failure, if any."""
+        """Wait for every replica; then raise the first failure, if any, or fire the
+        parameter hooks held since the phase started, once (:mod:`autopipe.runtime.hooks`)."""
+        held, self.held = self.held, None
+        try:
+            self._finish(phase)
+        except BaseException:
+            if held is not None:
+                held.release(fire=False)
+            raise
+        if held is not None:
+            held.release(fire=True)
+
+    def _finish(self, phase: Phase) -> None:
         failure: BaseException | None = None
         for engine, run in self.pairs:
             try:
@@ -270,3 +291,8 @@ class Replicas:
         if phase != "backward":
             for bn in self.deferred:
                 bn.end_step()
+
+    def _parameters(self) -> list[Tensor]:
+        """The first replica's parameters: every replica's where they share them, and where
+        replicas run copies, the ones the copies' gradients are gathered into."""
+        return [p for stage in self.pairs[0][0].stages for module in stage.modules for p in module.parameters()]

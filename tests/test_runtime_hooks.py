@@ -1,0 +1,167 @@
+"""Parameter hooks see one backward as on the plain model, though the stages run one backward
+per micro-batch (and replica): a post-accumulate hook fires once on the whole gradient (an
+optimizer stepping in it trains as on the plain model), a tensor hook transforms the whole
+gradient, and a backward into named inputs fires none (:mod:`autopipe.runtime.hooks`)."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from helpers import assert_close, mlp
+
+#: name -> (the pipeline's options, how a step runs: "call" backwards through pipe(x), "train_step")
+CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "never": ({"balance": [3, 4], "chunks": 4, "checkpoint": "never"}, "call"),
+    "always": ({"balance": [3, 4], "chunks": 4, "checkpoint": "always"}, "call"),
+    "gpipe-train-step": ({"balance": [3, 4], "chunks": 4}, "train_step"),
+    "1f1b": ({"balance": [3, 4], "chunks": 4, "schedule": "1f1b"}, "train_step"),
+    "replicas": ({"balance": [3, 4], "chunks": 2, "replicas": 2, "devices": ["cpu"] * 4}, "call"),
+    "copies": ({"balance": [3, 4], "chunks": 2, "replicas": 2, "devices": ["cpu"] * 4}, "call"),
+    "interleave": ({"balance": [2, 2, 2, 1], "chunks": 4, "interleave": 2, "checkpoint": "always"}, "train_step"),
+}
+
+Step = Callable[[Tensor, Tensor], None]
+
+
+def _loss(out: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def _pair(config: str, monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, nn.Module, Step, Step]:
+    """The plain model, a pipeline of a copy of it, and a training step of each (loss, backward)."""
+    if config == "copies":  # replicas on copies of the modules, as on CUDA
+        monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
+    options, how = CONFIGS[config]
+    torch.manual_seed(0)
+    plain = mlp()
+    pipe = autopipe.Pipeline(copy.deepcopy(plain), **options)
+
+    def plain_step(x: Tensor, y: Tensor) -> None:
+        _loss(plain(x), y).backward()
+
+    def pipe_step(x: Tensor, y: Tensor) -> None:
+        if how == "train_step":
+            pipe.train_step(x, target=y, loss_fn=_loss)
+        else:
+            _loss(pipe(x), y).backward()
+
+    return plain, pipe, plain_step, pipe_step
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    return torch.randn(12, 6), torch.randn(12, 3)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_post_accumulate_hook_fires_once_on_the_whole_gradient(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain, pipe, plain_step, pipe_step = _pair(config, monkeypatch)
+    seen: dict[str, list[Tensor]] = {name: [] for name, _ in pipe.named_parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: seen[name].append(p.grad.clone()))
+               for name, p in pipe.named_parameters()]
+    x, y = _batch()
+    plain_step(x, y)
+    pipe_step(x, y)
+    expected = dict(plain.named_parameters())
+    for name, grads in seen.items():
+        assert len(grads) == 1, f"{name}: fired {len(grads)} times"
+        assert_close(grads[0], expected[name].grad, name)
+    for handle in handles:  # the hooks were put back where their handles remove them
+        handle.remove()
+    pipe_step(x, y)
+    assert all(len(grads) == 1 for grads in seen.values())
+    pipe.close()
+
+
+def _stepping(optimizer: torch.optim.Optimizer) -> Callable[[Tensor], None]:
+    """A post-accumulate hook that steps ``optimizer`` (on its one parameter) and clears the gradient."""
+    def hook(_: Tensor) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+    return hook
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_optimizer_in_backward_trains_as_the_plain_model(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "optimizer in backward" recipe: each parameter steps in its post-accumulate hook."""
+    plain, pipe, plain_step, pipe_step = _pair(config, monkeypatch)
+    for model in (plain, pipe):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_stepping(torch.optim.SGD([p], lr=0.1, momentum=0.9)))
+    for _ in range(2):
+        x, y = _batch()
+        plain_step(x, y)
+        pipe_step(x, y)
+    expected = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert p.grad is None, name
+        assert_close(p, expected[name], name)
+    pipe.close()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_tensor_hook_transforms_the_whole_gradient(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-linear hook (a clamp) on the whole gradient, not on each micro-batch's; a gradient
+    already in ``.grad`` (accumulation) is added to, not passed through the hook."""
+    plain, pipe, plain_step, pipe_step = _pair(config, monkeypatch)
+    x, y = _batch()
+    plain_step(x, y)
+    pipe_step(x, y)
+    for model in (plain, pipe):
+        for p in model.parameters():
+            p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    x, y = _batch()
+    plain_step(x, y)
+    pipe_step(x, y)
+    expected = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, expected[name].grad, name)
+    pipe.close()
+
+
+def test_a_backward_into_the_inputs_fires_no_parameter_hook() -> None:
+    """``autograd.grad(loss, x)`` runs no parameter's ``AccumulateGrad`` on the plain model; a
+    later ``backward()`` fires each hook once."""
+    pipe = autopipe.Pipeline(mlp(), balance=[3, 4], chunks=4)
+    calls: list[Tensor] = []
+    for p in pipe.parameters():
+        p.register_hook(lambda g: calls.append(g))
+        p.register_post_accumulate_grad_hook(calls.append)
+    x = torch.randn(12, 6, requires_grad=True)
+    out = pipe(x).sum()
+    torch.autograd.grad(out, x, retain_graph=True)
+    assert calls == [] and all(p.grad is None for p in pipe.parameters())
+    out.backward()
+    assert len(calls) == 2 * len(list(pipe.parameters()))
+    pipe.close()
+
+
+class FailOnNaN(nn.Module):
+    """Raises on a micro-batch holding NaN, after earlier micro-batches' backwards ran (1F1B)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.isnan().any():
+            raise ValueError("NaN")
+        return x
+
+
+def test_a_failed_step_fires_no_hook_and_keeps_them() -> None:
+    """A failed step's gradient is partial: an optimizer in backward must not step on it."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), FailOnNaN(), nn.Linear(6, 3))
+    pipe = autopipe.Pipeline(model, balance=[2, 2], chunks=4, schedule="1f1b", checkpoint="never")
+    calls: list[str] = []
+    for name, p in pipe.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.append(name))
+    x, y = _batch()
+    x[-1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        pipe.train_step(x, target=y, loss_fn=_loss)
+    assert calls == [] and all(p.grad is None for p in pipe.parameters())
+    x, y = _batch()
+    pipe.train_step(x, target=y, loss_fn=_loss)
+    assert sorted(calls) == sorted(name for name, _ in pipe.named_parameters())
+    pipe.close()
