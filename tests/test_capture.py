@@ -1136,3 +1136,69 @@ def test_tied_weights_read_by_attribute_travel_as_a_skip(checkpoint: str) -> Non
             assert_training_matches(pipe, model, reference, ids, chunks=3, what=f"{balance}: ")
         finally:
             pipe.close()
+
+
+class _Checked(nn.Module):
+    """A forward that checks its input's width (fx cannot trace the check: torch.export captures
+    it) and adds a buffer through ``.to(device)``, which export checks by a node nothing reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("bias", torch.randn(8))
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = self.norm(x)
+        if h.shape[-1] != 8:
+            raise _WidthError(f"expected 8 features, got {h.shape[-1]}")
+        h = self.c(self.b(self.a(h)))
+        return h + self.bias.to(h.device) - y
+
+
+class _WidthError(ValueError):
+    pass
+
+
+def test_a_sample_passing_one_tensor_twice_captures_two_inputs() -> None:
+    """Exported on ``(x, x)``, the graph reads each argument (export made one input of the two,
+    and a call on ``(x2, y2)`` computed with ``x2`` for both)."""
+    model = _Checked().eval()
+    x = torch.randn(4, 8)
+    pipe = _pipe(chain(model, (x, x)))
+    try:
+        x2, y2 = torch.randn(4, 8), torch.randn(4, 8)
+        _assert_same(_output_and_grads(lambda v: model(v, y2), model, x2),
+                     _output_and_grads(lambda v: pipe(v, y2), model, x2))
+    finally:
+        pipe.close()
+
+
+def test_a_buffer_read_through_to_device_stays_in_its_readers_layer() -> None:
+    """``self.bias.to(h.device)`` no longer merges the chain into one layer: export's check of the
+    buffer, which nothing reads, runs in the layer that adds it (it was placed first, and the
+    layers between merged to keep the buffer in one)."""
+    model = _Checked().eval()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    layers = chain(model, (x, y))
+    assert [layer.name for layer in layers] == ["norm", "a", "b", "c"]
+    assert [name for name, _ in layers[-1].module.named_buffers()] == ["bias"]
+    pipe = _pipe(layers)
+    try:
+        _assert_same(_output_and_grads(lambda v: model(v, y), model, x),
+                     _output_and_grads(lambda v: pipe(v, y), model, x))
+    finally:
+        pipe.close()
+
+
+def test_the_models_own_exception_on_the_sample_keeps_its_type() -> None:
+    """A model that raises on the sample raises so at capture (fx and export failed because of
+    it), noted as raised on the sample, and its buffers stay as they were."""
+    model = _Checked()
+    wide = torch.randn(4, 9)
+    model.norm = nn.BatchNorm1d(9)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with pytest.raises(_WidthError, match="expected 8 features, got 9") as caught:
+        chain(model, (wide, wide))
+    assert any("run on the sample while capturing it" in note for note in caught.value.__notes__)
+    assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())

@@ -54,6 +54,15 @@ def _bert_mlm() -> nn.Module:
         vocab_size=VOCAB, max_position_embeddings=16))
 
 
+def _bart() -> nn.Module:
+    """An output bias added through ``.to(device)``, whose check by export (a node nothing reads)
+    once merged the whole model into one layer."""
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2))
+
+
 def _tokens(generator: torch.Generator) -> Tensor:
     return torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
 
@@ -78,6 +87,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], dic
     "bert_mlm": (_bert_mlm, _lm_batch, ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
     "llama": (_llama, _lm_batch, ["model.layers.0", "model.layers.1"]),
     "t5": (_t5, _lm_batch, ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]),
+    "bart": (_bart, _lm_batch, ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0",
+                                "model.decoder.layers.1", "lm_head"]),
 }
 
 
@@ -140,6 +151,21 @@ def test_pipeline_state_dict_is_the_models(name: str) -> None:
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_pipeline_equals_model(name: str, stages: int) -> None:
+    _assert_pipeline_equals_model(name, stages)
+
+
+def test_bart_splits_into_its_blocks_and_runs_as_the_model() -> None:
+    """BART adds its output bias through ``.to(device)``: the chain is still its blocks, and the
+    bias lives with ``lm_head`` only."""
+    _, _, layers = _setup("bart")
+    holding = [layer.name for layer in layers if "final_logits_bias" in dict(layer.module.named_buffers())]
+    assert holding == ["lm_head"]
+    _assert_pipeline_equals_model("bart", 2)
+
+
+def _assert_pipeline_equals_model(name: str, stages: int) -> None:
+    """The pipeline of ``name``'s layers over ``stages`` even stages gives the plain model's
+    outputs and gradients."""
     model, sample, layers = _setup(name)
     want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, sample)
     count = len(layers)
@@ -225,6 +251,37 @@ def test_keyword_arguments_must_match_the_capture() -> None:
         pipe(**without_labels)
     with pytest.raises(TypeError, match="captured with keyword arguments"):
         pipe(**sample, token_type_ids=sample["input_ids"])
+    pipe.close()
+
+
+def test_a_positional_call_is_told_to_pass_the_captured_keywords() -> None:
+    _, sample, layers = _setup("gpt2")
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 3, 3], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"called with 1 positional argument and the keyword arguments \[\]; pass "
+                                        r"them by keyword, as captured \(pipe\(input_ids=..., attention_mask=..., "
+                                        r"labels=...\) or pipe\(\*\*batch\)\)"):
+        pipe(sample["input_ids"])
+    pipe.close()
+
+
+def test_labels_captured_as_the_input_ids_tensor_stay_their_own_input() -> None:
+    """Captured as the README does, ``labels=ids`` (one tensor for two arguments, which export made
+    one input), the pipeline reads the labels a call gives: other tokens, and -100 where masked."""
+    torch.manual_seed(0)
+    model = _gpt2(dropout=0.0).eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = _tokens(generator)
+    layers = _captured(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    pipe = autopipe.Pipeline(layers, balance=[len(layers) - 3, 3], devices=["cpu", "cpu"], chunks=2)
+    labels = _tokens(generator)
+    labels[:, :3] = -100
+    batch = {"input_ids": _tokens(generator), "attention_mask": torch.ones_like(ids), "labels": labels}
+    want, want_grads = _output_and_grads(lambda **batch: model(**batch, use_cache=False), model, batch)
+    have, have_grads = _output_and_grads(pipe, model, batch)
+    for key in ("loss", "logits"):
+        _assert_close(want[key], have[key], key)
+    for param, grad in want_grads.items():
+        _assert_close(grad, have_grads[param], param)
     pipe.close()
 
 

@@ -82,6 +82,8 @@ def chain(
             the way out; a buffer assigned names the buffer), or a transformers model comes
             without a sample batch.
         ValueError: ``granularity`` is not one of the two.
+        Exception: the model's own exception, as its own type, when neither fx nor export can capture
+            it and the model itself fails on ``sample_input`` (a note says so).
 
     The layers raise :class:`CapturedCallError` when called in a way their graph does not cover
     (the other train/eval mode, a batch size the export fixed).

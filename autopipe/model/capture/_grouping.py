@@ -29,7 +29,9 @@ def _place(traced: Traced) -> dict[fx.Node, int]:
     that may write in place (:func:`_may_write`); such a node stays where it is, with the glue
     that makes what it writes into: a write must stay after the reads before it and before the
     reads after it, and which values alias is not tracked.  A node reading no placed node (an
-    attribute, a constant) joins its first user's layer; a buffer's readers end up in one layer
+    attribute, a constant) joins its first user's layer, unless only unused nodes read it: those
+    (export's dtype check of ``self.bias.to(h.device)``) join their latest input's layer, so that
+    they pull no state into an earlier layer.  A buffer's readers end up in one layer
     (:func:`_merge_shared_state`)."""
     where: dict[fx.Node, int] = {}
     writes = {node for node in traced.graph.nodes if _may_write(traced, node)}
@@ -52,15 +54,25 @@ def _place(traced: Traced) -> dict[fx.Node, int]:
             floor = where[node]
     last = max(layer, 0)
     called = _called_state(traced, where)
+    unused: dict[fx.Node, None] = {}  # in reverse graph order
     for node in reversed(traced.graph.nodes):
         if node.op != "output" and node not in where:
-            users = [last if user.op == "output" else where[user] for user in node.users]
-            # a parameter that a module call holds too (tied weights) starts where that call is,
-            # and travels to later readers as a skip
-            held = [called[id(t)] for t in _state_of(traced.root, node)
-                    if isinstance(t, nn.Parameter) and id(t) in called]
-            where[node] = min(users + held, default=0)
+            users = [last if user.op == "output" else where[user] for user in node.users if user not in unused]
+            if users:
+                where[node] = min(users + _held(traced, node, called))
+            else:
+                unused[node] = None
+    for node in reversed(unused):
+        inputs = [where[n] for n in node.all_input_nodes]
+        where[node] = max(inputs, default=min(_held(traced, node, called), default=0))
     return where
+
+
+def _held(traced: Traced, node: fx.Node, called: dict[int, int]) -> list[int]:
+    """The layers of the module calls holding the parameter ``node`` reads: a parameter that a
+    module call holds too (tied weights) starts where that call is, and travels to later readers
+    as a skip."""
+    return [called[id(t)] for t in _state_of(traced.root, node) if isinstance(t, nn.Parameter) and id(t) in called]
 
 
 def _called_state(traced: Traced, where: dict[fx.Node, int]) -> dict[int, int]:

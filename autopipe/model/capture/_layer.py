@@ -136,12 +136,23 @@ class CapturedLayer(Skippable):
         missing = [name for name in self.keywords if name not in kwargs]
         extra = [name for name in kwargs if name not in self.keywords]
         if missing or extra:
-            raise TypeError(
-                f"the model was captured with keyword arguments {list(self.keywords)} and is called with "
-                f"{list(kwargs)}; capture it again with the arguments it is called with "
-                "(autopipe.chain(model, {name: tensor, ...}))"
-            )
+            raise TypeError(self._keyword_mismatch(args, kwargs))
         return args + tuple(kwargs[name] for name in self.keywords)
+
+    def _keyword_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """Why a call does not fit the captured keyword arguments, and the way out: the exported
+        graph takes them in the capture's order, so positional ones cannot stand for them."""
+        again = "capture it again with the arguments it is called with (autopipe.chain(model, {name: tensor, ...}))"
+        if not self.keywords:
+            return (f"the model was captured with positional arguments only and is called with the keyword "
+                    f"arguments {list(kwargs)}; pass them by position, as captured, or {again}")
+        captured = f"the model was captured with keyword arguments {list(self.keywords)} and is called with"
+        if not args:
+            return f"{captured} the keyword arguments {list(kwargs)}; {again}"
+        plural = "s" if len(args) > 1 else ""
+        by_keyword = ", ".join(f"{name}=..." for name in self.keywords)
+        return (f"{captured} {len(args)} positional argument{plural} and the keyword arguments {list(kwargs)}; "
+                f"pass them by keyword, as captured (pipe({by_keyword}) or pipe(**batch)), or {again}")
 
     def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """A traced forward's arguments bound as the forward binds them (by position in the order of

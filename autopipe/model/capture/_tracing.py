@@ -241,14 +241,36 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
 
 
 def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: str) -> Traced:
-    """:func:`_export`, its failure summed up in one :class:`CaptureError` after ``failure``."""
+    """:func:`_export`, its failure summed up in one :class:`CaptureError` after ``failure``,
+    unless the model itself fails on the sample: then that exception, as its own type."""
     try:
         return _export(model, leaves, sample_input)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under export
-        summary = str(error).strip().splitlines()[0]
-        raise CaptureError(f"{failure}: {summary}") from error
+        failed = error
+    _run_on_sample(model, sample_input)
+    summary = str(failed).strip().splitlines()[0]
+    raise CaptureError(f"{failure}: {summary}") from failed
+
+
+def _run_on_sample(model: nn.Module, sample_input: Any) -> None:
+    """Run the model on the sample once, without grad, its buffers put back after: an exception
+    it raises (a shape check of its own) is the model's, and reaches the caller as its own type
+    rather than as the export's failure."""
+    args, kwargs = _split_sample(sample_input)
+    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as error:
+        error.add_note(f"autopipe: raised by {type(model).__name__} run on the sample while capturing it "
+                       "(torch.export failed, and the model itself fails on this sample)")
+        raise
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Traced:
@@ -378,7 +400,7 @@ def _assignments(model: nn.Module) -> Iterator[list[str]]:
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     """The exported graph (ATen operations on the model's own parameters and buffers), each
     node assigned to the outermost layer module in its ``nn_module_stack``."""
-    args, kwargs = _split_sample(sample_input)
+    args, kwargs = _unaliased(*_split_sample(sample_input))
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
     with _assignments(model) as assigned:
@@ -402,6 +424,24 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
                   frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes)
+
+
+def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The sample with each tensor that shares storage with an earlier one cloned.  torch.export
+    makes one input of tensors that alias (``{"input_ids": ids, "labels": ids}``), and its graph
+    reads that one input where the model reads each argument; cloned, every argument is its own."""
+    seen: set[tuple[torch.device, int]] = set()
+
+    def own(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = (value.device, value.untyped_storage().data_ptr())
+        if storage in seen:
+            return value.clone()
+        seen.add(storage)
+        return value
+
+    return tree_map(own, (args, kwargs))
 
 
 def _fixed_batch(program: torch.export.ExportedProgram) -> tuple[int | None, ...] | None:
