@@ -428,10 +428,7 @@ def test_a_loss_without_a_graph_in_some_micro_batches_is_the_plain_models(schedu
     target[:4] = IGNORED
     loss = pipe.train_step(x, target=target, loss_fn=_labelled_sum, reduction="sum")
     expected = _labelled_sum(reference(x), target)
-    expected.backward()
-    assert_close(loss, expected.detach(), "loss")
-    for p, q in zip(pipe.parameters(), reference.parameters()):
-        assert_close(p.grad, q.grad, "grad")
+    _assert_loss_step(loss, expected, pipe, reference)
 
 
 # -- errors that name the mistake ------------------------------------------------------------
@@ -467,6 +464,11 @@ def test_train_step_on_an_empty_batch() -> None:
 
     loss = pipe.train_step(x, target=x, loss_fn=summed, reduction="sum")
     expected = summed(reference(x), x)
+    _assert_loss_step(loss, expected, pipe, reference)
+
+
+def _assert_loss_step(loss: Tensor, expected: Tensor, pipe: nn.Module, reference: nn.Module) -> None:
+    """``train_step``'s ``loss`` and gradients are the plain model's ``expected`` loss and its backward's."""
     expected.backward()
     assert_close(loss, expected.detach(), "loss")
     for p, q in zip(pipe.parameters(), reference.parameters()):
