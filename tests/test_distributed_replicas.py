@@ -75,8 +75,9 @@ def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
 
     runner = DistributedPipeline(inplace_model(), plan, loss_fn=nn.functional.mse_loss)
     x, y = batch()
+    whole = error_of(lambda: runner.step(x, target=y))  # the whole batch: refused before anything runs
     loss = runner.step(runner.shard(x), target=runner.shard(y))
-    result = {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
+    result = {"grads": {n: p.grad.clone() for n, p in runner.named_parameters()}, "whole": whole,
               "replica": runner.replica, "stage": runner.rank, "loss": runner.broadcast_loss(loss)}
     if out is not None:
         optimizer = torch.optim.SGD(runner.parameters(), lr=0.1)
@@ -190,6 +191,8 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_pure_data_parallel_and_a_job_of_the_wrong_size(dp: list[dict[str, Any]]) -> None:
     _assert_replicas_equal_plain([r["dp"] for r in dp], 2)
     for result in dp:
+        assert result["dp"]["whole"].startswith("DistributedError: the input batch has 8 samples, the whole batch of 2")
+        assert "pass runner.shard(input) to step()" in result["dp"]["whole"]
         assert result["too_few"].startswith(
             "DistributedError: the plan has 2 replicas × 2 stages but the job has 2 ranks")
         assert "torchrun --nproc-per-node 4" in result["too_few"]

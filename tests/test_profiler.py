@@ -608,18 +608,20 @@ def test_a_view_counts_the_whole_storage_it_keeps_alive() -> None:
     assert saved(result)[1] == {2: 2 * 8 * F32, 4: 4 * 8 * F32}
 
 
-def test_an_expanded_output_counts_what_it_was_expanded_from() -> None:
-    # One float per sample, seen as 8; passed on by Transposed as it is (still one float), and
-    # saved by the Linear(8, 3) after it: one float per sample, counted with Broadcast.
+def test_an_expanded_output_counts_its_elements_and_holds_what_it_was_expanded_from() -> None:
+    # One float per sample, seen as 8: its gradient (and a copy to another device) takes 8, so the
+    # output counts 8, passed on by Transposed as it is; the Linear(8, 3) after it saves one float
+    # per sample (the storage it keeps), counted with Broadcast.
     result = run(nn.Sequential(nn.Linear(8, 8), Broadcast(), Transposed(), nn.Linear(8, 3)), torch.randn(4, 8), [2, 4])
-    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 1 * F32, 1 * F32, 3 * F32]
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 8 * F32, 3 * F32]
     assert saved(result)[1] == {2: 2 * F32, 4: 4 * F32}
 
 
-def test_tensors_sharing_a_storage_count_it_once() -> None:
-    # split's two halves and the transpose are one (b, 8) storage: 8 floats per sample, not 16.
+def test_tensors_sharing_a_storage_count_their_elements() -> None:
+    # split's two halves and the transpose are one (b, 8) storage, but three gradients of 4, 4 and
+    # 8 floats per sample (and three copies to another device): 16 floats, the larger figure.
     result = run(nn.Sequential(nn.Linear(8, 8), Halves(), Joined()), torch.randn(4, 8), [2, 4])
-    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 8 * F32]
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 16 * F32, 8 * F32]
 
 
 @skippable(stash=["skip"])

@@ -276,6 +276,9 @@ class DistributedPipeline:
         if uneven:
             return uneven
         for what, tensor in fed:
+            if tensor.size(0) == batch * self.replicas and self.replicas > 1:
+                return (f"the {what} batch has {tensor.size(0)} samples, the whole batch of {self.replicas} replicas; "
+                        f"each replica runs its share of {batch}. Fix: pass runner.shard({what}) to step()")
             if tensor.size(0) != batch:
                 return (f"the {what} batch has {tensor.size(0)} samples but this pipeline runs batches of {batch}: "
                         "torch.distributed.pipelining fixes micro-batch shapes at the first step and would compute "

@@ -337,11 +337,12 @@ def storage(tensor: Tensor) -> tuple[int, int]:
 
 
 def held_bytes(tensors: list[Tensor]) -> int:
-    """The bytes ``tensors`` keep alive: each distinct storage once, whole.  A view holds all of
-    its storage (``big[:, :10]`` keeps ``big``), an expanded tensor only what it was expanded
-    from, and tensors sharing one storage (``torch.split``'s pieces, ``(y, y.t())``) hold it
-    once; counting elements would miss the first and count the others too often."""
-    return sum(dict(map(storage, tensors)).values())
+    """What ``tensors`` cost the memory model at most: the larger of the storages they keep
+    alive (each once, whole: a view ``big[:, :10]`` keeps ``big``) and their elements (what
+    their gradients take, each dense, and what a copy to another device moves: an expanded
+    column's gradient is the whole expanded shape, ``torch.split``'s pieces each get one).
+    Either alone under-counts one of those; the planner uses one figure for all three."""
+    return max(sum(dict(map(storage, tensors)).values()), sum(map(nbytes, tensors)))
 
 
 def fresh_copies(value: Any) -> Any:
