@@ -79,8 +79,9 @@ class LayerProfile:
     gradient of its input and popped skip tensors, except for the chain's first layer, whose
     input needs no gradient (a pipeline's first stage does not compute it either).
 
-    ``output_bytes`` is per sample: the storages the tensors the layer returns keep alive, each
-    once (what crosses a stage boundary after it; a view holds its whole storage).
+    ``output_bytes`` is per sample: of the tensors the layer returns (what crosses a stage
+    boundary after it), the larger of the storages they keep alive (each once; a view holds its
+    whole storage) and their elements (their gradients and a copy to another device are dense).
     ``output_fixed_bytes`` is the part of the output that does not grow with the micro-batch (a
     mean over the batch, a parameter returned), per micro-batch whatever its size, so the
     output of a micro-batch of ``b`` is ``b * output_bytes + output_fixed_bytes``; ``0`` (and
