@@ -384,6 +384,8 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
         result[f"sent_{form}"] = _run(sent_model(form), [2, 2], 2, "gpipe")["grads"]
         result[f"output_{form}"] = _run(output_model(form), [2, 2], 2, "1f1b", loss_fn=halves_loss)["grads"]
     result["outputs_refused"] = _refused_outputs()
+    runner = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    result["hooks"] = with_hooks(dict(runner.named_parameters()), lambda: runner.step(batch()[0], target=batch()[1]))
     # Last: rank 0 refuses to send a count that differs from the shape probe's and leaves; rank 1,
     # waiting for it, then fails too.
     if rank == 0:
@@ -392,6 +394,22 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
         os._exit(0)
     result["peer_of_changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
     return result
+
+
+def with_hooks(params: dict[str, Tensor], step: Callable[[], Any]) -> dict[str, dict[str, Any]]:
+    """``step()`` with a clamping tensor hook and a counting post-accumulate hook on every parameter:
+    each one's call count, the ``.grad`` its post hook saw and ``.grad`` after."""
+    calls, seen = dict.fromkeys(params, 0), {}
+    for name, param in params.items():
+        param.register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+
+        def post(param: Tensor, name: str = name) -> None:
+            calls[name] += 1
+            seen[name] = param.grad.clone()
+
+        param.register_post_accumulate_grad_hook(post)
+    step()
+    return {"calls": calls, "seen": seen, "grads": {name: p.grad.clone() for name, p in params.items()}}
 
 
 def _refused_outputs() -> dict[str, Any]:
@@ -536,6 +554,21 @@ def test_last_rank_loss_reaches_every_rank(two: list[dict[str, Any]]) -> None:
     model, (x, y) = inplace_model(), batch()
     expected = torch.stack([nn.functional.mse_loss(model(a), b) for a, b in zip(x.chunk(CHUNKS), y.chunk(CHUNKS))])
     assert two[0]["inplace_loss"] == two[1]["inplace_loss"] == pytest.approx(expected.mean().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_parameter_hooks_fire_once_on_the_whole_gradient(two: list[dict[str, Any]]) -> None:
+    """An optimizer in backward (a post-accumulate hook) and a clamping tensor hook see the step's
+    whole gradient once, as on the plain model, not each micro-batch's."""
+    plain = inplace_model()
+    x, y = batch()
+    expected = with_hooks(dict(plain.named_parameters()), lambda: nn.functional.mse_loss(plain(x), y).backward())
+    for key in ("calls", "seen", "grads"):
+        got = {name: value for result in two for name, value in result["hooks"][key].items()}
+        if key == "calls":
+            assert got == expected["calls"] == dict.fromkeys(expected["calls"], 1)
+        else:
+            _assert_grads_equal(got, expected[key])
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from ..errors import DistributedError, StageOutputError
 from ..model import Layer, layer_chain
 from ..planning.plans import Plan
 from ..runtime.balance import stage_of_layer
+from ..runtime.hooks import HeldHooks
 from ..runtime.skips import skip_spans
 from ._replicas import average_buffers, data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
@@ -174,9 +175,11 @@ class DistributedPipeline:
         Every rank calls it; the first uses ``inputs``, the last ``target``, others ignore both.
         Gradients are averaged over micro-batches (as one ``loss_fn`` over the whole batch with
         a mean reduction) and added to what ``.grad`` holds, as ``loss.backward()`` does: steps
-        without ``zero_grad`` between accumulate.  With replicas, their buffers are averaged at the
-        end (:func:`~autopipe.distributed._replicas.average_buffers`).  Returns the mean
-        micro-batch loss on the last rank, ``None`` elsewhere.
+        without ``zero_grad`` between accumulate.  Hooks on a parameter (``register_hook``,
+        ``register_post_accumulate_grad_hook``: an optimizer in backward) fire once, on the step's
+        whole gradient (:mod:`autopipe.runtime.hooks`), not once per micro-batch.  With replicas,
+        their buffers are averaged at the end (:func:`~autopipe.distributed._replicas.average_buffers`).
+        Returns the mean micro-batch loss on the last rank, ``None`` elsewhere.
 
         Raises:
             DistributedError: on every rank, when any rank refuses the step.  Before anything runs:
@@ -196,11 +199,19 @@ class DistributedPipeline:
         args = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
         kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}  # type: ignore[union-attr]
         self._loss.refusal = self.module.refusal = None
-        # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
-              "the last rank refused this step's output or loss (its error names the problem and the fix); the "
-              "step ran with a zero loss in its place")
+        held = HeldHooks.hold(self.module.parameters())  # fired once, after every micro-batch's backward
+        try:
+            # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+            agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
+                  "the last rank refused this step's output or loss (its error names the problem and the fix); the "
+                  "step ran with a zero loss in its place")
+        except BaseException:
+            if held is not None:
+                held.release(fire=False)
+            raise
+        if held is not None:
+            held.release(fire=True)
         average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 
