@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,8 +16,11 @@ from autopipe.bench import Trainer, measure_memory, plan_of
 from autopipe.errors import OptionError
 from autopipe.planning.cost import CostModel
 from autopipe.planning.graph import build_graph, chain_of
+from autopipe.planning.memory import MemoryTerms, stage_memory, step_factor
+from autopipe.profiling._meter import AllocationCounter
 from autopipe.profiling.profiler import profile
 from autopipe.profiling.profiles import Profile
+from autopipe.runtime.memory import optimizer_state_bytes, unique_bytes
 
 D, BATCH, CHUNKS = 256, 64, 4
 B = BATCH // CHUNKS
@@ -156,6 +160,78 @@ def test_frozen_parameters_get_no_gradients_nor_optimizer_state(optimizer):
     terms = model.memory_terms(model.at(B), 2, 6, CHUNKS, "never", 0.0)
     assert (terms.parameters, terms.gradients, terms.optimizer) == (2 * linear, linear, {"sgd": 0, "adam": 2}[
         optimizer] * linear)
+
+
+def adam_stage(params: Any, saved: Any, step: float = 2.0) -> MemoryTerms:
+    """One stage alone under Adam (state 2): ``params`` bytes, all trainable, one micro-batch
+    saving ``saved`` bytes (its output among them) and a backward peak of ``saved + 20``
+    beyond what the stage holds steadily."""
+    return stage_memory(params=params, buffers=0.0, saved=saved, output=5.0, output_saved=1.0, input_bytes=5.0,
+                        first=True, skips=0.0, backward=(params + saved + 20.0, saved + 20.0), in_flight=1,
+                        checkpointed=False, optimizer=2.0, step=step, own_copies=False)
+
+
+def test_the_optimizer_step_is_the_peak_when_parameters_outweigh_activations():
+    """After the backward, Adam's step holds parameters, gradients, two moments and its
+    temporaries (2 per parameter byte): 1000 + 1000 + 2000 + 2000 = 6000 bytes, where the
+    backward held 1000 + 1000 + 2000 + 10 saved + 20 = 4030; ``step`` is the difference."""
+    terms = adam_stage(1000.0, 10.0)
+    assert dataclasses.asdict(terms) == dict(parameters=1000, gradients=1000, optimizer=2000, buffers=0,
+                                             activations=10, outputs=0, inputs=0, input_grad=0, skips=0,
+                                             transient=20, step=1970)
+    assert terms.total == 6000 and terms.dominant() == "optimizer"
+
+
+def test_the_optimizer_step_adds_nothing_when_the_backward_holds_more():
+    """5000 saved bytes: the backward's 9020 exceed the step's 6000, as without the step."""
+    with_step, without = adam_stage(1000.0, 5000.0), adam_stage(1000.0, 5000.0, step=0.0)
+    assert with_step == without and with_step.step == 0 and with_step.total == 4000 + 5000 + 20
+    # candidate stages as arrays, as the search passes them: each its own case
+    both = adam_stage(np.array([1000.0, 1000.0]), np.array([10.0, 5000.0]))
+    assert both.total.tolist() == [6000, 9020] and both.step.tolist() == [1970, 0]
+
+
+def test_the_step_factor_of_each_optimizer_name_and_of_a_given_state_factor():
+    assert [step_factor(name) for name in ("sgd", "momentum", "adam")] == [0.0, 0.0, 2.0]
+    assert step_factor(1.5) == step_factor(3) == 2.0  # a number names no optimizer: the largest measured
+    assert step_factor(0.0) == 0.0  # no state: plain SGD, which updates in place
+    for bad in ("lion", -1.0):
+        with pytest.raises(OptionError):
+            step_factor(bad)
+
+
+def big_linear() -> nn.Sequential:
+    """One parameter tensor outweighing the activations (1 MiB against 16·512 floats)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2 * D, 2 * D), nn.ReLU())
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_an_adam_step_peaks_within_the_prediction(foreach):
+    """The peak while ``Adam.step()`` runs, on top of what it finds (parameters, gradients,
+    moments), against the one-stage plan's: torch's for-loop step (CPU's default) makes twice
+    the largest tensor in temporaries, its foreach step (CUDA's) one copy of every parameter
+    (the bound's 2 covers both: 20% over here).  Without the step counted the prediction was
+    the backward's, 15.6% short of the for-loop's."""
+    torch.set_num_threads(1)
+    x = torch.randn(B, 2 * D)
+    prof = profile(big_linear(), x, ["cpu"], batch_sizes=[B], warmup=0, repeats=1, quiet=True)
+    predicted = plan_of(prof, ["cpu"], [2], 1, "never", optimizer_state="adam").stages[0]
+    model = big_linear()
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam(params, foreach=foreach)
+    peaks = []
+    for _ in range(2):  # the first step makes the moments, the second finds them
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        held = unique_bytes(params + [p.grad for p in params]) + optimizer_state_bytes(optimizer, params)
+        counter = AllocationCounter()
+        with counter.track("step"):
+            optimizer.step()
+        peaks.append(held + counter.peak["step"])
+    got = max(peaks)
+    assert got <= predicted.memory_bytes <= (1.25 if foreach else 1.01) * got, (predicted.memory_bytes, got)
+    assert predicted.memory_terms["step"] > 0
 
 
 def test_a_layer_pairing_a_skip_inside_itself_is_profiled_and_planned():

@@ -55,18 +55,20 @@ on the distributed engine with ``1f1b`` (which needs ``m ≥`` stages); it then 
 Memory of stage ``s`` (bytes) is :func:`autopipe.planning.memory.stage_memory`: parameters,
 gradients, optimizer state, buffers, the saved activations and outputs of the micro-batches
 in flight (all ``m`` in fill-drain; one micro-batch's saved tensors when checkpointed), inputs
-and skips held, the gradient of its input and its largest layer's workspace — term by term in
-that module.  The ``distributed`` engine's receive buffer adds one more copy of the input per
-micro-batch to every stage but the first.  Other schedules hold fewer micro-batches: ``m`` is the stage's
-:func:`~autopipe.planning.schedules.in_flight` count (``min(stages - s, m)`` in 1F1B), and the
-saved tensors count :func:`~autopipe.planning.schedules.saved_sets` times (1F1B with
-``except_last`` may hold two sets where fill-drain holds one).
+and skips held, the gradient of its input and its largest layer's workspace — or, when larger,
+what the optimizer's step holds after the backward: parameters, gradients, state and the step's
+temporaries — term by term in that module.  The ``distributed`` engine's receive buffer adds
+one more copy of the input per micro-batch to every stage but the first.  Other schedules hold
+fewer micro-batches: ``m`` is the stage's :func:`~autopipe.planning.schedules.in_flight` count
+(``min(stages - s, m)`` in 1F1B), and the saved tensors count
+:func:`~autopipe.planning.schedules.saved_sets` times (1F1B with ``except_last`` may hold two
+sets where fill-drain holds one).
 """
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -75,7 +77,7 @@ from .._vocab import ENGINES, CheckpointMode, EngineName, Schedule
 from .._checks import check_choice
 from .graph import build_graph, chain_of
 from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
-                     stage_memory)
+                     stage_memory, step_factor)
 from .schedules import in_flight, saved_sets
 from ..profiling.profiles import CopyFit, Profile
 
@@ -209,6 +211,7 @@ class CostModel:
         self.speeds = np.asarray(speeds, dtype=float)
         self.batch_size = batch_size
         self.optimizer_state_factor = optimizer_factor(optimizer_state)
+        self.optimizer_step_factor = step_factor(optimizer_state)
         self.own_copies = not all(d.startswith("cpu") for d in self.devices)  # see planning.memory
         self.latency, self.per_byte = copy_matrix(profile, devices)
         self._sizes: dict[int, SizeCosts] = {}
@@ -301,10 +304,11 @@ class CostModel:
         return self.memory_terms(costs, start, stop, chunks, mode, skip_bytes).total
 
     def memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
-                     skip_bytes: Any, held: int | None = None, refilled: Any = False) -> MemoryTerms:
+                     skip_bytes: Any, held: int | None = None, refilled: Any = False,
+                     extra_sets: Any = 0) -> MemoryTerms:
         """:meth:`memory` term by term (:mod:`autopipe.planning.memory`) with ``held``
         micro-batches in flight (default all ``chunks``, as in fill-drain), ``refilled`` by a
-        forward between two backwards (1F1B)."""
+        forward between two backwards (1F1B), and ``extra_sets`` of saved tensors beyond theirs."""
         first = np.asarray(start) == 0
         inputs = costs.input_bytes[start]
         return stage_memory(
@@ -315,8 +319,8 @@ class CostModel:
             skips=skip_bytes, in_flight=chunks if held is None else held,
             backward=costs.backward_peaks.peaks(start, stop),
             checkpointed=recomputations(mode, chunks) > 0, optimizer=self.optimizer_state_factor,
-            own_copies=self.own_copies,
-            received=inputs * ~first if self.relayed else 0.0, refilled=refilled)
+            step=self.optimizer_step_factor, own_copies=self.own_copies,
+            received=inputs * ~first if self.relayed else 0.0, refilled=refilled, extra_sets=extra_sets)
 
     def schedule_memory_terms(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                               schedule: Schedule, stage: int, stages: int) -> MemoryTerms:
@@ -325,13 +329,9 @@ class CostModel:
         what that counts (bounds may be index arrays)."""
         held = in_flight(schedule, stage, stages, chunks)
         refilled = (np.asarray(held) < chunks) & (schedule == "1f1b")  # a steady state: forwards between backwards
-        terms = self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held,
-                                  refilled)
         extra = saved_sets(schedule, mode, stage, stages, chunks) - (held if mode == "never" else 1)
-        if np.any(extra):
-            terms = replace(terms, activations=terms.activations + extra * costs.sum(costs.saved, start, stop),
-                            skips=terms.skips + extra * self.inner_bytes(costs, start, stop))
-        return terms
+        return self.memory_terms(costs, start, stop, chunks, mode, self.held_bytes(costs, start, stop), held,
+                                 refilled, extra)
 
     def schedule_memory(self, costs: SizeCosts, start: Any, stop: Any, chunks: int, mode: CheckpointMode,
                         schedule: Schedule, stage: int, stages: int) -> Any:
