@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from ..timeline import Event
 if TYPE_CHECKING:
     from .memory import StageMeter
 
-__all__ = ["Run", "Saved", "Loss", "Aborted", "Credits"]
+__all__ = ["Run", "Saved", "ParamAtForward", "Loss", "Aborted", "Credits"]
 
 
 class Aborted(Exception):
@@ -99,6 +99,18 @@ class Credits:
             self._changed.notify_all()
 
 
+class ParamAtForward(NamedTuple):
+    """A stage's parameter as a checkpointed micro-batch's forward left it: its recomputation
+    must find the same values (its ``version``, autograd's count of in-place writes), and give
+    it no gradient if it did not require one (``requires_grad``), as the plain model's graph,
+    built at the forward, would not."""
+
+    name: str  # its path in the model
+    param: Tensor
+    version: int
+    requires_grad: bool
+
+
 @dataclass
 class Saved:
     """What a stage keeps of one micro-batch's forward for its backward.
@@ -109,7 +121,9 @@ class Saved:
     the stage's buffers as the forward found them) in ``modes`` (its modules' ``training``
     flags at the forward, which the recomputation must find again) from the received leaves
     at ``versions`` (their version counters at the forward: a leaf may be the caller's batch,
-    which the caller may write into before the backward).
+    which the caller may write into before the backward), with the stage's ``params`` as the
+    forward left them (:class:`ParamAtForward`: an ``optimizer.step()`` or a freeze toggled
+    before the backward must not reach the recomputation).
     """
 
     args: tuple[Any, ...]
@@ -120,6 +134,7 @@ class Saved:
     buffers: list[Tensor] | None = None
     modes: tuple[bool, ...] | None = None
     versions: list[int] | None = None
+    params: list[ParamAtForward] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ order.  For micro-batch ``j`` it
 * forward: takes its input (and arriving skips) from its inbox, makes them leaves
   (``requires_grad`` as the producer's outputs), runs its layers, sends the detached output
   to the next stage and each leaving skip straight to its consumer, and keeps what its
-  backward needs (everything, or for a checkpointed micro-batch only the inputs and a copy
-  of the stage's buffers);
+  backward needs (everything, or for a checkpointed micro-batch only the inputs, a copy
+  of the stage's buffers and its parameters' version counters and ``requires_grad`` flags);
 * backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
   at most ``GRADIENT_WINDOW`` of them alive), the gradient of its output and of each leaving skip, recomputes
-  if checkpointed (on the buffers as the forward found them), runs ``torch.autograd.backward``
+  if checkpointed (on the buffers as the forward found them; refusing parameters written
+  since, and giving none frozen at the forward a gradient), runs ``torch.autograd.backward``
   on this thread (into the received leaves alone in a call marked ``inputs_only``; keeping its
   graph and saved state where the caller's backward retains its graph),
   sends each leaf's gradient back to where the leaf came from (the previous stage, a skip's
@@ -40,7 +41,7 @@ from ..timeline import Event
 from .aliases import Marks, Watch, buffer_spans, mark, tensor_spans, unshared
 from .boundary import Boundary
 from .inplace import InputGuard
-from .run import Aborted, Run, Saved
+from .run import Aborted, ParamAtForward, Run, Saved
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
 from .turns import Turns
@@ -103,6 +104,13 @@ class Stage:
         return dict(once.values())
 
     @property
+    def params(self) -> list[tuple[str, Tensor]]:
+        """The stage's parameters now, with their paths in the model (each once)."""
+        once = {id(p): (".".join(filter(None, (layer.state_prefix, name))), p)
+                for layer in self.layers for name, p in layer.module.named_parameters()}
+        return list(once.values())
+
+    @property
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
@@ -155,10 +163,16 @@ class Stage:
         self._send_forward(run, j, output, leaving, checkpointed, args, skips, watch)
         if run.grad_enabled:
             saved = Saved(args, skips, rng=rng, buffers=kept, modes=self._modes() if checkpointed else None,
-                          versions=_versions((args, skips)) if checkpointed else None)
+                          versions=_versions((args, skips)) if checkpointed else None,
+                          params=self._params_at_forward() if checkpointed else None)
             if not checkpointed:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
+
+    def _params_at_forward(self) -> list[ParamAtForward]:
+        """What a checkpointed micro-batch's recomputation checks and honours of the parameters
+        (references, version counters and flags: no copy)."""
+        return [ParamAtForward(name, p, p._version, p.requires_grad) for name, p in self.params]
 
     def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
         if run.replays:
@@ -318,7 +332,7 @@ class Stage:
             for key in self.routes.leaving:
                 pairs += zip(tensors_of(saved.leaving[key]), skip_grads[key])
             pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
-            into = self._gradients_into(run, saved)
+            into = self._gradients_into(run, saved, [t for t, _ in pairs])
             _clear_grads((saved.args, saved.skips))
             if pairs and into != []:
                 with self._on_stream():
@@ -328,12 +342,20 @@ class Stage:
         self._send_backward(run, j, saved)
 
     @staticmethod
-    def _gradients_into(run: Run, saved: Saved) -> list[Tensor] | None:
-        """What a backward of ``run`` accumulates into: every leaf (``None``), or the received
-        leaves alone (:attr:`Run.inputs_only`)."""
-        if not run.inputs_only:
+    def _gradients_into(run: Run, saved: Saved, roots: list[Tensor]) -> list[Tensor] | None:
+        """What a backward of ``run`` from ``roots`` accumulates into: every leaf (``None``), or
+        the received leaves alone (:attr:`Run.inputs_only`).
+
+        A checkpointed micro-batch's recomputation builds its graph on the parameters' flags at
+        the backward; one frozen at the forward and unfrozen since (a GAN's discriminator
+        around the generator's loss) is then in it, but was not in the plain model's graph,
+        which gives it no gradient: the leaves of the graph but those, then."""
+        if run.inputs_only:
+            return [t for t in tensors_of((saved.args, saved.skips)) if t.requires_grad]
+        unfrozen = {id(p.param) for p in saved.params or () if not p.requires_grad and p.param.requires_grad}
+        if not unfrozen:
             return None
-        return [t for t in tensors_of((saved.args, saved.skips)) if t.requires_grad]
+        return [leaf for leaf in _graph_leaves(roots) if id(leaf) not in unfrozen]
 
     def _modes(self) -> tuple[bool, ...]:
         """Each of the stage's modules' ``training`` flag."""
@@ -341,6 +363,7 @@ class Stage:
 
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         self._check_inputs_unchanged(j, saved)
+        self._check_params_unchanged(j, saved)
         with torch.enable_grad(), self.random.replay(saved.rng):
             # keep: a received tensor may be the sender's own saved input (a stage that passes its
             # input on, as output or skip), which the sender's recomputation reads after this one
@@ -361,6 +384,27 @@ class Stage:
                     f"operation: {which} (in micro-batch {j}) is at version {now}, but was at version {then} when "
                     "its forward ran; this checkpointed micro-batch recomputes its forward from it in backward. "
                     "Write into a copy (x = x.clone()) or after backward(), or use checkpoint='never'")
+
+    def _check_params_unchanged(self, j: int, saved: Saved) -> None:
+        """Refuse to recompute micro-batch ``j`` on parameters written in place or replaced since
+        its forward (an ``optimizer.step()`` or ``load_state_dict()`` before ``backward()``): its
+        gradients would mix the old weights (its output) and the new (its recomputation), where
+        the plain model raises autograd's error for the weights it saved."""
+        assert saved.params is not None
+        if [id(p) for _, p in self.params] != [id(p.param) for p in saved.params]:
+            raise RuntimeError(
+                f"{self.name}: parameters were replaced, added or removed between micro-batch {j}'s forward and "
+                "its backward (load_state_dict(assign=True)?); a checkpointed stage recomputes its forward on the "
+                "parameters it finds: change them after backward() (or use checkpoint='never')")
+        for name, param, version, _ in saved.params:
+            if param._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: the parameter '{name}' of {self.name} is at version {param._version}, but was "
+                    f"at version {version} when the forward of micro-batch {j} ran; it was modified in place after "
+                    "the forward (by optimizer.step() or load_state_dict() before backward()?), and this "
+                    "checkpointed micro-batch recomputes its forward on it in backward, which would mix old and "
+                    "new weights. Step the optimizer (or load the state) after backward()")
 
     def _as_at_forward(self, saved: Saved) -> contextlib.AbstractContextManager[None]:
         """A checkpointed micro-batch's recomputation and backward see the buffers as its forward
@@ -451,6 +495,24 @@ def _clear_grads(leaves: Value) -> None:
 def _versions(value: Value) -> list[int]:
     """The version counter of each tensor in ``value`` (autograd's count of in-place writes)."""
     return [t._version for t in tensors_of(value)]
+
+
+def _graph_leaves(roots: list[Tensor]) -> list[Tensor]:
+    """Every leaf a backward from ``roots`` accumulates into (each one once): the roots that
+    are leaves and the tensor of each ``AccumulateGrad`` node of their graph."""
+    leaves = {id(t): t for t in roots if t.is_leaf}
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            leaves.setdefault(id(variable), variable)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return list(leaves.values())
 
 
 def _leaves(value: Value, flags: list[bool]) -> Value:
