@@ -192,18 +192,20 @@ def test_gradients_follow_requires_grad_at_the_forward(checkpoint: str, part: st
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("sharing", ["shared", "copies"])
-def test_replicas_give_no_gradient_to_parameters_frozen_in_the_forward(checkpoint: str, sharing: str,
+@pytest.mark.parametrize("order", ["unfrozen before backward", "frozen before backward"])
+def test_replicas_give_no_gradient_to_parameters_frozen_in_the_forward(checkpoint: str, sharing: str, order: str,
                                                                       request: pytest.FixtureRequest) -> None:
-    """Every replica recomputes on the flags its own forward saw (copies take them at the forward)."""
+    """Every replica recomputes on the flags its own forward saw (copies take them at the forward),
+    and the copies' gradients go into no parameter frozen since (autograd skips it)."""
     if sharing == "copies":
         request.getfixturevalue("copies")
     reference, net = model(), model()
     pipe = pipeline(net, checkpoint, replicas=2)
     assert (pipe._copies is None) == (sharing == "shared")
-    expected = toggled_backward(reference, batch(), "all", "unfrozen before backward", "backward")
-    actual = toggled_backward(pipe, batch(), "all", "unfrozen before backward", "backward")
+    expected = toggled_backward(reference, batch(), "all", order, "backward")
+    actual = toggled_backward(pipe, batch(), "all", order, "backward")
     assert actual is not None and expected is not None
     assert_close(actual, expected, "input gradient")
     assert_same_gradients(pipe, reference)

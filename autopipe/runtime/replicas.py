@@ -167,11 +167,14 @@ class Copies:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """Add every copy's gradient into the first replica's, then clear the copy's."""
+        """Add every copy's gradient into the first replica's, then clear the copy's; none into
+        a parameter frozen since the forward (autograd accumulates nothing into a leaf that no
+        longer requires grad, and the copies keep the flag they were made with)."""
         self._synchronize()
         for pairs in self.params:
             for source, target in pairs:
-                if target.grad is None:
+                if target.grad is None or not source.requires_grad:
+                    target.grad = None
                     continue
                 grad = target.grad.to(source.device)
                 if source.grad is None:
