@@ -46,16 +46,19 @@ class Chain(list):  # type: ignore[type-arg]
     """A model's layers in forward order (a list of :class:`Layer`) that also knows the paths of
     the model's modules in the model's own order (``named_modules``): the pipeline lists
     parameters in that order, as ``model.parameters()`` does, so that an optimizer state saved
-    with the plain model (indexed by position) loads onto the same tensors."""
+    with the plain model (indexed by position) loads onto the same tensors; and the model itself,
+    whose containers (``layer1``, a block) the pipeline shows in its module tree as they are."""
 
-    def __init__(self, layers: Sequence[Layer] = (), module_order: Sequence[str] = ()) -> None:
+    def __init__(self, layers: Sequence[Layer] = (), module_order: Sequence[str] = (),
+                 model: nn.Module | None = None) -> None:
         super().__init__(layers)
         self.module_order = tuple(module_order)
+        self.model = model
 
     @staticmethod
     def of(model: nn.Module, layers: Sequence[Layer]) -> Chain:
         """``layers`` of ``model``, with its modules' order."""
-        return Chain(layers, [path for path, _ in model.named_modules(remove_duplicate=False)])
+        return Chain(layers, [path for path, _ in model.named_modules(remove_duplicate=False)], model)
 
 
 @contextmanager

@@ -10,7 +10,10 @@ Use it like the model::
 The pipeline takes over the model's modules: it moves each stage's layers to the stage's
 device and, with ``deferred_batch_norm=True``, swaps their batch norms for
 :class:`~autopipe.DeferredBatchNorm` (sharing parameters and buffers).  ``state_dict`` keys and
-values are the model's own, so checkpoints load both ways.
+values are the model's own, so checkpoints load both ways, and so are ``named_modules()``: the
+model's modules under its names, parameterless ones too, so ``for m in pipe.modules(): if
+isinstance(m, nn.Dropout): ...`` reaches what the stages run.  A model built on the meta device
+is refused for stages with data: materialize it first.
 """
 from __future__ import annotations
 
@@ -167,7 +170,9 @@ class Pipeline(nn.Module):
         FormatError: the plan file is corrupt or of another schema.
         ChainError: the model cannot be read as a chain of layers, or batch norm is to be
             deferred (``deferred_batch_norm``, replicas) in layers captured by torch.export.
-        DeviceError: a device does not exist, or fewer devices than stages.
+        DeviceError: a device does not exist, or fewer devices than stages, or the model's
+            parameters are on the meta device for a stage with data (``model.to_empty(device=...)``
+            and load its weights first).
     """
 
     def __init__(
@@ -208,6 +213,7 @@ class Pipeline(nn.Module):
         resolved = _used_devices(resolved, per_replica, interleave, replicas)
         groups = [resolved[r * per_replica:(r + 1) * per_replica] for r in range(replicas)]
         _check_shared(layers, list(balance), groups[0])
+        _check_materialized(layers, list(balance), groups)
         if deferred_batch_norm or replicas > 1:
             _check_deferrable(layers, "deferred_batch_norm=True" if deferred_batch_norm else f"replicas={replicas}")
             for layer in layers:
@@ -215,7 +221,7 @@ class Pipeline(nn.Module):
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
-        self._register_state(layers)
+        self._register_modules(layers, model if isinstance(model, nn.Module) else getattr(model, "model", None))
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
         chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
@@ -416,30 +422,47 @@ class Pipeline(nn.Module):
         for engine in self._engines:
             engine.close()
 
-    def _register_state(self, layers: list[Layer]) -> None:
-        """Register every module that directly holds parameters or buffers at its path in the
-        original model, so ``state_dict`` keys (and ``parameters()``) are the model's own.
+    def _register_modules(self, layers: list[Layer], model: nn.Module | None) -> None:
+        """Hold the model's modules at their paths in the model, so ``named_modules()``,
+        ``apply()``, ``get_submodule()`` and ``print(pipe)`` show the model's own (the objects
+        the first replica's stages run: setting ``dropout.p`` or zeroing ``bn2.weight`` through
+        them changes what runs) and ``state_dict`` keys (and ``parameters()``) are the model's.
 
-        A captured layer holds the model's top-level tensors itself, and the others in bare
-        ``nn.Module`` containers made for their paths.  Neither can be registered at its path:
-        the layer would sit where the pipeline does, a container attached there would take in
-        the modules that other layers attach under the path (``encoder.pos_embedding``'s
-        container would hold ``encoder.layers``: another stage's parameters and buffers), and
-        several layers may hold tensors at one path.  So the pipeline's own module at the path
-        holds them in slots linked to the layer's (:class:`_LinkedSlots`): a tensor that
+        Each layer's modules are attached at their paths, parameterless ones too (a module at a
+        path the model lacks, as a ResNet chain's ``flatten``, only if it holds tensors), except
+        what the layers make themselves: a captured layer or a
+        :class:`~autopipe.model.layers.Span` (at the model's own path) and the bare
+        ``nn.Module`` containers giving a captured layer the model's paths.  Those cannot be
+        registered: a layer would sit where the pipeline does, a container would take in the
+        modules other layers attach under its path (``encoder.pos_embedding``'s container would
+        hold ``encoder.layers``: another stage's tensors), and several layers may hold tensors
+        at one path.  So the pipeline makes its own container there, holding their tensors in
+        slots linked to the layer's (:class:`_LinkedSlots`): a tensor that
         ``load_state_dict(assign=True)``, ``double()`` or ``functional_call`` puts there is the
-        one the stage runs on.  They are registered in the model's order of its modules where
-        the chain knows it (a :class:`~autopipe.model.layers.Chain`), else in forward order, so
-        ``parameters()`` lists them as ``model.parameters()`` does."""
-        held = [(".".join(p for p in (layer.state_prefix, name) if p), module)
-                for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)
-                if module._parameters or module._buffers]
+        one the stage runs on.  Given the ``model`` (itself, or the one a
+        :class:`~autopipe.model.layers.Chain` read it from), a container is then the model's
+        own module where that changes neither state nor modules (:func:`_adopt_containers`):
+        its ``Sequential``, its ``BasicBlock``.  Modules
+        are attached in the model's order where the chain knows it (a
+        :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()``
+        lists them as ``model.parameters()`` does."""
         order = {path: index for index, path in reversed(list(enumerate(getattr(layers, "module_order", ()))))}
+        held = [(".".join(p for p in (layer.state_prefix, name) if p), module)
+                for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)]
+        linked: list[tuple[str, nn.Module]] = []
         for path, module in sorted(held, key=lambda entry: order.get(entry[0], len(order))):
             if path and type(module) is not nn.Module:
-                attach(self, path, module)
-            else:
-                _link_tensors(module_at(self, path), module)
+                if not order or path in order or _holds_tensors(module):
+                    attach(self, path, module)
+            elif module._parameters or module._buffers:
+                module_at(self, path)  # made now, so that it comes in the model's order
+                linked.append((path, module))
+        if model is not None:
+            state = {".".join(p for p in (layer.state_prefix, key) if p): id(value)
+                     for layer in layers for key, value in layer.module.state_dict(keep_vars=True).items()}
+            _adopt_containers(self, model, state)
+        for path, module in linked:
+            _link_tensors(module_at(self, path), module)
 
 
 #: A slot that is not there (``None`` is a slot's value: a parameter set to none).
@@ -497,6 +520,48 @@ def _linked_slots(module: nn.Module, kind: str) -> _LinkedSlots:
     if not isinstance(slots, _LinkedSlots):
         slots = vars(module)[kind] = _LinkedSlots(slots)
     return slots
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` or a module in it holds a parameter or a buffer."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _adopt_containers(root: nn.Module, model: nn.Module, state: dict[str, int], path: str = "") -> None:
+    """Put the model's own module in place of each container the pipeline made under ``root``
+    (at ``path`` in the model) where that changes neither the pipeline's ``state`` (its
+    ``state_dict`` keys and the ids of their tensors, linked or not yet) nor the modules the
+    stages run (:func:`_same_contents`): ``layer1`` is then the model's ``Sequential`` and
+    ``layer1.0`` its ``BasicBlock``, as ``model.modules()`` shows them.  A model module holding
+    more (a part no layer runs, whose tensors would join ``state_dict``) leaves the container."""
+    for name, child in list(root._modules.items()):
+        qualified = f"{path}.{name}" if path else name
+        if child is None or type(child) is not nn.Module:
+            continue
+        own = _submodule(model, qualified)
+        if own is not None and own is not child and _same_contents(child, own, state, qualified):
+            root._modules[name] = own
+        else:
+            _adopt_containers(child, model, state, qualified)
+
+
+def _same_contents(container: nn.Module, own: nn.Module, state: dict[str, int], path: str) -> bool:
+    """Whether the model's module ``own`` at ``path`` has the pipeline's ``state`` under
+    ``path`` (the same tensors under the same keys) and, at the same paths, every module that
+    the pipeline's ``container`` there holds from the layers."""
+    prefix = path + "."
+    mine = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    return mine == {key: id(value) for key, value in own.state_dict(keep_vars=True).items()} and all(
+        _submodule(own, name) is module for name, module in container.named_modules(remove_duplicate=False)
+        if type(module) is not nn.Module)
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at the dotted ``path`` in ``model``, or ``None`` where there is none."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _micro_targets(share: tuple[Any, ...] | None, chunks: int, count: int) -> list[Any]:
@@ -614,6 +679,22 @@ def _check_shared(layers: list[Layer], balance: list[int], devices: list[torch.d
                     f"but would run {where}; choose a balance that puts both positions in one "
                     f"{'stage' if not is_parameter else 'device'}, or give each its own module"
                 )
+
+
+def _check_materialized(layers: list[Layer], balance: list[int], groups: list[list[torch.device]]) -> None:
+    """Refuse a layer whose parameters or buffers are meta tensors (a model built under
+    ``torch.device("meta")``) for a stage with data: they have no values to move there (torch's
+    own ``.to()`` fails on them), and the pipeline cannot place them itself, as its stages sit
+    on several devices.  Stages on the meta device take them as they are."""
+    for layer, stage in zip(layers, stage_of_layer(balance)):
+        devices = [group[stage % len(group)] for group in groups]
+        with_data = next((device for device in devices if device.type != "meta"), None)
+        if with_data is not None and any(t.is_meta for t in (*layer.module.parameters(), *layer.module.buffers())):
+            raise DeviceError(
+                f"layer '{layer.name}' has parameters or buffers on the meta device (shapes without values), but "
+                f"its stage runs on {with_data}, which needs their values; a pipeline cannot be built from a model "
+                "on the meta device: materialize it first (model.to_empty(device='cpu'), then load its weights "
+                "with model.load_state_dict(...)), then build the pipeline")
 
 
 def undeferrable(layers: Sequence[Layer]) -> list[str]:
