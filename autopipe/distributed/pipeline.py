@@ -17,7 +17,7 @@ from ..errors import DistributedError, StageOutputError
 from ..model import Layer, layer_chain
 from ..planning.plans import Plan
 from ..runtime.balance import stage_of_layer
-from ..runtime.hooks import HeldHooks
+from ..runtime.hooks import HeldHooks, fired_after
 from ..runtime.skips import skip_spans
 from ._replicas import average_buffers, data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
@@ -199,19 +199,13 @@ class DistributedPipeline:
         args = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
         kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}  # type: ignore[union-attr]
         self._loss.refusal = self.module.refusal = None
-        held = HeldHooks.hold(self.module.parameters())  # fired once, after every micro-batch's backward
-        try:
+        # parameter hooks fire once, after every micro-batch's backward
+        with fired_after(HeldHooks.hold(self.module.parameters())):
             # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
             self.schedule.step(*args, return_outputs=False, **kwargs)
             agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
                   "the last rank refused this step's output or loss (its error names the problem and the fix); the "
                   "step ran with a zero loss in its place")
-        except BaseException:
-            if held is not None:
-                held.release(fire=False)
-            raise
-        if held is not None:
-            held.release(fire=True)
         average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 

@@ -29,13 +29,14 @@ model, so it holds nothing (:class:`~autopipe.runtime.replicas.Replicas` asks).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["HeldHooks"]
+__all__ = ["HeldHooks", "fired_after"]
 
 _Hooks = list[tuple[Any, Any]]  # a hook dict's (handle id, hook) items, in registration order
 
@@ -130,3 +131,17 @@ def _refilled(hooks: dict[Any, Any] | None, items: _Hooks) -> None:
     hooks.clear()
     hooks.update(items)
     hooks.update(added)
+
+
+@contextmanager
+def fired_after(held: HeldHooks | None) -> Iterator[None]:
+    """Run the rest of a backward phase; then fire ``held``'s hooks once, or where the phase
+    failed put them back unfired (its partial gradient goes into ``.grad`` as it is)."""
+    try:
+        yield
+    except BaseException:
+        if held is not None:
+            held.release(fire=False)
+        raise
+    if held is not None:
+        held.release(fire=True)

@@ -49,7 +49,7 @@ from ..model._copy import deep_copy
 from ._model_calls import join_outputs
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import BufferSlot, buffer_slots, put, slot_tensor
-from .hooks import HeldHooks
+from .hooks import HeldHooks, fired_after
 from .microbatch import Value
 
 if TYPE_CHECKING:
@@ -271,14 +271,8 @@ class Replicas:
         """Wait for every replica; then raise the first failure, if any, or fire the
         parameter hooks held since the phase started, once (:mod:`autopipe.runtime.hooks`)."""
         held, self.held = self.held, None
-        try:
+        with fired_after(held):
             self._finish(phase)
-        except BaseException:
-            if held is not None:
-                held.release(fire=False)
-            raise
-        if held is not None:
-            held.release(fire=True)
 
     def _finish(self, phase: Phase) -> None:
         failure: BaseException | None = None
