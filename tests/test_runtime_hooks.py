@@ -165,3 +165,20 @@ def test_a_failed_step_fires_no_hook_and_keeps_them() -> None:
     pipe.train_step(x, target=y, loss_fn=_loss)
     assert sorted(calls) == sorted(name for name, _ in pipe.named_parameters())
     pipe.close()
+
+
+@pytest.mark.parametrize("config", ["never", "always", "1f1b"])
+def test_a_hook_removed_during_the_backward_stays_removed(config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-shot hook, disarmed by a layer's backward hook while the stages run: it fires as
+    often as on the plain model (never: the layer's backward hook runs first) and is gone after."""
+    plain, pipe, plain_step, pipe_step = _pair(config, monkeypatch)
+    counts = []
+    for model, step in ((plain, plain_step), (pipe, pipe_step)):
+        fired: list[int] = []
+        weight = model[0].weight
+        handle = weight.register_post_accumulate_grad_hook(lambda p, fired=fired: fired.append(1))
+        model[4].register_full_backward_hook(lambda module, grad_in, grad_out, handle=handle: handle.remove())
+        for _ in range(2):
+            step(*_batch())
+        counts.append((len(fired), len(weight._post_accumulate_grad_hooks or {})))
+    assert counts[1] == counts[0] == (0, 0)

@@ -10,7 +10,8 @@ partial gradients, stepping several times per backward.
 So a backward phase (a caller's ``loss.backward()`` through the pipeline, or ``train_step``)
 holds such parameters' hooks aside (:meth:`HeldHooks.hold`: torch keeps them in the dicts
 ``_backward_hooks`` and ``_post_accumulate_grad_hooks``, which autograd reads at each call, so
-emptying them in place silences them) and their ``.grad`` aside too, so that the stages
+stand-ins put in place of their values silence them, and a handle can still remove its hook
+meanwhile) and their ``.grad`` aside too, so that the stages
 accumulate the phase's gradient alone.  When every stage is done, on the caller's thread,
 :meth:`HeldHooks.release` puts the hooks back and does what one ``AccumulateGrad`` does on the
 plain model: the tensor hooks in turn on the phase's whole gradient (each may replace it), its
@@ -21,7 +22,10 @@ Where the tie's backward cannot wait for the stages (:mod:`autopipe.runtime.func
 output gradient, no input needing one), the hooks fire in the callback it queues at the end of
 the caller's backward; should that backward fail first, the callback never runs and the hooks
 stay held aside (that CUDA path is unverified).  Several calls backwarded by one loss fire the
-hooks once per call, each on its own gradient.
+hooks once per call, each on its own gradient, and so does a loss that also uses the parameters
+outside the pipeline (an explicit L2 term: its part accumulates outside the phase, hooks and
+all); a hook registered during the phase on a parameter with none before it fires per
+micro-batch.
 
 Parameters without such hooks (the common case) are only looked at.  A backward into named
 inputs (``autograd.grad(loss, x)``) runs no parameter's ``AccumulateGrad``, as on the plain
@@ -52,14 +56,17 @@ class _Held:
 
     @classmethod
     def take(cls, param: Tensor) -> _Held:
-        """Empty ``param``'s hook dicts and ``.grad``, keeping what they held."""
-        held = cls(param, param.grad, _emptied(param._backward_hooks), _emptied(param._post_accumulate_grad_hooks))
+        """Silence ``param``'s hooks and empty its ``.grad``, keeping what they held."""
+        held = cls(param, param.grad, _silenced(param._backward_hooks, _keep_gradient),
+                   _silenced(param._post_accumulate_grad_hooks, _nothing))
         param.grad = None
         return held
 
     def put_back_hooks(self) -> None:
-        _refilled(self.param._backward_hooks, self.tensor_hooks)
-        _refilled(self.param._post_accumulate_grad_hooks, self.post_hooks)
+        """The hooks back in place of their stand-ins; one removed meanwhile (``handle.remove()``)
+        stays removed, and is not fired."""
+        self.tensor_hooks = _restored(self.param._backward_hooks, self.tensor_hooks)
+        self.post_hooks = _restored(self.param._post_accumulate_grad_hooks, self.post_hooks)
 
     def accumulate(self, fire: bool) -> None:
         """Add the phase's gradient into ``.grad`` as it was, through the hooks if ``fire``.
@@ -114,23 +121,33 @@ def _unique(params: Iterable[Tensor]) -> list[Tensor]:
     return list({id(p): p for p in params}.values())
 
 
-def _emptied(hooks: dict[Any, Any] | None) -> _Hooks:
-    """``hooks``'s items, the dict emptied in place (autograd holds the dict itself)."""
+def _silenced(hooks: dict[Any, Any] | None, stand_in: Any) -> _Hooks:
+    """``hooks``'s items, each replaced in place by ``stand_in`` (autograd holds the dict itself
+    and reads it at each call); the keys stay, so a handle can still remove its hook."""
     if not hooks:
         return []
     items = list(hooks.items())
-    hooks.clear()
+    for key, _ in items:
+        hooks[key] = stand_in
     return items
 
 
-def _refilled(hooks: dict[Any, Any] | None, items: _Hooks) -> None:
-    """``items`` back into ``hooks`` ahead of any hook registered while they were held."""
-    if hooks is None or not items:
-        return
-    added = list(hooks.items())
-    hooks.clear()
-    hooks.update(items)
-    hooks.update(added)
+def _restored(hooks: dict[Any, Any] | None, items: _Hooks) -> _Hooks:
+    """Each of ``items`` whose key is still in ``hooks`` put back there; those."""
+    if hooks is None:
+        return []
+    kept = [(key, hook) for key, hook in items if key in hooks]
+    for key, hook in kept:
+        hooks[key] = hook
+    return kept
+
+
+def _keep_gradient(grad: Tensor) -> None:
+    """A tensor hook's stand-in: leaves the gradient as it is."""
+
+
+def _nothing(param: Tensor) -> None:
+    """A post-accumulate hook's stand-in."""
 
 
 @contextmanager
