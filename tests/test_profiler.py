@@ -680,3 +680,17 @@ def test_an_output_that_does_not_grow_with_the_batch_is_fixed_bytes(tmp_path) ->
 def test_one_size_keeps_outputs_per_sample() -> None:
     result = run(nn.Sequential(nn.Linear(8, 8), BatchMean()), torch.randn(8, 8), [8])
     assert [(layer.output_bytes, layer.output_fixed_bytes) for layer in result.layers] == [(8 * F32, 0), (F32, 0)]
+
+
+def test_fresh_copies_of_tensors_without_a_plain_storage_view_are_clones() -> None:
+    """Quantized and nested tensors have no storage to view, and a conjugate view's flag would be
+    lost: each is cloned, with its values."""
+    from autopipe.profiling._layer_runs import fresh_copies
+
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    conj = torch.randn(3, dtype=torch.cfloat).conj()
+    copied = fresh_copies((quantized, nested, conj))
+    assert torch.equal(copied[0].dequantize(), quantized.dequantize())
+    assert torch.equal(copied[1].to_padded_tensor(0.0), nested.to_padded_tensor(0.0))
+    assert torch.equal(copied[2].resolve_conj(), conj.resolve_conj())

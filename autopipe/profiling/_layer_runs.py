@@ -354,7 +354,7 @@ def fresh_copies(value: Any) -> Any:
     copies: dict[int, torch.UntypedStorage] = {}
 
     def copy(tensor: Tensor) -> Tensor:
-        if tensor.layout != torch.strided:
+        if not _plain_strided(tensor):
             return tensor.clone()
         untyped = tensor.untyped_storage()
         if untyped.data_ptr() not in copies:
@@ -362,6 +362,14 @@ def fresh_copies(value: Any) -> Any:
         return _StorageCopy.apply(tensor, copies[untyped.data_ptr()])
 
     return map_tensors(value, copy)
+
+
+def _plain_strided(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a view of its storage and nothing more: quantized and nested tensors
+    have no plain storage to view, and a conjugate or negative view's flag would be lost (each is
+    cloned instead, compact)."""
+    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
+            and not tensor.is_conj() and not tensor.is_neg())
 
 
 class _StorageCopy(torch.autograd.Function):
