@@ -601,10 +601,10 @@ class Joined(nn.Module):
 
 
 def test_a_view_counts_the_whole_storage_it_keeps_alive() -> None:
-    # (x * 2) is 8 floats per sample; its [:, :2] view shows 2 of them and keeps all 8; the
-    # Linear(2, 3) after it saves that view (its input): the 8 floats, counted with Narrow.
+    # (x * 2) is 8 floats per sample; its [:, :2] view shows 2 of them and keeps all 8. Transposed
+    # passes its input on: a storage the layer before holds, so its elements only (2 floats).
     result = run(nn.Sequential(nn.Linear(8, 8), Narrow(), Transposed(), nn.Linear(2, 3)), torch.randn(4, 8), [2, 4])
-    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 8 * F32, 3 * F32]
+    assert [layer.output_bytes for layer in result.layers] == [8 * F32, 8 * F32, 2 * F32, 3 * F32]
     assert saved(result)[1] == {2: 2 * 8 * F32, 4: 4 * 8 * F32}
 
 
@@ -682,15 +682,26 @@ def test_one_size_keeps_outputs_per_sample() -> None:
     assert [(layer.output_bytes, layer.output_fixed_bytes) for layer in result.layers] == [(8 * F32, 0), (F32, 0)]
 
 
-def test_fresh_copies_of_tensors_without_a_plain_storage_view_are_clones() -> None:
-    """Quantized and nested tensors have no storage to view, and a conjugate view's flag would be
-    lost: each is cloned, with its values."""
-    from autopipe.profiling._layer_runs import fresh_copies
 
-    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
-    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
-    conj = torch.randn(3, dtype=torch.cfloat).conj()
-    copied = fresh_copies((quantized, nested, conj))
-    assert torch.equal(copied[0].dequantize(), quantized.dequantize())
-    assert torch.equal(copied[1].to_padded_tensor(0.0), nested.to_padded_tensor(0.0))
-    assert torch.equal(copied[2].resolve_conj(), conj.resolve_conj())
+class CachedTable(nn.Module):
+    """Passes on a slice of its own large buffer beside its output (a rotary table's rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(1000, 16))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * 2, self.table[:8]
+
+
+class UsesTable(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:  # type: ignore[override]
+        x, table = pair
+        return x + table.sum()
+
+
+def test_a_slice_of_the_layers_own_buffer_counts_its_elements_not_the_buffer() -> None:
+    """The buffer is the layer's (counted with its buffers, held once): the slice passed on adds
+    its 8 x 16 floats at any micro-batch size, not the 1000-row table per micro-batch."""
+    result = run(nn.Sequential(nn.Linear(8, 8), CachedTable(), UsesTable()), torch.randn(4, 8), [2, 4])
+    assert (result.layers[1].output_bytes, result.layers[1].output_fixed_bytes) == (8 * F32, 8 * 16 * F32)

@@ -151,10 +151,9 @@ class LayerRun:
     Inputs are detached leaves, requiring grad where the tensor did when the layer before made
     it (never for the chain's first layer, whose input needs no gradient in a pipeline either;
     the runtime sets the same flags on what a stage receives), and each run feeds the layer a
-    *copy* of them (:func:`fresh_copies`): an in-place first op (``ReLU(inplace=True)``) would
-    otherwise modify a leaf that requires grad (an autograd error) or corrupt the input of the
-    next run.  The copy is made before the timer starts; its backward passes the gradient
-    through unchanged.
+    *clone* of them: an in-place first op (``ReLU(inplace=True)``) would otherwise modify a leaf that requires grad
+    (an autograd error) or corrupt the input of the next run.  The clone is made before the
+    timer starts; its backward passes the gradient through unchanged.
     """
 
     def __init__(self, layer: Layer, args: tuple[Any, ...], popped: dict[SkipKey, Any],
@@ -184,8 +183,9 @@ class LayerRun:
         return twin
 
     def forward(self, pack: Callable[[Tensor], Any] | None = None) -> Run:
-        """The layer's forward on fresh copies of its inputs, timed (``pack`` sees what it saves)."""
-        args, popped = fresh_copies((self.leaves, self.pop_leaves))
+        """The layer's forward on clones of its inputs, timed (``pack`` sees what it saves)."""
+        args = map_tensors(self.leaves, lambda t: t.clone())
+        popped = {key: map_tensors(value, lambda t: t.clone()) for key, value in self.pop_leaves.items()}
         tracker = SkipTracker()
         for key, value in popped.items():
             tracker.save(key, value)
@@ -275,10 +275,11 @@ class LayerRun:
         others = {storage(t)[0] for t in tensors_of(list(run.popped.values()))} | self.state_storages
         outputs = dict(map(storage, tensors_of(output)))
         origins, new = _origins(input_ptrs, [storage(t)[0] for t in tensors_of(output)], others)
+        held = others | set(input_ptrs)  # storages held already, by the layer or whoever sent its inputs
         return Measure(
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
-            output_bytes=held_bytes(tensors_of(output)),
-            stash_bytes={str(k): held_bytes(tensors_of(value)) for k, value in stashed.items()},
+            output_bytes=held_bytes(tensors_of(output), held),
+            stash_bytes={str(k): held_bytes(tensors_of(value), held) for k, value in stashed.items()},
             internal_saved=sum(n for ptr, n in saved.items()
                                if ptr not in others | set(input_ptrs) | set(outputs)),
             aliases_input=bool(set(input_ptrs) & set(outputs)),
@@ -336,52 +337,17 @@ def storage(tensor: Tensor) -> tuple[int, int]:
     return untyped.data_ptr(), untyped.nbytes()
 
 
-def held_bytes(tensors: list[Tensor]) -> int:
-    """What ``tensors`` cost the memory model at most: the larger of the storages they keep
-    alive (each once, whole: a view ``big[:, :10]`` keeps ``big``) and their elements (what
-    their gradients take, each dense, and what a copy to another device moves: an expanded
-    column's gradient is the whole expanded shape, ``torch.split``'s pieces each get one).
-    Either alone under-counts one of those; the planner uses one figure for all three."""
-    return max(sum(dict(map(storage, tensors)).values()), sum(map(nbytes, tensors)))
-
-
-def fresh_copies(value: Any) -> Any:
-    """``value`` with each tensor copied for one run, storage and all: a copy of its whole
-    storage viewed as the tensor is, one copy per storage (tensors sharing a storage share the
-    copy).  A layer then holds what it would in the chain: passing its input on (or a view of
-    it, or saving one) keeps the whole storage the layer before made, as a compact clone would
-    not; and it meets the same strides.  The gradient passes through to the leaf unchanged."""
-    copies: dict[int, torch.UntypedStorage] = {}
-
-    def copy(tensor: Tensor) -> Tensor:
-        if not _plain_strided(tensor):
-            return tensor.clone()
-        untyped = tensor.untyped_storage()
-        if untyped.data_ptr() not in copies:
-            copies[untyped.data_ptr()] = untyped.clone()
-        return _StorageCopy.apply(tensor, copies[untyped.data_ptr()])
-
-    return map_tensors(value, copy)
-
-
-def _plain_strided(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a view of its storage and nothing more: quantized and nested tensors
-    have no plain storage to view, and a conjugate or negative view's flag would be lost (each is
-    cloned instead, compact)."""
-    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
-            and not tensor.is_conj() and not tensor.is_neg())
-
-
-class _StorageCopy(torch.autograd.Function):
-    """``tensor``'s view of ``copy``, a copy of its storage; the gradient passes straight back."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, copy: torch.UntypedStorage) -> Tensor:  # type: ignore[override]
-        return tensor.new_empty(0).set_(copy, tensor.storage_offset(), tensor.shape, tensor.stride())
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return grad, None
+def held_bytes(tensors: list[Tensor], held: set[int]) -> int:
+    """What ``tensors`` (an output, or a stash) cost the memory model at most: the larger of the
+    new storages they keep alive (each once, whole: a view ``big[:, :10]`` of a new ``big`` keeps
+    it) and their elements (what their gradients take, each dense, and what a copy to another
+    device moves: an expanded column's gradient is the whole expanded shape, ``torch.split``'s
+    pieces each get one).  A tensor on a storage ``held`` already (the layer's own parameters and
+    buffers, its inputs, popped skips: a slice of a cached table passed on) counts its elements
+    only: that storage is someone else's."""
+    own = {ptr: size for ptr, size in map(storage, tensors) if ptr not in held}
+    on_held = sum(nbytes(t) for t in tensors if storage(t)[0] in held)
+    return max(sum(own.values()) + on_held, sum(map(nbytes, tensors)))
 
 
 def nbytes(tensor: Tensor) -> int:

@@ -80,8 +80,9 @@ class LayerProfile:
     input needs no gradient (a pipeline's first stage does not compute it either).
 
     ``output_bytes`` is per sample: of the tensors the layer returns (what crosses a stage
-    boundary after it), the larger of the storages they keep alive (each once; a view holds its
-    whole storage) and their elements (their gradients and a copy to another device are dense).
+    boundary after it), the larger of the new storages they keep alive (each once; a view holds
+    its whole storage; a slice of the layer's own buffer or of its input counts its elements) and
+    their elements (their gradients and a copy to another device are dense).
     ``output_fixed_bytes`` is the part of the output that does not grow with the micro-batch (a
     mean over the batch, a parameter returned), per micro-batch whatever its size, so the
     output of a micro-batch of ``b`` is ``b * output_bytes + output_fixed_bytes``; ``0`` (and
@@ -113,7 +114,8 @@ class LayerProfile:
     (``requires_grad``): what gradients and optimizer state are charged for; ``None`` in
     profiles made before it was recorded, which then charge them for every parameter.  So a
     stage's activations per micro-batch are its layers' ``saved_bytes`` plus its own input
-    (``b * output_bytes`` of the layer before it, or ``b * Profile.input_bytes``), which a
+    (``b * output_bytes + output_fixed_bytes`` of the layer before it, or
+    ``b * Profile.input_bytes``), which a
     pipeline holds until backward anyway and which is what checkpointing keeps.
 
     ``workspace_bytes[b]`` is the most the layer holds beyond what its forward keeps, in its
