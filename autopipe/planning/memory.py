@@ -215,12 +215,15 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
     peak = in_first + before - grads  # the gradients of the first backward are in in_first
     later = (np.asarray(in_flight) > 1) | checkpointed | refilled
     peak = np.where(later, np.maximum(peak, in_later + after), peak)
-    terms = dict(parameters=params, gradients=grads, optimizer=optimizer * grads, buffers=buffers,
+    # a checkpointed micro-batch keeps a copy of the stage's buffers for its recomputation (run as
+    # its forward ran, though later forwards update them: runtime/checkpoint.py), until its backward
+    kept = buffers * in_flight if checkpointed else 0.0
+    terms = dict(parameters=params, gradients=grads, optimizer=optimizer * grads, buffers=buffers + kept,
                  activations=activations + extra_sets * saved, outputs=outputs,
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
                  input_grad=input_grad,
                  skips=skips * in_flight + inner_skips * ((1 if checkpointed else in_flight) + extra_sets))
-    steady = params + grads * (1 + optimizer) + buffers + terms["inputs"] + terms["skips"]
+    steady = params + grads * (1 + optimizer) + terms["buffers"] + terms["inputs"] + terms["skips"]
     backward_total = steady + peak + extra_sets * saved
     step_total = params + grads * (1 + optimizer + step) + buffers + received * in_flight
     total = np.maximum(backward_total, step_total)
