@@ -705,3 +705,9 @@ def test_a_slice_of_the_layers_own_buffer_counts_its_elements_not_the_buffer() -
     its 8 x 16 floats at any micro-batch size, not the 1000-row table per micro-batch."""
     result = run(nn.Sequential(nn.Linear(8, 8), CachedTable(), UsesTable()), torch.randn(4, 8), [2, 4])
     assert (result.layers[1].output_bytes, result.layers[1].output_fixed_bytes) == (8 * F32, 8 * 16 * F32)
+
+
+def test_the_profile_table_shows_output_bytes_that_do_not_grow_with_the_batch() -> None:
+    result = run(nn.Sequential(nn.Linear(8, 8), WithMean(), Shifted()), torch.randn(4, 8), [2, 4])
+    row = next(line for line in profile_cli.format_table(result).splitlines() if line.startswith("1 "))
+    assert "32 B+32 B" in row  # 8 floats per sample, and the batch mean's 8 at any size

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..profiling.profiler import profile
-from ..profiling.profiles import Profile
+from ..profiling.profiles import LayerProfile, Profile
 from ._arguments import at_least, device_names, fill_defaults, given, output_path
 
 __all__ = ["add_arguments", "run", "load_model", "parse_ints"]
@@ -160,7 +160,7 @@ def format_table(measured: Profile) -> str:
             f"saved = activations kept for backward at {b}", header, "-" * len(header)]
     for layer in measured.layers:
         rows.append(f"{layer.name:<14.14} {layer.type:<12.12} {layer.forward[b].median_ms:9.3f} "
-                    f"{layer.backward[b].median_ms:9.3f} {_size(layer.output_bytes):>11} "
+                    f"{layer.backward[b].median_ms:9.3f} {_output(layer):>11} "
                     f"{_size(layer.saved_bytes[b]):>10} {layer.param_count:>11,}")
     rows.append("-" * len(header))
     rows.append(f"{'total':<27} {sum(x.forward[b].median_ms for x in measured.layers):9.3f} "
@@ -171,6 +171,12 @@ def format_table(measured: Profile) -> str:
         rows.append(f"copy {fit.src}:{measured.devices[fit.src]} -> {fit.dst}:{measured.devices[fit.dst]}: "
                     f"{fit.latency_ms:.4f} ms + {fit.ms_per_byte * 2**20:.4f} ms/MiB")
     return "\n".join(rows)
+
+
+def _output(layer: LayerProfile) -> str:
+    """A layer's output bytes per sample, and what does not grow with the batch after a '+'."""
+    fixed = f"+{_size(layer.output_fixed_bytes)}" if layer.output_fixed_bytes else ""
+    return _size(layer.output_bytes) + fixed
 
 
 def _size(nbytes: float) -> str:
