@@ -23,7 +23,7 @@ from ..timeline import Event
 if TYPE_CHECKING:
     from .memory import StageMeter
 
-__all__ = ["Run", "Saved", "ParamAtForward", "Loss", "Aborted", "Credits"]
+__all__ = ["Run", "Saved", "ParamsAtForward", "Loss", "Aborted", "Credits"]
 
 
 class Aborted(Exception):
@@ -99,16 +99,19 @@ class Credits:
             self._changed.notify_all()
 
 
-class ParamAtForward(NamedTuple):
-    """A stage's parameter as a checkpointed micro-batch's forward left it: its recomputation
-    must find the same values (its ``version``, autograd's count of in-place writes), and give
-    it no gradient if it did not require one (``requires_grad``), as the plain model's graph,
+class ParamsAtForward(NamedTuple):
+    """A stage's parameters as a checkpointed micro-batch's forward left them.
+
+    Its recomputation must find the same tensors (``named``: the stage's list of the phase,
+    shared, with their paths in the model), written since by nothing but the stage's own
+    computations (``foreign``: each one's version counter less the stage's own writes into it,
+    which a forward may make: an Embedding's ``max_norm`` renormalises its weight), and gives no
+    gradient to one that did not require one (``requires_grad``), as the plain model's graph,
     built at the forward, would not."""
 
-    name: str  # its path in the model
-    param: Tensor
-    version: int
-    requires_grad: bool
+    named: list[tuple[str, Tensor]]
+    foreign: list[int]
+    requires_grad: list[bool]
 
 
 @dataclass
@@ -122,7 +125,7 @@ class Saved:
     flags at the forward, which the recomputation must find again) from the received leaves
     at ``versions`` (their version counters at the forward: a leaf may be the caller's batch,
     which the caller may write into before the backward), with the stage's ``params`` as the
-    forward left them (:class:`ParamAtForward`: an ``optimizer.step()`` or a freeze toggled
+    forward left them (:class:`ParamsAtForward`: an ``optimizer.step()`` or a freeze toggled
     before the backward must not reach the recomputation).
     """
 
@@ -134,7 +137,7 @@ class Saved:
     buffers: list[Tensor] | None = None
     modes: tuple[bool, ...] | None = None
     versions: list[int] | None = None
-    params: list[ParamAtForward] | None = None
+    params: ParamsAtForward | None = None
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ order.  For micro-batch ``j`` it
   (``requires_grad`` as the producer's outputs), runs its layers, sends the detached output
   to the next stage and each leaving skip straight to its consumer, and keeps what its
   backward needs (everything, or for a checkpointed micro-batch only the inputs, a copy
-  of the stage's buffers and its parameters' version counters and ``requires_grad`` flags);
+  of the stage's buffers and its parameters' version counters, less the writes of its own
+  forwards, and ``requires_grad`` flags);
 * backward: takes one of its credits for input gradients (:class:`~autopipe.runtime.run.Credits`:
   at most ``GRADIENT_WINDOW`` of them alive), the gradient of its output and of each leaving skip, recomputes
   if checkpointed (on the buffers as the forward found them; refusing parameters written
-  since, and giving none frozen at the forward a gradient), runs ``torch.autograd.backward``
+  since but by its own forwards, and giving none frozen at the forward a gradient), runs ``torch.autograd.backward``
   on this thread (into the received leaves alone in a call marked ``inputs_only``; keeping its
   graph and saved state where the caller's backward retains its graph),
   sends each leaf's gradient back to where the leaf came from (the previous stage, a skip's
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +42,7 @@ from ..timeline import Event
 from .aliases import Marks, Watch, buffer_spans, mark, tensor_spans, unshared
 from .boundary import Boundary
 from .inplace import InputGuard
-from .run import Aborted, ParamAtForward, Run, Saved
+from .run import Aborted, ParamsAtForward, Run, Saved
 from .schedule import Action
 from .skips import SkipRoutes, StageTracker
 from .turns import Turns
@@ -76,6 +77,10 @@ class Stage:
         of_replica = "" if replica is None else f" of replica {replica}"
         self.name = f"stage {index}{of_replica} ({self.layers[0].name}..{self.layers[-1].name}) on {device}"
         self.inputs = InputGuard(self.name)
+        # touched by this stage's worker thread alone (:meth:`_writes_counted`)
+        self._tracked = _Tracked([], [])
+        self._fresh = False  # whether this phase read the parameters into _tracked
+        self._counting = False  # from the stage's first checkpointed forward on
 
     # The modules and buffers are read at each use: the caller may add some to the layers after
     # building the pipeline (a parametrization such as spectral norm, with its own buffers).
@@ -110,6 +115,18 @@ class Stage:
                 for layer in self.layers for name, p in layer.module.named_parameters()}
         return list(once.values())
 
+    def _phase_params(self) -> _Tracked:
+        """:attr:`params` as this phase found them, with the stage's own writes into each: read
+        once per phase (hundreds of parameters take a millisecond to walk), as the caller may
+        replace or add parameters between calls; the same object while they are the same."""
+        if not self._fresh:
+            named = self.params
+            if not _same_tensors(named, self._tracked.named):
+                own = {id(p): count for p, count in zip(self._tracked.params, self._tracked.own)}
+                self._tracked = _Tracked(named, [own.get(id(p), 0) for _, p in named])
+            self._fresh = True
+        return self._tracked
+
     @property
     def is_last(self) -> bool:
         return self.index == self.count - 1
@@ -122,6 +139,7 @@ class Stage:
         A failure propagates as itself, with a note naming this stage, the phase and the
         micro-batch (``KeyboardInterrupt`` and ``SystemExit`` without one)."""
         starts = bool(actions) and actions[0].kind == "F"  # a call's first phase
+        self._fresh = False
         if starts:
             self.random.measure_again()
         bracket = starts and self.brackets_batch_norm
@@ -150,11 +168,12 @@ class Stage:
     def _forward(self, run: Run, j: int) -> None:
         args, skips = self._receive_inputs(run, j)
         checkpointed = run.checkpointed[j]
+        self._counting = self._counting or (checkpointed and run.grad_enabled)
         with self._turn("F"), self._buffers_held(run):
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 kept = buffers_kept(self.replayed) if checkpointed else None
-                with self._random(run) as rng, micro_batch_forward():
+                with self._random(run) as rng, micro_batch_forward(), self._writes_counted():
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
                                                            keep=checkpointed or self.index == 0,
@@ -169,10 +188,29 @@ class Stage:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
 
-    def _params_at_forward(self) -> list[ParamAtForward]:
+    def _params_at_forward(self) -> ParamsAtForward:
         """What a checkpointed micro-batch's recomputation checks and honours of the parameters
-        (references, version counters and flags: no copy)."""
-        return [ParamAtForward(name, p, p._version, p.requires_grad) for name, p in self.params]
+        (references, counts of others' writes and flags: no copy)."""
+        tracked = self._phase_params()
+        return ParamsAtForward(tracked.named, tracked.foreign(), [p.requires_grad for p in tracked.params])
+
+    @contextlib.contextmanager
+    def _writes_counted(self) -> Iterator[None]:
+        """Count the writes the stage's own forward or recomputation makes into its parameters
+        (an Embedding's ``max_norm`` renormalises its weight in place, a max-norm constraint
+        clamps it), which the plain model makes too: a checkpointed micro-batch refuses only
+        the others'.  Nothing to count before the stage's first checkpointed forward."""
+        if not self._counting:
+            yield
+            return
+        tracked = self._phase_params()
+        before = tracked.versions()
+        try:
+            yield
+        finally:
+            after = tracked.versions()
+            if after != before:
+                tracked.own = [own + now - then for own, then, now in zip(tracked.own, before, after)]
 
     def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
         if run.replays:
@@ -352,7 +390,8 @@ class Stage:
         which gives it no gradient: the leaves of the graph but those, then."""
         if run.inputs_only:
             return [t for t in tensors_of((saved.args, saved.skips)) if t.requires_grad]
-        unfrozen = {id(p.param) for p in saved.params or () if not p.requires_grad and p.param.requires_grad}
+        unfrozen = {id(p) for (_, p), then in zip(saved.params.named, saved.params.requires_grad)
+                    if not then and p.requires_grad} if saved.params is not None else set()
         if not unfrozen:
             return None
         return [leaf for leaf in _graph_leaves(roots) if id(leaf) not in unfrozen]
@@ -364,7 +403,7 @@ class Stage:
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         self._check_inputs_unchanged(j, saved)
         self._check_params_unchanged(j, saved)
-        with torch.enable_grad(), self.random.replay(saved.rng):
+        with torch.enable_grad(), self.random.replay(saved.rng), self._writes_counted():
             # keep: a received tensor may be the sender's own saved input (a stage that passes its
             # input on, as output or skip), which the sender's recomputation reads after this one
             output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=True)
@@ -386,23 +425,32 @@ class Stage:
                     "Write into a copy (x = x.clone()) or after backward(), or use checkpoint='never'")
 
     def _check_params_unchanged(self, j: int, saved: Saved) -> None:
-        """Refuse to recompute micro-batch ``j`` on parameters written in place or replaced since
-        its forward (an ``optimizer.step()`` or ``load_state_dict()`` before ``backward()``): its
-        gradients would mix the old weights (its output) and the new (its recomputation), where
-        the plain model raises autograd's error for the weights it saved."""
+        """Refuse to recompute micro-batch ``j`` on parameters replaced or written in place by
+        others than the stage's own computations since its forward (an ``optimizer.step()`` or
+        ``load_state_dict()`` before ``backward()``): its gradients would mix the old weights (its
+        output) and the new (its recomputation), where the plain model raises autograd's error
+        for the weights it saved.  Not where replicas share the stage's modules (CPU devices):
+        their forwards' writes (an Embedding's ``max_norm``) are not the caller's, yet counted as
+        others'."""
         assert saved.params is not None
-        if [id(p) for _, p in self.params] != [id(p.param) for p in saved.params]:
+        tracked = self._phase_params()
+        if tracked.named is not saved.params.named:
             raise RuntimeError(
                 f"{self.name}: parameters were replaced, added or removed between micro-batch {j}'s forward and "
                 "its backward (load_state_dict(assign=True)?); a checkpointed stage recomputes its forward on the "
                 "parameters it finds: change them after backward() (or use checkpoint='never')")
-        for name, param, version, _ in saved.params:
-            if param._version != version:
+        if self.replay_lock is not None:
+            # replicas running these very modules (pair_stages gives them one lock) write into them
+            # in their own forwards, which this stage cannot tell from the caller's: not checked
+            return
+        for (name, param), then, now in zip(tracked.named, saved.params.foreign, tracked.foreign()):
+            if now != then:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: the parameter '{name}' of {self.name} is at version {param._version}, but was "
-                    f"at version {version} when the forward of micro-batch {j} ran; it was modified in place after "
-                    "the forward (by optimizer.step() or load_state_dict() before backward()?), and this "
+                    f"operation: the parameter '{name}' of {self.name} was written in place {now - then} time(s) "
+                    f"since the forward of micro-batch {j} ran (now at version {param._version}), not by this "
+                    "stage's forwards; it was modified after the forward (by optimizer.step() or load_state_dict() "
+                    "before backward()? or by another stage's forward, for a parameter two stages share), and this "
                     "checkpointed micro-batch recomputes its forward on it in backward, which would mix old and "
                     "new weights. Step the optimizer (or load the state) after backward()")
 
@@ -485,6 +533,27 @@ class Stage:
         return self.turns.hold(self.turns.rank(self.index, kind))
 
 
+class _Tracked:
+    """A stage's parameters with their paths (``named``) and, aligned, the versions the stage's
+    own forwards and recomputations wrote into each (``own``): plain lists, as a checkpointed
+    micro-batch reads them twice."""
+
+    def __init__(self, named: list[tuple[str, Tensor]], own: list[int]) -> None:
+        self.named = named
+        self.params = [p for _, p in named]
+        self.own = own
+
+    def versions(self) -> list[int]:
+        """Each parameter's version counter (autograd's count of in-place writes)."""
+        return [p._version for p in self.params]
+
+    def foreign(self) -> list[int]:
+        """Each parameter's version counter less the stage's own writes into it: what changes
+        only where something else (the caller's ``optimizer.step()``, another stage, a replica
+        running the same modules) writes into it."""
+        return [p._version - own for p, own in zip(self.params, self.own)]
+
+
 def _clear_grads(leaves: Value) -> None:
     """Empty the received leaves' ``.grad`` before a backward: after an earlier backward through a
     retained graph they hold its gradients, already sent, which this one's would add to."""
@@ -495,6 +564,12 @@ def _clear_grads(leaves: Value) -> None:
 def _versions(value: Value) -> list[int]:
     """The version counter of each tensor in ``value`` (autograd's count of in-place writes)."""
     return [t._version for t in tensors_of(value)]
+
+
+def _same_tensors(named: list[tuple[str, Tensor]], others: list[tuple[str, Tensor]]) -> bool:
+    """Whether two lists of named tensors hold the very same tensors, in order (by identity:
+    ``==`` on tensors compares values)."""
+    return named is others or (len(named) == len(others) and all(a is b for (_, a), (_, b) in zip(named, others)))
 
 
 def _graph_leaves(roots: list[Tensor]) -> list[Tensor]:
