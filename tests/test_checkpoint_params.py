@@ -77,11 +77,7 @@ def test_weights_written_before_the_backward_are_refused_as_by_the_plain_model(
     """The plain model raises autograd's error (it saved the weights); a recomputation would
     have silently mixed the forward's weights (its output) with the new ones (its gradients).
     The call fails as a whole, and the next one runs as the plain model.  Copies of replicas
-    take the weights through ``.data``, uncounted: the first replica's stages tell.  Replicas
-    sharing the modules do not check (each one's forwards write the other's weights); under
-    ``always`` nothing else catches the write there."""
-    if replicas == "shared" and checkpoint == "always":
-        pytest.skip("replicas sharing modules leave the write check off (stage.py _check_params_unchanged)")
+    take the weights through ``.data``, uncounted: the first replica's stages tell."""
     if replicas == "copies":
         request.getfixturevalue("copies")
     reference, net = model(), model()

@@ -182,3 +182,19 @@ def test_a_hook_removed_during_the_backward_stays_removed(config: str, monkeypat
             step(*_batch())
         counts.append((len(fired), len(weight._post_accumulate_grad_hooks or {})))
     assert counts[1] == counts[0] == (0, 0)
+
+
+def test_a_hook_removed_by_another_parameters_hook_does_not_fire() -> None:
+    """The last layer's bias is reached first in a backward; its hook removes the first weight's
+    (tripling) hook, which then never fires, on the plain model as on the pipeline."""
+    grads = []
+    for pipelined in (False, True):
+        torch.manual_seed(0)
+        net = mlp()
+        model = autopipe.Pipeline(net, balance=[3, 4], chunks=4) if pipelined else net
+        tripled = net[0].weight.register_hook(lambda grad: grad * 3)
+        net[6].bias.register_hook(lambda grad, tripled=tripled: tripled.remove())
+        x, y = _batch()
+        _loss(model(x), y).backward()
+        grads.append(net[0].weight.grad)
+    assert_close(grads[1], grads[0], "first weight's gradient")

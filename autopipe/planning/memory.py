@@ -216,8 +216,9 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
     later = (np.asarray(in_flight) > 1) | checkpointed | refilled
     peak = np.where(later, np.maximum(peak, in_later + after), peak)
     # a checkpointed micro-batch keeps a copy of the stage's buffers for its recomputation (run as
-    # its forward ran, though later forwards update them: runtime/checkpoint.py), until its backward
-    kept = buffers * in_flight if checkpointed else 0.0
+    # its forward ran, though later forwards update them: runtime/checkpoint.py), until its backward,
+    # and the recomputation one more, of the buffers it restores after
+    kept = buffers * (in_flight + 1) if checkpointed else 0.0
     terms = dict(parameters=params, gradients=grads, optimizer=optimizer * grads, buffers=buffers + kept,
                  activations=activations + extra_sets * saved, outputs=outputs,
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,

@@ -76,15 +76,17 @@ class _Held:
         step, self.param.grad = self.param.grad, self.grad
         if step is None:  # the parameter took no part: its AccumulateGrad would not have run
             return
-        for _, hook in self.tensor_hooks if fire else ():
-            replaced = hook(step)
-            step = step if replaced is None else replaced
+        for key, hook in self.tensor_hooks if fire else ():
+            if _registered(self.param._backward_hooks, key):  # a hook fired before may remove it
+                replaced = hook(step)
+                step = step if replaced is None else replaced
         if self.grad is None:
             self.param.grad = step
         else:
             self.grad.add_(step)
-        for _, hook in self.post_hooks if fire else ():
-            hook(self.param)
+        for key, hook in self.post_hooks if fire else ():
+            if _registered(self.param._post_accumulate_grad_hooks, key):
+                hook(self.param)
 
 
 class HeldHooks:
@@ -140,6 +142,11 @@ def _restored(hooks: dict[Any, Any] | None, items: _Hooks) -> _Hooks:
     for key, hook in kept:
         hooks[key] = hook
     return kept
+
+
+def _registered(hooks: dict[Any, Any] | None, key: Any) -> bool:
+    """Whether the hook of ``key`` is still registered (its handle not removed)."""
+    return hooks is not None and key in hooks
 
 
 def _keep_gradient(grad: Tensor) -> None:

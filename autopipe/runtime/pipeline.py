@@ -548,12 +548,17 @@ def _adopt_containers(root: nn.Module, model: nn.Module, state: dict[str, int], 
 def _same_contents(container: nn.Module, own: nn.Module, state: dict[str, int], path: str) -> bool:
     """Whether the model's module ``own`` at ``path`` has the pipeline's ``state`` under
     ``path`` (the same tensors under the same keys) and, at the same paths, every module that
-    the pipeline's ``container`` there holds from the layers."""
+    the pipeline's ``container`` there holds from the layers, and holds no leaf module without
+    tensors that they do not run (a layer torch.export captured runs its graph, not the model's
+    dropouts: shown, changing them would change nothing; a module whose tensors a layer reads
+    is the state linked to the stage's, so it may be shown)."""
     prefix = path + "."
     mine = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    run = {id(module) for module in container.modules() if type(module) is not nn.Module}
     return mine == {key: id(value) for key, value in own.state_dict(keep_vars=True).items()} and all(
         _submodule(own, name) is module for name, module in container.named_modules(remove_duplicate=False)
-        if type(module) is not nn.Module)
+        if type(module) is not nn.Module) and all(
+        id(module) in run or module._parameters or module._buffers for module in own.modules() if not module._modules)
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

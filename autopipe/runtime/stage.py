@@ -429,9 +429,9 @@ class Stage:
         others than the stage's own computations since its forward (an ``optimizer.step()`` or
         ``load_state_dict()`` before ``backward()``): its gradients would mix the old weights (its
         output) and the new (its recomputation), where the plain model raises autograd's error
-        for the weights it saved.  Not where replicas share the stage's modules (CPU devices):
-        their forwards' writes (an Embedding's ``max_norm``) are not the caller's, yet counted as
-        others'."""
+        for the weights it saved.  Where replicas share the stage's modules (CPU devices), not for
+        the parameters the forwards write (an Embedding's ``max_norm``): the other replica's
+        writes are not the caller's, yet counted as others'."""
         assert saved.params is not None
         tracked = self._phase_params()
         if tracked.named is not saved.params.named:
@@ -439,12 +439,12 @@ class Stage:
                 f"{self.name}: parameters were replaced, added or removed between micro-batch {j}'s forward and "
                 "its backward (load_state_dict(assign=True)?); a checkpointed stage recomputes its forward on the "
                 "parameters it finds: change them after backward() (or use checkpoint='never')")
-        if self.replay_lock is not None:
-            # replicas running these very modules (pair_stages gives them one lock) write into them
-            # in their own forwards, which this stage cannot tell from the caller's: not checked
-            return
-        for (name, param), then, now in zip(tracked.named, saved.params.foreign, tracked.foreign()):
-            if now != then:
+        # replicas running these very modules (pair_stages gives them one lock) write into them in
+        # their own forwards too, which this stage cannot tell from the caller's: the parameters its
+        # own forwards write are not checked there
+        shared = self.replay_lock is not None
+        for (name, param), then, now, own in zip(tracked.named, saved.params.foreign, tracked.foreign(), tracked.own):
+            if now != then and not (shared and own):
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: the parameter '{name}' of {self.name} was written in place {now - then} time(s) "
