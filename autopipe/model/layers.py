@@ -41,6 +41,11 @@ class Layer:
     def state_prefix(self) -> str:
         return self.name if self.prefix is None else self.prefix
 
+    def path(self, name: str) -> str:
+        """The original model's path of ``module``'s own ``name`` (a parameter, buffer or
+        submodule; ``""`` for the module itself)."""
+        return ".".join(part for part in (self.state_prefix, name) if part)
+
 
 class Chain(list):  # type: ignore[type-arg]
     """A model's layers in forward order (a list of :class:`Layer`) that also knows the paths of

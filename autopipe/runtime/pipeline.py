@@ -447,7 +447,7 @@ class Pipeline(nn.Module):
         :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()``
         lists them as ``model.parameters()`` does."""
         order = {path: index for index, path in reversed(list(enumerate(getattr(layers, "module_order", ()))))}
-        held = [(".".join(p for p in (layer.state_prefix, name) if p), module)
+        held = [(layer.path(name), module)
                 for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)]
         linked: list[tuple[str, nn.Module]] = []
         for path, module in sorted(held, key=lambda entry: order.get(entry[0], len(order))):
@@ -458,7 +458,7 @@ class Pipeline(nn.Module):
                 module_at(self, path)  # made now, so that it comes in the model's order
                 linked.append((path, module))
         if model is not None:
-            state = {".".join(p for p in (layer.state_prefix, key) if p): id(value)
+            state = {layer.path(key): id(value)
                      for layer in layers for key, value in layer.module.state_dict(keep_vars=True).items()}
             _adopt_containers(self, model, state)
         for path, module in linked:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -104,16 +104,12 @@ class Stage:
     @property
     def buffers(self) -> dict[str, Tensor]:
         """The stage's buffers now, by path in the model (a forward may assign one anew)."""
-        once = {id(b): (".".join(filter(None, (layer.state_prefix, name))), b)
-                for layer in self.layers for name, b in layer.module.named_buffers()}
-        return dict(once.values())
+        return dict(_each_once(self.layers, nn.Module.named_buffers))
 
     @property
     def params(self) -> list[tuple[str, Tensor]]:
         """The stage's parameters now, with their paths in the model (each once)."""
-        once = {id(p): (".".join(filter(None, (layer.state_prefix, name))), p)
-                for layer in self.layers for name, p in layer.module.named_parameters()}
-        return list(once.values())
+        return _each_once(self.layers, nn.Module.named_parameters)
 
     def _phase_params(self) -> _Tracked:
         """:attr:`params` as this phase found them, with the stage's own writes into each: read
@@ -552,6 +548,14 @@ class _Tracked:
         only where something else (the caller's ``optimizer.step()``, another stage, a replica
         running the same modules) writes into it."""
         return [p._version - own for p, own in zip(self.params, self.own)]
+
+
+def _each_once(layers: Sequence[Layer], named: Callable[[nn.Module], Iterator[tuple[str, Tensor]]]
+               ) -> list[tuple[str, Tensor]]:
+    """The ``named`` tensors of ``layers``' modules with their paths in the model, each tensor
+    once (a module at two positions lists its tensors twice)."""
+    once = {id(t): (layer.path(name), t) for layer in layers for name, t in named(layer.module)}
+    return list(once.values())
 
 
 def _clear_grads(leaves: Value) -> None:
