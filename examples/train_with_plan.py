@@ -84,7 +84,7 @@ def _pipeline(args: argparse.Namespace) -> tuple[autopipe.Pipeline, int]:
         for name, default in MANUAL.items():
             setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
         args.model, args.classes = _either(args.model, MODEL), _either(args.classes, CLASSES)
-        args.shape = [3, _either(args.size, SIZE), _either(args.size, SIZE)]
+        args.shape = _image(args.size)
         try:
             balance = [int(n) for n in args.balance.split(",")]
         except ValueError:
@@ -103,7 +103,7 @@ def _pipeline(args: argparse.Namespace) -> tuple[autopipe.Pipeline, int]:
     args.classes = _either(_planned("--classes", args.classes, _planned_classes(plan), args.plan), CLASSES)
     recorded = plan.model.get("input_shape")
     if recorded is None:
-        args.shape = [3, _either(args.size, SIZE), _either(args.size, SIZE)]
+        args.shape = _image(args.size)
         print(f"{args.plan} does not record its input shape (made in Python): training at "
               f"{'x'.join(map(str, args.shape))} (--size sets the side)")
     else:
@@ -113,6 +113,12 @@ def _pipeline(args: argparse.Namespace) -> tuple[autopipe.Pipeline, int]:
         args.shape = list(recorded)
     model = _build(args.model, args.classes)
     return autopipe.Pipeline(model, plan, deferred_batch_norm=args.deferred_batch_norm), plan.batch_size
+
+
+def _image(size: int | None) -> list[int]:
+    """One sample's shape: an RGB image of side ``size`` (default :data:`SIZE`)."""
+    side = _either(size, SIZE)
+    return [3, side, side]
 
 
 def _either(value: Any, default: Any) -> Any:

@@ -224,9 +224,10 @@ def stage_memory(*, params: Any, buffers: Any, saved: Any, output: Any, output_s
                  inputs=(input_bytes if own_copies else 0.0) * in_flight + received * in_flight,
                  input_grad=input_grad,
                  skips=skips * in_flight + inner_skips * ((1 if checkpointed else in_flight) + extra_sets))
-    steady = params + grads * (1 + optimizer) + terms["buffers"] + terms["inputs"] + terms["skips"]
+    weights = params + grads * (1 + optimizer)  # held throughout, the step's peak too
+    steady = weights + terms["buffers"] + terms["inputs"] + terms["skips"]
     backward_total = steady + peak + extra_sets * saved
-    step_total = params + grads * (1 + optimizer + step) + buffers + received * in_flight
+    step_total = weights + grads * step + buffers + received * in_flight
     total = np.maximum(backward_total, step_total)
     return MemoryTerms(**terms, transient=backward_total - sum(terms.values()), step=total - backward_total)
 

@@ -280,8 +280,7 @@ class LayerRun:
             forward=Stat(0.0, 0.0, 0.0, 0), backward=Stat(0.0, 0.0, 0.0, 0),
             output_bytes=held_bytes(tensors_of(output), held),
             stash_bytes={str(k): held_bytes(tensors_of(value), held) for k, value in stashed.items()},
-            internal_saved=sum(n for ptr, n in saved.items()
-                               if ptr not in others | set(input_ptrs) | set(outputs)),
+            internal_saved=sum(n for ptr, n in saved.items() if ptr not in held | set(outputs)),
             aliases_input=bool(set(input_ptrs) & set(outputs)),
             input_saved=[ptr in saved for ptr in input_ptrs],
             output_origins=origins,

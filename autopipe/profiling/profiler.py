@@ -239,10 +239,9 @@ def _batch_sizes(requested: Sequence[int] | None, batch: int) -> list[int]:
 
 
 def first_samples(inputs: tuple[Tensor, ...], size: int, device: torch.device) -> tuple[Tensor, ...]:
-    """The first ``size`` samples of each input on ``device``, in storages of their own: the
-    layers are run on copies of their inputs' whole storages (a view would bring the rest of
-    the batch along)."""
-    return tuple(t[:size].to(device, copy=True) for t in inputs)
+    """The first ``size`` samples of each input on ``device``: what profiling and re-measuring
+    feed the first layer at that size."""
+    return tuple(t[:size].to(device) for t in inputs)
 
 
 # --- keeping the model as it was ------------------------------------------------------------
