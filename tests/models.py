@@ -230,3 +230,20 @@ class TiedHead(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.n(torch.tanh(self.m(self.emb(ids)))) @ self.emb.weight.t()
+
+
+class StockEncoder(nn.Module):
+    """``nn.TransformerEncoder`` with a causal mask, whose forward fx cannot trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
+        h = self.encoder(self.embed(x), mask=mask, is_causal=True)
+        return self.head(self.norm(h.mean(dim=1)).view(x.size(0), -1))

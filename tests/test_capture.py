@@ -18,7 +18,7 @@ from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
 from helpers import all_splits, assert_training_matches, untimed
-from models import TiedHead, TinyTransformer, TwoBranch, UNet
+from models import StockEncoder, TiedHead, TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
 
@@ -230,23 +230,6 @@ def test_untraceable_root_forward_points_to_sequential() -> None:
     with pytest.raises(CaptureError,
                        match=r"Root\.forward .*`return self.linear\(x\) if x.mean\(\) > 0 else x`.*nn\.Sequential"):
         chain(Root())
-
-
-class StockEncoder(nn.Module):
-    """``nn.TransformerEncoder`` with a causal mask, whose forward fx cannot trace."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.norm = nn.BatchNorm1d(16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
-        h = self.encoder(self.embed(x), mask=mask, is_causal=True)
-        return self.head(self.norm(h.mean(dim=1)).view(x.size(0), -1))
 
 
 def test_torch_export_captures_what_fx_cannot() -> None:
