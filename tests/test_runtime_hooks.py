@@ -5,6 +5,8 @@ gradient, and a backward into named inputs fires none (:mod:`autopipe.runtime.ho
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from typing import Any, Callable
 
 import pytest
@@ -198,3 +200,79 @@ def test_a_hook_removed_by_another_parameters_hook_does_not_fire() -> None:
         _loss(model(x), y).backward()
         grads.append(net[0].weight.grad)
     assert_close(grads[1], grads[0], "first weight's gradient")
+
+
+class _Gated(torch.autograd.Function):
+    """The identity, whose first backward waits until ``gate.other`` is set (the other call's
+    backward is starting), then a moment more: the two backward phases overlap for sure."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, gate: Gate) -> Tensor:
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        gate = ctx.gate
+        if not gate.inside.is_set():
+            gate.inside.set()
+            assert gate.other.wait(30), "the other call's backward never started"
+            time.sleep(0.5)  # while the other call starts its backward phase
+        return grad, None
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.other = threading.Event(), threading.Event()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Gated.apply(x, self)
+
+
+@pytest.mark.timeout(120)
+def test_overlapping_backwards_from_two_threads_keep_the_hooks() -> None:
+    """Two threads' backward phases under way at once share one hold: the hooks fire once, on
+    the two calls' summed gradient, and are in place afterwards (a second hold had taken the
+    first's stand-ins for the hooks and put them back for good)."""
+    torch.manual_seed(0)
+    plain = mlp()
+    gate = Gate()
+    pipe = autopipe.Pipeline(nn.Sequential(*copy.deepcopy(plain), gate), balance=[3, 5], chunks=4)
+    fired = {name: 0 for name, _ in pipe.named_parameters()}
+    for name, p in pipe.named_parameters():
+        p.register_hook(lambda g: g * 2)
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired[name] + 1))
+    (xa, ya), (xb, yb) = _batch(), _batch()
+    losses = [_loss(pipe(xa), ya), _loss(pipe(xb), yb)]
+    failures: list[BaseException] = []
+
+    def backward(index: int) -> None:
+        try:
+            if index:
+                assert gate.inside.wait(30), "the first call's backward never started"
+                gate.other.set()
+            losses[index].backward()
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=backward, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    assert set(fired.values()) == {1}, fired
+    _loss(plain(xa), ya).backward()
+    _loss(plain(xb), yb).backward()
+    expected = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, 2 * expected[name].grad, name)
+    pipe.zero_grad()
+    plain.zero_grad()
+    _loss(pipe(xa), ya).backward()  # an ordinary step after them: each hook fires once, the gradient doubled
+    _loss(plain(xa), ya).backward()
+    assert set(fired.values()) == {2}, fired
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, 2 * expected[name].grad, name)
+    pipe.close()

@@ -210,3 +210,34 @@ def test_an_exported_layers_modules_it_does_not_run_are_not_shown() -> None:
     assert not [name for name, module in pipe.named_modules() if isinstance(module, nn.Dropout)]
     assert list(pipe.state_dict()) == list(model.state_dict())
     pipe.close()
+
+
+class RootScaled(nn.Module):
+    """A parameter of the model's root, read by a captured layer (as ViT's ``class_token``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.scale, self.head = nn.Linear(3, 8), nn.Parameter(torch.ones(8)), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.inp(x) * self.scale))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loaded", ["model", "pipeline"])
+def test_a_root_parameter_assigned_on_either_side_is_the_others(loaded: str) -> None:
+    """``load_state_dict(assign=True)`` on the model reaches a root parameter the stage reads,
+    and on the pipeline the model's: they had parted there (the stage ran the old ``scale``
+    with the new layers, 4.8 off the model)."""
+    torch.manual_seed(0)
+    model, x = RootScaled(), torch.randn(8, 3)
+    pipe = autopipe.Pipeline(autopipe.chain(model, x), balance=[1, 1], chunks=2)
+    new = {key: torch.randn_like(value) for key, value in model.state_dict().items()}
+    (model if loaded == "model" else pipe).load_state_dict(new, assign=True)
+    theirs = pipe.state_dict(keep_vars=True)
+    for key, value in model.state_dict(keep_vars=True).items():
+        assert theirs[key] is value, key
+        torch.testing.assert_close(value.detach(), new[key], msg=key)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+    pipe.close()

@@ -15,7 +15,10 @@ micro-batch's forward (replicas run one module on several threads at once).
 
 The pipeline brackets a step with :meth:`begin_step` and :meth:`end_step` (after the last
 micro-batch that actually ran: a small batch may give fewer than ``chunks``); with replicas,
-whose threads merge into one module at once, the call brackets all of them once.  Recomputation
+whose threads merge into one module at once, the call brackets all of them once.  Each step has
+its own key (the call's), which :func:`micro_batch_forward` tells the module: calls from several
+threads overlap, and with replicas their steps are under way in one module at once, each
+collecting its own statistics; a failed step updates nothing.  Recomputation
 for checkpointing is skipped (:func:`~autopipe.is_recomputing`).  Outside a step (the layer
 used on its own) it behaves exactly like ``nn.BatchNorm``.
 """
@@ -40,19 +43,20 @@ _MERGING = threading.Lock()
 #: A micro-batch's count, mean and M2 (sum of squared deviations) at one call, or several merged.
 Statistics = tuple[float, Tensor, Tensor]
 
-# ``calls``: how often each deferred batch norm (by id) was called in this thread's micro-batch forward
+# ``step``: the key of the step this thread's micro-batch forward belongs to; ``calls``: how often
+# each deferred batch norm (by id) was called in it
 _forward = threading.local()
 
 
 @contextlib.contextmanager
-def micro_batch_forward() -> Iterator[None]:
-    """One micro-batch's forward on this thread: a deferred batch norm's calls in it are its
-    first, second, ... call of the step (module docstring)."""
-    _forward.calls = {}
+def micro_batch_forward(step: object) -> Iterator[None]:
+    """One micro-batch's forward of the step ``step`` on this thread: a deferred batch norm's
+    calls in it are its first, second, ... call of that step (module docstring)."""
+    _forward.step, _forward.calls = step, {}
     try:
         yield
     finally:
-        del _forward.calls
+        del _forward.step, _forward.calls
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -65,8 +69,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._step: list[Statistics] = []  # the step's statistics of each call, in call order
-        self._stepping = False
+        # by the key of each step under way: its statistics of each call, in call order
+        self._steps: dict[object, list[Statistics]] = {}
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -81,19 +85,21 @@ class DeferredBatchNorm(_BatchNorm):
         for child in module.modules():
             if _convertible(child):
                 child.__class__ = cls
-                child._step, child._stepping = [], False
+                child._steps = {}
         return module
 
-    def begin_step(self) -> None:
-        """Start collecting statistics: the micro-batches of one mini-batch follow."""
-        self._stepping = True
-        self._step = []
+    def begin_step(self, key: object) -> None:
+        """Start collecting the statistics of step ``key``: the micro-batches of one mini-batch
+        follow (their forwards under :func:`micro_batch_forward` with that key)."""
+        with _MERGING:
+            self._steps[key] = []
 
-    def end_step(self) -> None:
-        """Update the running statistics once per call of a forward, in call order, from the
-        micro-batches seen since :meth:`begin_step`."""
-        step, self._step, self._stepping = self._step, [], False
-        for statistics in step:
+    def end_step(self, key: object, update: bool = True) -> None:
+        """End step ``key``: if ``update`` (it succeeded), update the running statistics once per
+        call of a forward, in call order, from its micro-batches."""
+        with _MERGING:
+            step = self._steps.pop(key, [])
+        for statistics in step if update else ():
             self._update(*statistics)
 
     @torch.no_grad()
@@ -114,9 +120,10 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if is_recomputing():  # the step's statistics already have this micro-batch
             return self._normalise(input, None, None)
-        calls = getattr(_forward, "calls", None)
-        if not self._stepping or calls is None:  # used on its own, not by a stage's forward
+        step = getattr(_forward, "step", None)
+        if step is None or step not in self._steps:  # used on its own, not by a stage's forward
             return super().forward(input)
+        calls = _forward.calls
         call = calls.get(id(self), 0)
         calls[id(self)] = call + 1
         assert self.running_mean is not None
@@ -125,21 +132,22 @@ class DeferredBatchNorm(_BatchNorm):
         # momentum 1 turns the "running" buffers into this micro-batch's mean and unbiased
         # variance, computed by batch_norm itself in the same pass that normalises.
         output = self._normalise(input, mean, variance)
-        self._merge(call, float(input.numel() // self.num_features), mean, variance)
+        self._merge(step, call, float(input.numel() // self.num_features), mean, variance)
         return output
 
     def _normalise(self, input: Tensor, mean: Tensor | None, variance: Tensor | None) -> Tensor:
         return F.batch_norm(input, mean, variance, self.weight, self.bias, True, 1.0, self.eps)
 
-    def _merge(self, call: int, count: float, mean: Tensor, variance: Tensor) -> None:
-        """Merge a micro-batch's statistics at its ``call``-th call into the step's at that call
-        (a thread reaches call ``k`` only after its call ``k - 1`` made the step's entry ``k - 1``)."""
+    def _merge(self, key: object, call: int, count: float, mean: Tensor, variance: Tensor) -> None:
+        """Merge a micro-batch's statistics at its ``call``-th call into step ``key``'s at that
+        call (a thread reaches call ``k`` only after its call ``k - 1`` made the entry ``k - 1``)."""
         statistics = (count, mean, variance * max(count - 1.0, 0.0))
         with _MERGING:
-            if call == len(self._step):
-                self._step.append(statistics)
+            step = self._steps[key]
+            if call == len(step):
+                step.append(statistics)
             else:
-                self._step[call] = _merged(self._step[call], statistics)
+                step[call] = _merged(step[call], statistics)
 
 
 def _merged(seen: Statistics, new: Statistics) -> Statistics:

@@ -27,12 +27,18 @@ outside the pipeline (an explicit L2 term: its part accumulates outside the phas
 all); a hook registered during the phase on a parameter with none before it fires per
 micro-batch.
 
+Calls from several threads may overlap: a phase that starts while another holds a parameter's
+hooks joins that hold (the two phases' gradients then sum in one ``.grad``, which cannot be
+told apart), and the hooks fire once, on the summed gradient, when the last of them ends (none
+fire if one failed).  A call's own hold never takes another's stand-ins for hooks.
+
 Parameters without such hooks (the common case) are only looked at.  A backward into named
 inputs (``autograd.grad(loss, x)``) runs no parameter's ``AccumulateGrad``, as on the plain
 model, so it holds nothing (:class:`~autopipe.runtime.replicas.Replicas` asks).
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -47,12 +53,15 @@ _Hooks = list[tuple[Any, Any]]  # a hook dict's (handle id, hook) items, in regi
 
 @dataclass
 class _Held:
-    """One parameter's hooks and ``.grad`` as they were before the phase."""
+    """One parameter's hooks and ``.grad`` as they were before the phases that hold them: how
+    many phases under way do, and whether all that ended succeeded."""
 
     param: Tensor
     grad: Tensor | None
     tensor_hooks: _Hooks
     post_hooks: _Hooks
+    phases: int = 1
+    fire: bool = True
 
     @classmethod
     def take(cls, param: Tensor) -> _Held:
@@ -89,6 +98,12 @@ class _Held:
                 hook(self.param)
 
 
+# The parameters whose hooks phases under way hold, by id; taken with the lock (hooks fire under it,
+# re-entrant for a hook that runs a pipeline on its own thread).
+_holding: dict[int, _Held] = {}
+_lock = threading.RLock()
+
+
 class HeldHooks:
     """The hooks of a backward phase's parameters, held aside until :meth:`release`."""
 
@@ -97,25 +112,45 @@ class HeldHooks:
 
     @classmethod
     def hold(cls, params: Iterable[Tensor]) -> HeldHooks | None:
-        """Hold the hooks of those ``params`` that have any; ``None`` where none has."""
-        held = [_Held.take(p) for p in _unique(params) if p._backward_hooks or p._post_accumulate_grad_hooks]
+        """Hold the hooks of those ``params`` that have any, or join a phase under way that holds
+        them (module docstring); ``None`` where none has."""
+        held = []
+        with _lock:
+            for param in _unique(params):
+                entry = _holding.get(id(param))
+                if entry is not None:
+                    entry.phases += 1
+                elif param._backward_hooks or param._post_accumulate_grad_hooks:
+                    entry = _holding[id(param)] = _Held.take(param)
+                else:
+                    continue
+                held.append(entry)
         return cls(held) if held else None
 
     @torch.no_grad()  # as autograd runs hooks (no create_graph: the tie refuses it)
     def release(self, fire: bool) -> None:
-        """Put the hooks back, then accumulate each parameter's gradient of the phase, firing
-        its hooks once if ``fire`` (the phase succeeded).  The hooks are back before any fires,
-        so a hook that removes itself (``handle.remove()``) stays removed.  A hook that raises
-        stops the firing; every later parameter still gets its gradient."""
-        for held in self._held:
-            held.put_back_hooks()
-        pending = list(reversed(self._held))  # the last stage's first, as a backward reaches them
-        try:
-            while pending:
-                pending.pop(0).accumulate(fire)
-        finally:
-            for held in pending:
-                held.accumulate(fire=False)
+        """End this phase's hold: where no other phase holds a parameter any more, put its hooks
+        back, then accumulate its gradient of the phases, firing its hooks once if ``fire``
+        (every phase succeeded).  The hooks are back before any fires, so a hook that removes
+        itself (``handle.remove()``) stays removed.  A hook that raises stops the firing; every
+        later parameter still gets its gradient."""
+        with _lock:
+            ended = []
+            for held in self._held:
+                held.phases, held.fire = held.phases - 1, held.fire and fire
+                if not held.phases:
+                    del _holding[id(held.param)]
+                    ended.append(held)
+            for held in ended:
+                held.put_back_hooks()
+            pending = list(reversed(ended))  # the last stage's first, as a backward reaches them
+            try:
+                while pending:
+                    held = pending.pop(0)
+                    held.accumulate(held.fire)
+            finally:
+                for held in pending:
+                    held.accumulate(fire=False)
 
 
 def _unique(params: Iterable[Tensor]) -> list[Tensor]:

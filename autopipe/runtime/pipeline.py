@@ -386,7 +386,7 @@ class Pipeline(nn.Module):
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
         replays = any(any(run.checkpointed) for run in runs)  # the replicas share generators and buffers
         for run in runs:
-            run.replays = replays
+            run.replays, run.step = replays, runs[0].step
         engines = self._engines[:len(runs)]
         if self.measure_memory:
             for engine, run in zip(engines, runs):
@@ -442,7 +442,8 @@ class Pipeline(nn.Module):
         one the stage runs on.  Given the ``model`` (itself, or the one a
         :class:`~autopipe.model.layers.Chain` read it from), a container is then the model's
         own module where that changes neither state nor modules (:func:`_adopt_containers`):
-        its ``Sequential``, its ``BasicBlock``.  Modules
+        its ``Sequential``, its ``BasicBlock``; elsewhere (the model's root, a container
+        holding more) the model's slots are linked too (:func:`_link_model_slots`).  Modules
         are attached in the model's order where the chain knows it (a
         :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()``
         lists them as ``model.parameters()`` does."""
@@ -463,6 +464,8 @@ class Pipeline(nn.Module):
             _adopt_containers(self, model, state)
         for path, module in linked:
             _link_tensors(module_at(self, path), module)
+            if model is not None:
+                _link_model_slots(module_at(self, path), model, path)
 
 
 #: A slot that is not there (``None`` is a slot's value: a parameter set to none).
@@ -512,6 +515,24 @@ def _link_tensors(holder: nn.Module, owner: nn.Module) -> None:
             if tensor is not None:
                 mine.link(name, theirs)
     holder._non_persistent_buffers_set |= owner._non_persistent_buffers_set
+
+
+def _link_model_slots(holder: nn.Module, model: nn.Module, path: str) -> None:
+    """Link the slots of the model's own module at ``path`` that hold the tensor ``holder``'s
+    do (the model's root, or a container not adopted, holds a parameter a captured layer reads)
+    to ``holder``'s: ``load_state_dict(assign=True)`` on the model then reaches the stages, and
+    on the pipeline the model."""
+    try:
+        own = model.get_submodule(path)
+    except AttributeError:  # a holder the capture made where the model has no module
+        return
+    if own is holder:
+        return
+    for kind in ("_parameters", "_buffers"):
+        mine = vars(holder)[kind]
+        for name, tensor in list(vars(own)[kind].items()):
+            if tensor is not None and mine.get(name) is tensor:
+                _linked_slots(holder, kind).link(name, _linked_slots(own, kind))
 
 
 def _linked_slots(module: nn.Module, kind: str) -> _LinkedSlots:

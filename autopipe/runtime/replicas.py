@@ -253,7 +253,7 @@ class Replicas:
             if self.copies is not None:
                 self.copies.broadcast()
             for bn in self.deferred:
-                bn.begin_step()
+                bn.begin_step(self.runs[0].step)
         if phase != "forward" and self.copies is not None:
             self.copies.begin_backward()
         held = None if phase == "forward" or self.runs[0].inputs_only else HeldHooks.hold(self._parameters())
@@ -264,6 +264,8 @@ class Replicas:
         except BaseException:
             if held is not None:
                 held.release(fire=False)
+            for bn in self.deferred if phase != "backward" else ():
+                bn.end_step(self.runs[0].step, update=False)
             raise
         self.held = held
 
@@ -283,11 +285,11 @@ class Replicas:
                 failure = failure or error
         if phase != "forward" and self.copies is not None:
             self.copies.end_backward(failure is not None)
-        if failure is not None:
-            raise failure
         if phase != "backward":
             for bn in self.deferred:
-                bn.end_step()
+                bn.end_step(self.runs[0].step, update=failure is None)
+        if failure is not None:
+            raise failure
 
     def _parameters(self) -> list[Tensor]:
         """The first replica's parameters: every replica's where they share them, and where

@@ -187,6 +187,9 @@ class Run:
     # own draws, so stages that draw random numbers take the generator's lock (RandomGuard), and
     # its own buffers, so stages with buffers take their replicas' lock (Stage.replay_lock)
     replays: bool = False
+    # the key of the call's deferred batch norm step (autopipe.runtime.batchnorm): every replica's run
+    # of one call has the same
+    step: object = field(default_factory=object)
 
     def __post_init__(self) -> None:
         self.inboxes = [Inbox(self) for _ in range(self.stages)]

@@ -138,26 +138,33 @@ class Stage:
         self._fresh = False
         if starts:
             self.random.measure_again()
-        bracket = starts and self.brackets_batch_norm
-        if bracket:
-            for bn in self.deferred:
-                bn.begin_step()
-        for action in actions:
-            if run.error is not None:
-                raise Aborted
-            try:
-                if action.kind == "F":
-                    self._forward(run, action.micro_batch)
-                else:
-                    self._backward(run, action.micro_batch)
-            except Exception as error:
-                if not isinstance(error, Aborted):
-                    phase = "forward" if action.kind == "F" else "backward"
-                    error.add_note(f"autopipe: raised by {self.name} in {phase} of micro-batch {action.micro_batch}")
-                raise
-        if bracket:
-            for bn in self.deferred:
-                bn.end_step()
+        norms = self.deferred if starts and self.brackets_batch_norm else []
+        for bn in norms:
+            bn.begin_step(run.step)
+        try:
+            for action in actions:
+                self._act(run, action)
+        except BaseException:
+            for bn in norms:
+                bn.end_step(run.step, update=False)
+            raise
+        for bn in norms:
+            bn.end_step(run.step)
+
+    def _act(self, run: Run, action: Action) -> None:
+        """One action of :meth:`execute`."""
+        if run.error is not None:
+            raise Aborted
+        try:
+            if action.kind == "F":
+                self._forward(run, action.micro_batch)
+            else:
+                self._backward(run, action.micro_batch)
+        except Exception as error:
+            if not isinstance(error, Aborted):
+                phase = "forward" if action.kind == "F" else "backward"
+                error.add_note(f"autopipe: raised by {self.name} in {phase} of micro-batch {action.micro_batch}")
+            raise
 
     # -- forward -----------------------------------------------------------------------
 
@@ -169,7 +176,7 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 kept = buffers_kept(self.replayed) if checkpointed else None
-                with self._random(run) as rng, micro_batch_forward(), self._writes_counted():
+                with self._random(run) as rng, micro_batch_forward(run.step), self._writes_counted():
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
                                                            keep=checkpointed or self.index == 0,
