@@ -6,18 +6,21 @@ field (``layers[3].forward_ms``) in its one error when something is missing or o
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
-from .errors import FormatError
+from ._vocab import check_device_name
+from .errors import DeviceError, FormatError, OptionError
 
-__all__ = ["FormatError", "Fields", "check_writable", "write_atomic", "write_json_atomic", "read_json", "digest",
-           "is_finite"]
+__all__ = ["FormatError", "Fields", "check_path", "check_writable", "write_atomic", "write_json_atomic", "read_json",
+           "digest", "is_finite"]
 
 T = TypeVar("T")
 
@@ -25,16 +28,25 @@ _UMASK = os.umask(0)  # read once at import (os.umask can only be read by settin
 os.umask(_UMASK)  # ... and put back at once
 
 
+def check_path(path: object, what: str) -> Path:
+    """``path`` as a :class:`Path`; raises :class:`OptionError` unless it is a ``str`` or an
+    ``os.PathLike`` (``None`` or an open file would fail deep in :mod:`pathlib`)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionError(f"path must name {what} (a str or os.PathLike such as pathlib.Path), got {path!r:.60}")
+    return Path(path)
+
+
 def check_writable(path: str | os.PathLike[str], example: str = "out.json") -> Path:
     """``path`` if a file can be written there, else the reason it cannot, as an ``OSError``
-    (``example`` is the file name suggested in place of a directory).
+    (``example`` is the file name suggested in place of a directory; an :class:`OptionError`
+    if ``path`` is no file name at all).
 
     Callers run this before long work (profiling, a bench) so a bad output path costs nothing;
     :func:`write_atomic` runs it again, since the place may have changed meanwhile.  Only a
     regular file (or a symlink to one) may be replaced: the rename would put a file in place of
     a device or a FIFO (``-o /dev/null`` run as root would replace ``/dev/null``).
     """
-    target = Path(path)
+    target = check_path(path, "a file to write")
     if target.is_dir():
         raise IsADirectoryError(f"cannot write {target}: it is a directory; give a file name such as "
                                 f"{target / example}")
@@ -52,7 +64,8 @@ def check_writable(path: str | os.PathLike[str], example: str = "out.json") -> P
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
-    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
+    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``; an
+    ``OSError`` meanwhile (a full disk) is raised again naming ``path``, which is left as it was."""
     target = check_writable(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -67,8 +80,12 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            advice = "free some space" if error.errno == errno.ENOSPC else "check the disk"
+            raise OSError(error.errno, f"cannot write {target} ({error.strerror or error}); it is left as it was: "
+                                       f"{advice} or choose another place") from None
         raise
     return target
 
@@ -81,20 +98,14 @@ def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) ->
 
 def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> Fields:
     """Parse ``path`` as a ``kind`` document of at most ``schema_version``."""
-    source = str(path)
+    file, source = check_path(path, f"a {kind} file"), str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FormatError(f"{source}: no such {kind} file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise FormatError(f"{source}: cannot read {kind} file ({error})") from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise FormatError(
-            f"{source}: not valid JSON at line {error.lineno} column {error.colno} ({error.msg}); "
-            f"the {kind} file is corrupt or truncated — make it again"
-        ) from None
+    document = _parse(text, source, kind)
     fields = Fields(document, source, "")
     if not isinstance(document, dict):
         raise fields.error(f"expected a JSON object at the top of a {kind} file")
@@ -111,6 +122,23 @@ def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> F
     if version < 1:
         raise fields.error(f"schema version {version} is not valid", "schema_version")
     return fields
+
+
+def _parse(text: str, source: str, kind: str) -> Any:
+    """``text`` as JSON; :class:`FormatError` naming ``source`` if it is not JSON or is JSON that
+    Python cannot hold (arrays nested past its recursion limit, an integer of thousands of digits)."""
+    remake = f"the {kind} file is corrupt — make it again"
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FormatError(f"{source}: not valid JSON at line {error.lineno} column {error.colno} ({error.msg}); "
+                          f"the {kind} file is corrupt or truncated — make it again") from None
+    except RecursionError:
+        raise FormatError(f"{source}: its JSON is nested too deeply to read (deeper than Python's recursion limit "
+                          f"of {sys.getrecursionlimit()}); {remake}") from None
+    except ValueError as error:  # an integer longer than sys.get_int_max_str_digits()
+        raise FormatError(f"{source}: holds a number too long to read ({str(error).split(';')[0]}); "
+                          f"{remake}") from None
 
 
 class Fields:
@@ -192,6 +220,17 @@ class Fields:
     def str_list(self, key: str) -> list[str]:
         return self.typed(key, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                           "a list of strings")
+
+    def device_names(self) -> list[str]:
+        """This value as a list of device names, each as every step reads one
+        (:func:`~autopipe._vocab.check_device_name`): a wrong one is named here, with its field."""
+        names = []
+        for item in self.items():
+            try:
+                names.append(check_device_name(item.value))
+            except DeviceError as error:
+                raise item.error(f"{error}; correct it, or make the file again") from None
+        return names
 
     def int_list(self, key: str) -> list[int]:
         return self.typed(

@@ -3,6 +3,7 @@ raised before any work, and never a plan silently made for other input than aske
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 import autopipe
+from autopipe.planning._options import device_names
+from synthetic import make_profile
 
 
 def mlp(width: int = 8) -> nn.Sequential:
@@ -153,6 +156,8 @@ def test_an_unknown_keyword_is_named_for_the_function_called(saved: tuple[autopi
 
 MISTAKES: dict[str, Callable[[autopipe.Profile, str], Any]] = {
     "device count 0": lambda p, _: autopipe.plan(p, 0),
+    "device count 100000": lambda p, _: autopipe.plan(p, 100_000),
+    "meta devices": lambda p, _: autopipe.plan(p, ["meta", "meta"]),
     "devices without CUDA": lambda p, _: autopipe.plan(p, ["cuda:0", "cuda:1"]),
     "memory_limit 16GX": lambda p, _: autopipe.plan(p, 2, memory_limit="16GX"),
     "memory_limit -1": lambda p, _: autopipe.plan(p, 2, memory_limit=-1),
@@ -196,3 +201,36 @@ def test_a_plan_whose_fingerprint_was_changed_says_so(prof: autopipe.Profile) ->
     with pytest.raises(autopipe.OptionError, match="the plan was made for another model: the layers listed match "
                                                    "but the fingerprints differ.*; plan this model again"):
         autopipe.Pipeline(mlp(), chosen)
+
+
+def test_devices_the_profile_has_no_copy_times_for_are_a_device_error(prof: autopipe.Profile) -> None:
+    with pytest.raises(autopipe.DeviceError, match=r"^the profile has no copy measurement from meta to meta: it was "
+                                                   r"measured on cpu, cpu; plan on those devices \(a meta device "
+                                                   r"holds no data to time\)$"):
+        autopipe.plan(prof, ["meta", "meta"])
+
+
+@pytest.mark.parametrize("devices", [100_000, ["cpu"] * 4097])
+def test_a_device_count_whose_pair_tables_would_not_fit_is_refused_before_allocating(
+        prof: autopipe.Profile, devices: Any) -> None:
+    """Planned, 100,000 devices failed allocating two 74.5 GiB tables of every pair of devices."""
+    count = devices if isinstance(devices, int) else len(devices)
+    with pytest.raises(autopipe.DeviceError, match=f"^{count:,} devices are more than the planner takes "
+                                                   r"\(4,096 at most\): .* GiB each .*plan for at most 4,096"):
+        autopipe.plan(prof, devices)
+    assert device_names(prof, 4096) == ["cpu"] * 4096  # the most taken
+
+
+@pytest.mark.parametrize(("engine", "least"), [("local", 7), ("distributed", 8)])
+def test_a_replicas_share_too_small_to_split_says_so_and_the_least_batch(engine: str, least: int) -> None:
+    """Each replica plans for its share: 3 samples of 6 for 2 replicas, below the profiled 4..8.
+    The message spoke of a batch size 3 and advised 'at least 4', which 2 replicas cannot take."""
+    measured = make_profile([1.0, 2.0], sizes=(4, 8))
+    message = (f"batch size 6 over 2 replicas gives each replica a share of up to 3 samples, which cannot be split "
+               f"into {'equal ' if engine == 'distributed' else ''}micro-batches of the profiled sizes 4..8; use a "
+               f"batch size of {least} (the least that 2 replicas can take), or fewer replicas")
+    with pytest.raises(autopipe.OptionError, match=f"^{re.escape(message)}$"):
+        autopipe.plan(measured, 2, batch_size=6, replicas=2, engine=engine)
+    assert autopipe.plan(measured, 2, batch_size=least, replicas=2, engine=engine).replicas == 2
+    with pytest.raises(autopipe.OptionError, match="or profile micro-batch size 2 too$"):
+        autopipe.plan(measured, 2, batch_size=3, replicas=2)

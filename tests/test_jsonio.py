@@ -1,16 +1,20 @@
-"""``write_atomic``: the one temp-file-and-rename writer behind profiles, plans and checkpoints."""
+"""``write_atomic``: the one temp-file-and-rename writer behind profiles, plans and checkpoints;
+``read_json``'s errors for files that are no JSON autopipe can read."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 import pytest
 import torch
 
-from autopipe._jsonio import write_atomic, write_json_atomic
+from autopipe._jsonio import check_writable, read_json, write_atomic, write_json_atomic
+from autopipe.errors import FormatError, OptionError
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -44,3 +48,40 @@ def test_a_fifo_is_never_replaced_but_a_link_to_a_file_is_written(tmp_path: Path
     (tmp_path / "link.json").symlink_to(tmp_path / "file.json")
     write_json_atomic(tmp_path / "link.json", {"kind": "plan"})
     assert json.loads((tmp_path / "link.json").read_text()) == {"kind": "plan"}
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ('{"kind": "profile", "schema_version": ' + "9" * 5000 + "}", "a number too long to read"),
+])
+def test_json_python_cannot_hold_is_a_format_error_naming_the_file(tmp_path: Path, text: str, problem: str) -> None:
+    """Valid JSON can still be beyond Python (its recursion limit, its 4300-digit integers):
+    one FormatError naming the file, not a RecursionError or a ValueError without it."""
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(FormatError, match=f"^{re.escape(str(path))}: .*{problem}.*the profile file is corrupt — make "
+                                          "it again$"):
+        read_json(path, "profile", 1)
+
+
+@pytest.mark.parametrize("call", [lambda: read_json(None, "plan", 1),  # type: ignore[arg-type]
+                                  lambda: write_json_atomic(None, {}),  # type: ignore[arg-type]
+                                  lambda: check_writable(3)])  # type: ignore[arg-type]
+def test_a_path_that_is_no_file_name_is_named(call: Callable[[], object]) -> None:
+    with pytest.raises(OptionError, match=r"^path must name a (plan file|file to write) \(a str or os.PathLike"):
+        call()
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = write_json_atomic(tmp_path / "plan.json", {"kind": "plan"})
+
+    def full(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    message = (f"[Errno {errno.ENOSPC}] cannot write {target} (No space left on device); it is left as it was: "
+               "free some space or choose another place")
+    with pytest.raises(OSError, match=f"^{re.escape(message)}$"):
+        write_json_atomic(target, {"kind": "plan", "more": 1})
+    assert json.loads(target.read_text()) == {"kind": "plan"}
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from synthetic import make_profile
 
 from autopipe._jsonio import FormatError
+from autopipe.errors import OptionError
 from autopipe.planning.plans import Plan
 from autopipe.planning.solver import plan
 
@@ -59,6 +61,10 @@ def edit(path, change):
     (lambda d: d["model"].update(spec=5), "model.spec", "expected a string, found 5"),
     (lambda d: d["model"].update(input_shape="16"), "model.input_shape", "expected a shape (a list of integers)"),
     (lambda d: d["model"].update(input_shape=[0, 3]), "model.input_shape", "dimensions of at least 1"),
+    # read as they were, such names failed only when the plan ran, naming neither file nor field
+    (lambda d: d["devices"].__setitem__(0, "gpu"), "devices[0]", "'gpu' is not a device autopipe can use"),
+    (lambda d: d["replica_devices"][0].__setitem__(1, "cuda:one"), "replica_devices[0][1]",
+     "'cuda:one' is not a device"),
 ])
 def test_validation_names_the_field(saved, change, field, words):
     _, path = saved
@@ -99,3 +105,24 @@ def test_save_refuses_what_load_would(saved):
     with pytest.raises(FormatError, match="field 'chunks'"):
         chosen.validate()
     assert path.read_text() == before and [p.name for p in path.parent.iterdir()] == ["p.json"]
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("chunks", 0, "must be at least 1, found 0"),
+    ("replicas", 0, "must be at least 1, found 0"),
+    ("batch_size", None, "expected an integer, found null"),
+])
+def test_save_names_a_count_the_micro_batch_size_divides_by(saved, field, value, problem):
+    """``micro_batch_size`` divides by them: a ZeroDivisionError (or TypeError) before they were checked."""
+    chosen, path = saved
+    before = path.read_text()
+    setattr(chosen, field, value)
+    for call in (lambda: chosen.save(path), chosen.validate):
+        with pytest.raises(FormatError, match=re.escape(f"in-memory plan: field '{field}': {problem}")):
+            call()
+    assert path.read_text() == before
+
+
+def test_load_refuses_what_is_no_file_name():
+    with pytest.raises(OptionError, match=r"path must name a plan file \(a str or os.PathLike .*\), got None"):
+        Plan.load(None)

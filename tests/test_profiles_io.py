@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from autopipe._jsonio import FormatError
+from autopipe.cli import main
+from autopipe.errors import OptionError
 from autopipe.profiling.profiler import profile
 from autopipe.profiling.profiles import PROFILE_SCHEMA_VERSION, Profile, Stat
 from autopipe.model.skip import pop, skippable, stash
@@ -218,3 +220,41 @@ def test_a_copy_fit_to_the_same_device_or_a_second_one_for_a_pair_is_refused(mea
     doubled = Profile(**{**measured.__dict__, "copies": [*measured.copies, measured.copies[1]]})
     with pytest.raises(FormatError, match=r"copies\[2\]': is a second copy fit for devices 1 -> 0"):
         doubled.validate()
+
+
+@pytest.mark.parametrize("names", [["cuda:0", "cuda:1"], ["cuda", "cpu"], ["meta", "cpu:1"]])
+def test_device_names_every_step_takes_are_read(saved_file: Path, names: list[str]) -> None:
+    assert Profile.load(edit(saved_file, lambda d: d.update(devices=names))).devices == names
+
+
+@pytest.mark.parametrize(("names", "field", "shown"), [
+    (["cpu", "gpu"], "devices[1]", "'gpu'"),
+    (["cuda:x", "cpu"], "devices[0]", "'cuda:x'"),
+    (["cpu", 0], "devices[1]", "'0'"),
+])
+def test_a_device_name_no_step_takes_is_refused_naming_the_field(saved_file: Path, names: list[Any], field: str,
+                                                                  shown: str) -> None:
+    """Read as it was, 'gpu' was refused only by ``plan``, naming neither the file nor the field."""
+    expect_error(edit(saved_file, lambda d: d.update(devices=names)), f"field '{field}'",
+                 f"{shown} is not a device autopipe can use", "correct it, or make the file again")
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+    ('{"kind": "profile", "schema_version": ' + "1" * 5000 + "}", "a number too long to read"),
+])
+@pytest.mark.parametrize("command", ["plan", "show"])
+def test_json_beyond_python_is_one_line_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                                     problem: str, command: str) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    expect_error(path, problem, "the profile file is corrupt")
+    assert main([command, str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"autopipe {command}: error: {path}: ") and problem in error
+    assert "Traceback" not in error and error.count("\n") == 1
+
+
+def test_load_refuses_what_is_no_file_name() -> None:
+    with pytest.raises(OptionError, match=r"path must name a profile file \(a str or os.PathLike .*\), got None"):
+        Profile.load(None)  # type: ignore[arg-type]

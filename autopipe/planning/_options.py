@@ -18,7 +18,8 @@ from ..errors import DeviceError, OptionError
 from ..profiling.profiles import Profile
 from .memory import optimizer_factor
 
-__all__ = ["Options", "candidate_chunks", "device_names", "device_speeds", "memory_limits", "parse_bytes"]
+__all__ = ["Options", "candidate_chunks", "check_replica_share", "device_names", "device_speeds", "memory_limits",
+           "parse_bytes", "MAX_DEVICES"]
 
 
 @dataclass(frozen=True)
@@ -122,16 +123,39 @@ def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None =
             raise OptionError(f"chunks={chunks} does not divide batch size {batch_size}, and the distributed "
                               "engine needs equal micro-batches; choose a divisor of the batch size")
         return [chunks]
-    found = {}
-    for m in range(1, batch_size + 1):
-        found.setdefault(-(-batch_size // m), m)
-    usable = [m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m)]
+    usable = _usable_chunks(batch_size, low, high, equal)
     if not usable:
         shape = "equal micro-batches" if equal else "micro-batches"
+        profiled = f"down to {batch_size}" if batch_size < low else f"up to {batch_size}"
         raise OptionError(f"batch size {batch_size} cannot be split into {shape} of the profiled "
-                          f"sizes {low}..{high}; profile batch sizes up to {batch_size} or use a batch "
+                          f"sizes {low}..{high}; profile batch sizes {profiled} or use a batch "
                           f"size of at least {low}{' that a profiled size divides' if equal else ''}")
-    return sorted(usable)
+    return usable
+
+
+def _usable_chunks(batch_size: int, low: int, high: int, equal: bool) -> list[int]:
+    """In order, the least ``m`` for each distinct ``ceil(B/m)`` in ``low..high`` (with ``equal``,
+    divisors of ``B`` only)."""
+    found: dict[int, int] = {}
+    for m in range(1, batch_size + 1):
+        found.setdefault(-(-batch_size // m), m)
+    return sorted(m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m))
+
+
+def check_replica_share(batch_size: int, replicas: int, sizes: Sequence[int], equal: bool = False) -> None:
+    """Refuse ``replicas`` replicas when the largest share of ``batch_size`` (what the planner
+    prices) cannot be split into micro-batches of the profiled ``sizes`` (``equal``: into equal
+    ones, as the distributed engine needs), saying the least batch size they can take."""
+    share, low, high = -(-batch_size // replicas), min(sizes), max(sizes)
+    if replicas == 1 or _usable_chunks(share, low, high, equal):
+        return
+    least = low * replicas if equal else (low - 1) * replicas + 1  # the least whose share is low
+    other = ("fewer replicas" if _usable_chunks(batch_size, low, high, equal)
+             else f"profile micro-batch size {share} too")
+    raise OptionError(f"batch size {batch_size} over {replicas} replicas gives each replica a share of up to {share} "
+                      f"samples, which cannot be split into {'equal ' if equal else ''}micro-batches of the profiled "
+                      f"sizes {low}..{high}; use a batch size of {least} (the least that {replicas} replicas can "
+                      f"take), or {other}")
 
 
 def _check_chunks(chunks: int, batch_size: int, low: int, high: int) -> None:
@@ -241,14 +265,22 @@ def _default_limit(name: str) -> float:
     return math.inf if capacity is None else float(capacity)
 
 
+#: The most bytes of one table of a float per ordered pair of devices (copy latency, ms/byte, ...):
+#: the planner holds several at once (planning on 4,096 CPU devices peaked at 0.7 GB).
+PAIR_TABLE_BYTES = 2**27
+#: The most devices one plan may name: their per-pair tables fit in :data:`PAIR_TABLE_BYTES` each.
+MAX_DEVICES = math.isqrt(PAIR_TABLE_BYTES // 8)
+
+
 def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[str]:
-    """Plan devices as names: the profile's, its first ``n``, or those given."""
+    """Plan devices as names: the profile's, its first ``n``, or those given (at most :data:`MAX_DEVICES`)."""
     check_device_list(devices)
     if devices is None:
         return list(profile.devices)
     if isinstance(devices, int):
         if devices < 1:
             raise DeviceError(f"device count must be at least 1, got {devices}")
+        _check_count(devices)
         if devices <= len(profile.devices):
             return list(profile.devices[:devices])
         if all(d.startswith("cpu") for d in profile.devices):
@@ -258,4 +290,14 @@ def device_names(profile: Profile, devices: Sequence[Any] | int | None) -> list[
     names = [f"cuda:{d}" if isinstance(d, int) and d >= 0 else check_device_name(str(d)) for d in devices]
     if not names:
         raise DeviceError("no devices given; pass e.g. ['cpu', 'cpu'] or 2")
+    _check_count(len(names))
     return names
+
+
+def _check_count(count: int) -> None:
+    """Refuse more than :data:`MAX_DEVICES` devices before any per-pair table is allocated."""
+    if count > MAX_DEVICES:
+        need = 8 * count**2 / 2**30
+        raise DeviceError(f"{count:,} devices are more than the planner takes ({MAX_DEVICES:,} at most): it keeps "
+                          f"tables of a number per pair of devices, {need:,.3g} GiB each for {count:,}; plan for at "
+                          f"most {MAX_DEVICES:,} devices (all replicas' together)")

@@ -90,9 +90,9 @@ class Candidate:
         speeds = model.speeds[:devices]
         floors = sized.floor, back_floor
         weights = chunks - 1, chunks - 1 if effective != "except_last" else chunks - 2
-        count = min(devices, model.layers)
-        lower_bound = np.min((filled(float(costs.forward[-1]), speeds, floors[0], weights[0])
-                              + filled(float(back[-1]), speeds, floors[1], weights[1]))[:count]
+        count = min(devices, model.layers)  # no more stages than layers: filled on the first count devices
+        lower_bound = np.min(filled(float(costs.forward[-1]), speeds[:count], floors[0], weights[0])
+                             + filled(float(back[-1]), speeds[:count], floors[1], weights[1])
                              + sized.cheapest[:count])
         total = float(costs.forward[-1] + back[-1])
         skips = model.chain.skips

@@ -75,11 +75,12 @@ import numpy as np
 
 from .._vocab import ENGINES, CheckpointMode, EngineName, Schedule
 from .._checks import check_choice
+from ..errors import DeviceError
 from .graph import build_graph, chain_of
 from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
                      stage_memory, step_factor)
 from .schedules import in_flight, saved_sets
-from ..profiling.profiles import CopyFit, Profile
+from ..profiling.profiles import Profile
 
 __all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
            "phase_makespan", "backward_makespan", "recomputations", "effective_mode"]
@@ -116,35 +117,45 @@ def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, n
 
     A pair uses the profile's fit for the same device indices when the profile's devices there
     have the same names, else any fit between devices of those names; two CPU devices without a
-    fit cost 0 (a CPU-to-CPU move is a reference).  Anything else is an error.
+    fit cost 0 (a CPU-to-CPU move is a reference).  Anything else is a :class:`DeviceError`.
+    Built per pair of names, then spread over the devices (a table of every pair is ``n²``).
     """
-    count = len(devices)
-    latency = np.zeros((count, count))
-    per_byte = np.zeros((count, count))
     known = profile.devices
-    by_index: dict[tuple[int, int], CopyFit] = {}
-    by_name: dict[tuple[str, str], CopyFit] = {}
-    for fit in profile.copies:  # the first fit of each pair, as a scan would find
-        by_index.setdefault((fit.src, fit.dst), fit)
-        by_name.setdefault((known[fit.src], known[fit.dst]), fit)
-    for i in range(count):
-        for j in range(count):
-            if i != j:
-                same = max(i, j) < len(known) and known[i] == devices[i] and known[j] == devices[j]
-                fit = by_index.get((i, j)) if same else None
-                latency[i, j], per_byte[i, j] = _fit_for(fit or by_name.get((devices[i], devices[j])),
-                                                         devices[i], devices[j])
+    names = sorted(set(devices))
+    ids = np.searchsorted(names, devices)  # each device's name, as an index into names
+    by_name = np.full((2, len(names), len(names)), np.nan)  # latency, ms/byte of each pair of names
+    for a, src in enumerate(names):
+        for b, dst in enumerate(names):
+            if src.startswith("cpu") and dst.startswith("cpu"):
+                by_name[:, a, b] = 0.0
+    for fit in reversed(profile.copies):  # the first fit of each pair wins, as a scan would find
+        src, dst = known[fit.src], known[fit.dst]
+        if src in names and dst in names:
+            by_name[:, names.index(src), names.index(dst)] = fit.latency_ms, fit.ms_per_byte
+    latency, per_byte = by_name[:, ids[:, None], ids[None, :]]
+    for fit in reversed(profile.copies):  # a fit between the same indices and names comes first
+        i, j = fit.src, fit.dst
+        if max(i, j) < len(devices) and known[i] == devices[i] and known[j] == devices[j]:
+            latency[i, j], per_byte[i, j] = fit.latency_ms, fit.ms_per_byte
+    np.fill_diagonal(latency, 0.0)
+    np.fill_diagonal(per_byte, 0.0)
+    if np.isnan(by_name).any():  # else every pair has a cost: no search of the n² table
+        missing = np.argwhere(np.isnan(latency))
+        if len(missing):
+            src, dst = missing[0]
+            raise _unmeasured(profile, devices[src], devices[dst])
     return latency, per_byte
 
 
-def _fit_for(fit: CopyFit | None, src: str, dst: str) -> tuple[float, float]:
-    """Latency and ms/byte of ``fit``; a CPU-to-CPU pair without one costs nothing."""
-    if fit is not None:
-        return fit.latency_ms, fit.ms_per_byte
-    if src.startswith("cpu") and dst.startswith("cpu"):
-        return 0.0, 0.0
-    raise ValueError(f"the profile has no copy measurement from {src} to {dst}; "
-                     "profile on these devices (python -m autopipe profile --devices ...)")
+def _unmeasured(profile: Profile, src: str, dst: str) -> DeviceError:
+    """The error for a pair of plan devices ``src`` → ``dst`` that the profile has no copy fit for
+    (a meta device holds no data, so nothing is measured on it: no advice to profile there)."""
+    measured = (f"the profile has no copy measurement from {src} to {dst}: it was measured on "
+                f"{', '.join(profile.devices)}")
+    if "meta" in (src.split(":")[0], dst.split(":")[0]):
+        return DeviceError(f"{measured}; plan on those devices (a meta device holds no data to time)")
+    return DeviceError(f"{measured}; plan on those devices, or profile on these "
+                       f"(python -m autopipe profile ... --devices {src},{dst})")
 
 
 @dataclass(frozen=True)

@@ -228,18 +228,28 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Validate (:meth:`validate`) and write the plan as JSON, atomically."""
-        document = self.to_json()
-        Plan._read(_as_file(document))
-        return write_json_atomic(path, document)
+        return write_json_atomic(path, self._checked_json())
 
     def validate(self) -> None:
         """Check a plan built or changed in memory as :meth:`load` checks a file; raises
         :class:`FormatError` naming the field: what is saved is what a file can hold."""
-        Plan._read(_as_file(self.to_json()))
+        self._checked_json()
+
+    def _checked_json(self) -> dict[str, Any]:
+        """:meth:`to_json`, checked as :meth:`load` checks a file; the counts it divides by
+        (``micro_batch_size``) are checked first, so that a zero is named rather than divided by."""
+        counts = Fields({"batch_size": self.batch_size, "replicas": self.replicas, "chunks": self.chunks},
+                        "in-memory plan")
+        for name in counts.keys():
+            counts.int(name, 1)
+        document = self.to_json()
+        Plan._read(_as_file(document))
+        return document
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
-        """Read and validate a plan file; raises ``FormatError`` naming file and field."""
+        """Read and validate a plan file; raises ``FormatError`` naming file and field (an
+        ``OptionError`` if ``path`` is no file name)."""
         return Plan._read(read_json(path, "plan", PLAN_SCHEMA_VERSION))
 
     @staticmethod
@@ -247,7 +257,7 @@ class Plan:
         plan = Plan(
             model=read_model(f.get("model")),
             profile_digest=f.str("profile_digest"),
-            devices=f.str_list("devices"),
+            devices=f.get("devices").device_names(),
             batch_size=f.int("batch_size", 1),
             chunks=f.int("chunks", 1),
             checkpoint=f.str("checkpoint"),
@@ -257,7 +267,7 @@ class Plan:
             options=_options(f.get("options")) if f.has("options") else {},
             interleave=f.int("interleave", 1) if f.has("interleave") else 1,
             replicas=f.int("replicas", 1) if f.has("replicas") else 1,
-            replica_devices=([_names(item) for item in f.get("replica_devices").items()]
+            replica_devices=([item.device_names() for item in f.get("replica_devices").items()]
                              if f.has("replica_devices") else []),
             turns=f.str("turns") if f.has("turns") else "depth_first",
         )
@@ -278,12 +288,6 @@ def _options(f: Fields) -> dict[str, Any]:
     if f.has("optimizer_state_factor"):
         f.float("optimizer_state_factor", 0.0)
     return f.value
-
-
-def _names(f: Fields) -> list[str]:
-    if not all(isinstance(v, str) for v in f.items() and f.value):
-        raise f.error("expected a list of device names")
-    return list(f.value)
 
 
 def _check_consistent(plan: Plan, f: Fields) -> None:

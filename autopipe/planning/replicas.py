@@ -57,7 +57,7 @@ from ._budget import Budget
 from .cost import CostModel
 from .plans import Plan
 from .simulate import Simulation, simulate, simulate_plan
-from ._options import device_speeds, plan_batch_size
+from ._options import check_replica_share, device_speeds, plan_batch_size
 from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
@@ -241,6 +241,7 @@ def _replicated(profile: Profile, names: list[str], count: int, batch: int, limi
     limit = limits.reshape(count, per).min(axis=0)
     speed = np.asarray(rates).reshape(count, per).min(axis=0)
     share = -(-batch // count)
+    check_replica_share(batch, count, profile.batch_sizes, equal=engine == "distributed")
     pipeline = search_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
                              speeds=[float(v) for v in speed], engine=engine, budget=budget, **options)

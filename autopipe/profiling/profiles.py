@@ -396,7 +396,8 @@ class Profile:
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Profile:
-        """Read and validate a profile file; raises :class:`FormatError` naming file and field."""
+        """Read and validate a profile file; raises :class:`FormatError` naming file and field (an
+        :class:`OptionError` if ``path`` is no file name)."""
         return Profile._read(read_json(path, "profile", PROFILE_SCHEMA_VERSION))
 
     @staticmethod
@@ -405,7 +406,7 @@ class Profile:
         profile = Profile(
             model=read_model(f.get("model")),
             environment=f.get("environment").value,
-            devices=f.str_list("devices"),
+            devices=f.get("devices").device_names(),
             input_shape=read_shape(f.get("input_shape")),
             input_dtype=f.str("input_dtype"),
             input_bytes=f.int("input_bytes", 0),
