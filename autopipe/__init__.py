@@ -47,7 +47,6 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "errors",
     "OptionError": "errors",
     "PlanningError": "errors",
-    "ProfileError": "errors",
     "StageOutputError": "errors",
 }
 
@@ -73,7 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runtime.checkpoint import is_recomputing
     from .distributed import DistributedPipeline
     from .errors import (AutopipeError, ChainError, DeviceError, DistributedError, FormatError, LaunchError,
-                         OptionError, PlanningError, ProfileError, StageOutputError)
+                         OptionError, PlanningError, StageOutputError)
     from .model import CaptureError
     from .model import Layer, layer_chain
     from ._partition import partition

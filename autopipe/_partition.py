@@ -66,7 +66,7 @@ def partition(
 
     Raises:
         ChainError: the model is not an ``nn.Module`` or cannot be read as a chain of layers.
-        ProfileError: the model cannot be profiled with ``sample_input``.
+        Exception: a layer's own, as its own type, where it fails on the sample (a note names it).
         FormatError: the ``profile`` file is corrupt or of another schema.
         PlanningError: no plan fits the memory limits.
         OptionError: ``profile`` was made for another model or other samples, an option is

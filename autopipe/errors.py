@@ -8,8 +8,13 @@ from __future__ import annotations
 
 __all__ = [
     "AutopipeError", "ChainError", "DeviceError", "DistributedError", "FormatError", "LaunchError",
-    "OptionError", "PlanningError", "ProfileError", "StageOutputError",
+    "OptionError", "PlanningError", "StageOutputError", "RAISED_BY", "add_note", "raised_by_model",
 ]
+
+#: How autopipe's note on an exception the user's model raised begins (a pipeline stage's, a
+#: profiled layer's, the model's own on the sample while capturing it): such an exception reaches
+#: the caller as itself, and the CLI shows it without a traceback.
+RAISED_BY = "autopipe: raised by "
 
 
 class AutopipeError(Exception):
@@ -34,10 +39,6 @@ class ChainError(AutopipeError, TypeError):
     """The model cannot be read as a chain of layers."""
 
 
-class ProfileError(AutopipeError, ValueError):
-    """The model or its sample input cannot be profiled as given."""
-
-
 class PlanningError(AutopipeError, ValueError):
     """No plan satisfies the options (memory limits, chunks, batch size)."""
 
@@ -52,3 +53,17 @@ class StageOutputError(AutopipeError, TypeError):
 
 class LaunchError(AutopipeError, RuntimeError):
     """A rank failed or the job ran out of time; the message carries the failed ranks' logs."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``, also on Python 3.10, which keeps the note in ``__notes__`` as
+    3.11 does (its tracebacks do not print them; the CLI does)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]
+
+
+def raised_by_model(error: BaseException) -> bool:
+    """Whether the user's model raised ``error``: autopipe noted where (:data:`RAISED_BY`)."""
+    return any(isinstance(note, str) and note.startswith(RAISED_BY) for note in getattr(error, "__notes__", ()))

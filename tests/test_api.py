@@ -33,7 +33,7 @@ def test_every_exported_error_has_the_one_base() -> None:
 def test_errors_keep_their_builtin_bases() -> None:
     """Code that caught the built-in base before still catches each error."""
     bases = {"FormatError": ValueError, "DeviceError": ValueError, "ChainError": TypeError,
-             "CaptureError": TypeError, "ProfileError": ValueError, "PlanningError": ValueError,
+             "CaptureError": TypeError, "PlanningError": ValueError,
              "DistributedError": ValueError, "StageOutputError": TypeError,
              "LaunchError": RuntimeError, "OptionError": ValueError}
     for name, base in bases.items():
@@ -49,10 +49,8 @@ def test_errors_are_the_ones_the_steps_raise() -> None:
     from autopipe.distributed.pipeline import DistributedError, StageOutputError
     from autopipe.model.capture import CaptureError
     from autopipe.planning import PlanningError
-    from autopipe.profiling import ProfileError
 
-    for error in (FormatError, DeviceError, DistributedError, StageOutputError, CaptureError, PlanningError,
-                  ProfileError):
+    for error in (FormatError, DeviceError, DistributedError, StageOutputError, CaptureError, PlanningError):
         assert getattr(autopipe, error.__name__) is error
 
 
@@ -69,3 +67,25 @@ def test_committed_plans_and_profiles_load_and_match() -> None:
         profile = autopipe.Profile.load(root / "profiles" / path.name)
         assert plan.profile_digest == profile.digest and plan.model == profile.model
         assert sum(plan.balance) == len(profile.layers)
+
+
+class _NoAddNote(ValueError):
+    """An exception as Python 3.10 has them: no ``add_note``."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_a_note_on_python_without_add_note_is_kept_as_311_keeps_it() -> None:
+    """The runtime and the profiler note where the model raised; without ``add_note`` (3.10) the
+    note goes into ``__notes__``, which the CLI reads, rather than failing with an AttributeError."""
+    from autopipe.errors import RAISED_BY, add_note, raised_by_model
+
+    for error in (_NoAddNote("bad"), ValueError("bad")):
+        assert not raised_by_model(error)
+        add_note(error, f"{RAISED_BY}stage 0")
+        add_note(error, "and more")
+        assert error.__notes__ == [f"{RAISED_BY}stage 0", "and more"]
+        assert raised_by_model(error)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -12,8 +14,9 @@ from torch import Tensor, nn
 import autopipe
 from autopipe.cli import profile as profile_cli
 from autopipe.model import Layer, layer_chain
-from autopipe.profiling.profiler import ProfileError, fit_copy, profile
+from autopipe.profiling.profiler import fit_copy, profile
 from autopipe.profiling.profiles import Profile
+from autopipe.profiling.remeasure import remeasure_memory
 from autopipe.model.skip import SkipTracker, skippable, stash, use_skip_tracker
 from models import Add, TiedHead
 
@@ -299,10 +302,66 @@ def test_tuple_input_goes_to_the_first_layer() -> None:
 
 
 def test_failing_layer_is_named() -> None:
-    with pytest.raises(ProfileError, match=r"layer '1' \(Linear\) at micro-batch size 2 failed"):
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as failed:
         run(nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2)), torch.randn(2, 3))
+    assert failed.value.__notes__ == [
+        "autopipe: raised by layer '1' (Linear) in forward at micro-batch size 2, while profiling it"]
     with pytest.raises(TypeError, match="sample_input must be a tensor or a tuple of tensors"):
         run(nn.Sequential(nn.Linear(3, 4)), [[1.0, 2.0]])
+
+
+class Boom(Exception):
+    """A model's own exception class."""
+
+
+class Raises(nn.Module):
+    """Raises ``error`` (the very object) in its forward, or in its backward if ``in_backward``."""
+
+    def __init__(self, error: Exception, in_backward: bool = False) -> None:
+        super().__init__()
+        self.error, self.in_backward = error, in_backward
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.in_backward:
+            raise self.error
+        y = x * 2
+        y.register_hook(self._raise)
+        return y
+
+    def _raise(self, grad: Tensor) -> Tensor:
+        raise self.error
+
+
+@pytest.mark.parametrize("make", [lambda: Boom("no"), lambda: KeyError("missing"),
+                                  lambda: torch.OutOfMemoryError("out of memory")])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_layers_own_exception_reaches_the_caller_as_itself(make, phase: str) -> None:
+    """``except torch.OutOfMemoryError`` around profiling catches a layer's OOM: the layer's
+    exception is raised as itself, a note naming the layer, the phase and the size."""
+    error = make()
+    model = nn.Sequential(nn.Linear(3, 3), Raises(error, in_backward=phase == "backward"), nn.Linear(3, 2))
+    with pytest.raises(type(error)) as failed:
+        run(model, torch.randn(4, 3), [2, 4])
+    assert failed.value is error
+    assert error.__notes__ == [f"autopipe: raised by layer '1' (Raises) in {phase} at micro-batch size 2, "
+                               "while profiling it"]
+
+
+class OffMainThread(nn.Module):
+    """Fails where the twin chain of the load runs it: on another thread."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            raise Boom("not on the main thread")
+        return x * 2
+
+
+def test_a_layer_failing_in_the_load_reaches_the_caller_as_itself() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), OffMainThread())
+    with pytest.raises(Boom, match="not on the main thread") as failed:
+        run(model, torch.randn(2, 3), [2])
+    assert failed.value.__notes__ == [
+        "autopipe: raised by layer '1' (OffMainThread) in forward at micro-batch size 2, while profiling it"]
 
 
 def test_torchvision_resnet_profiles() -> None:
@@ -330,6 +389,40 @@ def test_profiling_leaves_model_state_unchanged() -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, grad_values))
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("devices", [["meta"], ["cpu", "meta"], ["meta", "cpu"]])
+def test_the_meta_device_is_refused_and_the_model_kept(devices: list[str]) -> None:
+    """Profiling times layers and counts bytes on devices with data; a model moved to the meta
+    device could not come back (its weights were lost)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(autopipe.DeviceError, match=r"cannot profile on the meta device .*profile on devices with "
+                                                   r"data .*the meta device is for building a Pipeline"):
+        profile(model, torch.randn(4, 4), devices, **FAST)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    with pytest.raises(autopipe.DeviceError, match="cannot profile on the meta device"):
+        autopipe.partition(model, torch.randn(4, 4), devices=devices)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_a_model_with_meta_weights_is_refused_and_its_other_weights_kept() -> None:
+    model = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.Linear(4, 2))
+    weight = model[1].weight.detach().clone()
+    with pytest.raises(autopipe.DeviceError, match=r"the model's '0.weight' is on the meta device .*"
+                                                   r"materialize it first \(model.to_empty"):
+        run(model, torch.randn(4, 4))
+    assert torch.equal(model[1].weight, weight)
+
+
+def test_measuring_bytes_again_on_the_meta_device_is_refused_and_the_model_kept() -> None:
+    """A profile file naming the meta device (edited by hand) does not move the model there."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    measured = profile(model, torch.randn(4, 4), ["cpu"], [4], **FAST)
+    weight = model[0].weight.detach().clone()
+    with pytest.raises(autopipe.DeviceError, match="cannot profile on the meta device"):
+        remeasure_memory(dataclasses.replace(measured, devices=["meta"]), model, torch.randn(4, 4), quiet=True)
+    assert torch.equal(model[0].weight, weight)
 
 
 class ReentrantCheckpointed(nn.Module):
@@ -480,8 +573,10 @@ def test_cuda_profile_times_on_the_gpu_and_returns_the_model() -> None:
 def test_default_sizes_leave_out_a_size_batch_norm_cannot_train_at() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     assert run(model, torch.randn(4, 4)).batch_sizes == [2, 4]
-    with pytest.raises(ProfileError, match=r"layer '1' \(BatchNorm1d\) at micro-batch size 1"):
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as failed:
         run(model, torch.randn(4, 4), [1, 4])
+    assert failed.value.__notes__ == [
+        "autopipe: raised by layer '1' (BatchNorm1d) in forward at micro-batch size 1, while profiling it"]
 
 
 class WholeBatch(nn.Module):

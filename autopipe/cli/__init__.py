@@ -13,6 +13,7 @@ import sys
 from typing import Sequence
 
 from .._jsonio import FormatError
+from ..errors import raised_by_model
 
 __all__ = ["main"]
 
@@ -48,7 +49,9 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; user errors print one line and exit with status 2.
+    """Run one subcommand.  A user's mistake prints one line, an exception the user's model
+    raised a few (its type and message, then autopipe's notes on where it was raised), and either
+    exits with status 2; any other error, a bug in autopipe, keeps its traceback.
 
     A closed standard output (``... | head``) ends the command quietly with status 1: every
     subcommand writes its files before it prints, so they are kept."""
@@ -61,9 +64,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 1
-    except (FormatError, ValueError, TypeError, OSError) as error:
-        print(f"autopipe {args.command}: error: {error}", file=sys.stderr)
+    except Exception as error:
+        if raised_by_model(error):
+            print(f"autopipe {args.command}: error: {_model_error(error)}", file=sys.stderr)
+        elif isinstance(error, (FormatError, ValueError, TypeError, OSError)):
+            print(f"autopipe {args.command}: error: {error}", file=sys.stderr)
+        else:
+            raise
         return 2
+
+
+def _model_error(error: BaseException) -> str:
+    """The model's exception as Python ends its traceback: the type, the message, the notes."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    text = str(error)
+    return "\n".join([f"{name}: {text}" if text else name, *error.__notes__])
 
 
 def _silence_stdout() -> None:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ProfileError
 from .profiles import PROFILE_SCHEMA_VERSION, CopyFit, LayerProfile, Profile, Stat
 
-__all__ = ["PROFILE_SCHEMA_VERSION", "CopyFit", "LayerProfile", "Profile", "ProfileError", "Stat", "profile"]
+__all__ = ["PROFILE_SCHEMA_VERSION", "CopyFit", "LayerProfile", "Profile", "Stat", "profile"]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ._meter import AllocationCounter
 from ..model._tensors import map_tensors, tensors_of
 from ..device import DeviceOps
-from ..errors import ProfileError
+from ..errors import RAISED_BY, add_note
 from ..model import Layer
 from ..model.skip import SkipKey, SkipTracker, internal_keys, use_skip_tracker
 from ._progress import Progress
@@ -70,9 +70,8 @@ def record_size(layers: list[Layer], inputs: tuple[Tensor, ...], ops: DeviceOps,
     measures: list[Measure] = []
     for index, (layer, (_, pops)) in enumerate(zip(layers, external_skips(layers))):
         popped = {key: skips.pop(key) for key in pops}
-        with naming(layer, size):
-            run = LayerRun(layer, args, popped, index > 0, ops)
-            measure = run.record()
+        run = LayerRun(layer, args, popped, index > 0, ops)
+        measure = run.record(size)
         progress.step(f"{layer.name} b={size}")
         skips.update(measure.stashed)
         args = (measure.output,)
@@ -103,28 +102,26 @@ def train_pass(runs: list[LayerRun], size: int) -> list[tuple[float, float]]:
     forward_ms: list[float] = []
     pending: list[Run] = []
     for run in runs:
-        with naming(run.layer, size):
+        with naming(run.layer, "forward", size):
             pending.append(run.forward())
         forward_ms.append(pending[-1].forward_ms)
     backward_ms = [0.0] * len(runs)
     for index in reversed(range(len(runs))):
-        with naming(runs[index].layer, size):
+        with naming(runs[index].layer, "backward", size):
             backward_ms[index] = runs[index].backward(pending.pop())
     return list(zip(forward_ms, backward_ms))
 
 
 @contextlib.contextmanager
-def naming(layer: Layer, size: int) -> Iterator[None]:
-    """Name the layer in any failure: a bare shape error deep in a chain is opaque."""
+def naming(layer: Layer, phase: Literal["forward", "backward"], size: int) -> Iterator[None]:
+    """Let any exception of the layer's ``phase`` reach the caller as itself, with a note naming
+    the layer, the phase and the micro-batch size: a bare shape error deep in a chain is opaque."""
     try:
         yield
-    except ProfileError:
-        raise
     except Exception as error:
-        raise ProfileError(
-            f"profiling layer '{layer.name}' ({type(layer.module).__name__}) at micro-batch size "
-            f"{size} failed: {error}"
-        ) from error
+        add_note(error, f"{RAISED_BY}layer '{layer.name}' ({type(layer.module).__name__}) in {phase} "
+                        f"at micro-batch size {size}, while profiling it")
+        raise
 
 
 @dataclass
@@ -226,9 +223,10 @@ class LayerRun:
             self.grads = [torch.randn_like(t) for t in roots]
         return self.grads
 
-    def record(self) -> Measure:
+    def record(self, size: int) -> Measure:
         """One untimed forward and backward under ``saved_tensors_hooks``: what is saved, what
-        the output is, and the workspace.
+        the output is, and the workspace (``size``, the micro-batch size, is for the note on a
+        failure: :func:`naming`).
 
         The workspace is the most the layer holds beyond what its forward keeps (output, saved
         and stashed tensors), in its forward or its backward: temporaries, the gradients it
@@ -241,16 +239,16 @@ class LayerRun:
         partway through its first backward; it is recorded again from a fresh forward, with
         backwards that do not limit their inputs from then on."""
         try:
-            return self._record()
+            return self._record(size)
         except RuntimeError as error:
             if not (self.limit_inputs and _refuses_inputs(error)):
                 raise
         self.limit_inputs = False
         for tensor in self.grad_inputs:
             tensor.grad = None
-        return self._record()
+        return self._record(size)
 
-    def _record(self) -> Measure:
+    def _record(self, size: int) -> Measure:
         saved: dict[int, int] = {}
 
         def pack(tensor: Tensor) -> Tensor:
@@ -259,7 +257,7 @@ class LayerRun:
             return tensor
 
         counter = AllocationCounter()
-        with counter.track(self):
+        with counter.track(self), naming(self.layer, "forward", size):
             run = self.forward(pack)
         kept = counter.current[self]
         forward_extra = counter.peak[self] - kept
@@ -267,7 +265,7 @@ class LayerRun:
         for param in self.params:
             param.grad = torch.zeros_like(param)
         counter.reset_peak(self)
-        with counter.track(self):
+        with counter.track(self), naming(self.layer, "backward", size):
             self.backward(run)
         workspace = max(forward_extra, counter.peak[self] - kept)
         output, stashed = run.output, run.stashed

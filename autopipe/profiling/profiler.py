@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..device import DeviceOps, ops_for, resolve_devices
 from .._checks import is_positive_int
-from ..errors import OptionError, ProfileError
+from ..errors import DeviceError, OptionError, raised_by_model
 from ..model import Layer, layer_chain, sample_arguments
 from ..model.fingerprint import environment_fingerprint, model_fingerprint
 from ..model.layers import training_modes
@@ -42,7 +42,7 @@ from ._progress import Progress
 from ._reduction import measure_reduction
 from .profiles import Profile, Stat
 
-__all__ = ["profile", "sample_tensors", "check_sample", "ProfileError", "fit_copy", "measure_copies",
+__all__ = ["profile", "sample_tensors", "check_sample", "fit_copy", "measure_copies",
            "DEFAULT_COPY_SIZES"]
 
 
@@ -90,17 +90,21 @@ def profile(
         The :class:`Profile`.
 
     Raises:
-        ProfileError: a layer fails at some micro-batch size (the message names it).
+        Exception: a layer's own exception, as its own type (a ``torch.OutOfMemoryError``
+            stays one), when it fails at some micro-batch size; a note names the layer, the
+            size and whether in forward or backward.
         ChainError: the model is not an ``nn.Module`` or cannot be read as a chain of layers.
         OptionError: ``sample_input`` is not a tensor or a tuple of tensors of one batch size, or
             ``batch_sizes``, ``copy_sizes``, ``warmup`` or ``repeats`` is out of range.
-        DeviceError: a device does not exist.
+        DeviceError: a device does not exist or is the ``meta`` device, or the model's parameters
+            or buffers are on the ``meta`` device.
     """
+    resolved = resolve_devices(devices)
+    _check_with_data(resolved)
     layers = layer_chain(model, sample_input)
     inputs = sample_tensors(layers, sample_input)
     batch = inputs[0].shape[0]
     sizes = _batch_sizes(batch_sizes, batch)
-    resolved = resolve_devices(devices)
     _check_counts(warmup, repeats, copy_sizes, len(resolved))
     if under_load is None:
         under_load = len(resolved) > 1 and all(d.type == "cpu" for d in resolved)
@@ -159,8 +163,8 @@ def _profile_sizes(layers: list[Layer], inputs: tuple[Tensor, ...], sizes: list[
     for b in sizes:
         try:
             recorded[b] = record_size(layers, first_samples(inputs, b, ops.device), ops, progress)
-        except ProfileError:
-            if not defaulted or b == sizes[-1]:
+        except Exception as error:
+            if not raised_by_model(error) or not defaulted or b == sizes[-1]:
                 raise
             recorded.clear()
     runs = {b: size_runs for b, (size_runs, _) in recorded.items()}
@@ -194,6 +198,27 @@ def check_sample(profile: Profile, inputs: tuple[Tensor, ...]) -> None:
 def _sample_form(inputs: tuple[Tensor, ...]) -> dict[str, Any]:
     """One sample's shape (no batch dimension) and dtype of the first input, as a profile keeps them."""
     return {"input_shape": list(inputs[0].shape[1:]), "input_dtype": str(inputs[0].dtype).removeprefix("torch.")}
+
+
+def _check_with_data(devices: list[torch.device]) -> None:
+    """Refuse the ``meta`` device: profiling times the layers and counts their bytes, which
+    takes devices that hold data (and a model moved to ``meta`` could not come back: its values
+    would be lost)."""
+    if any(d.type == "meta" for d in devices):
+        raise DeviceError(f"cannot profile on the meta device (devices {[str(d) for d in devices]}): it holds "
+                          "shapes without values, so there is nothing to time; profile on devices with data "
+                          "(e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']); the meta device is for building a "
+                          "Pipeline of a model without weights (or for tests), from a profile made on real devices")
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Refuse a model with parameters or buffers on the ``meta`` device: profiling runs the model
+    on values it does not have."""
+    name = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if name is not None:
+        raise DeviceError(f"the model's '{name}' is on the meta device (a shape without values), and profiling "
+                          "runs the model; materialize it first (model.to_empty(device='cpu'), then load its "
+                          "weights with model.load_state_dict(...)), then profile it")
 
 
 def _check_counts(warmup: int, repeats: int, copy_sizes: Sequence[int], devices: int) -> None:
@@ -251,7 +276,10 @@ def _untouched(model: nn.Module, device: torch.device, devices: list[torch.devic
     """The modes it trains with (:func:`~autopipe.model.layers.training_modes`) on ``device``
     inside; afterwards the model's modes, values, device, ``.grad`` and the random state are
     what they were (profiling runs BatchNorm in training mode, which updates running statistics,
-    and runs backward, which sets ``.grad``)."""
+    and runs backward, which sets ``.grad``).  A model that could not come back (to be moved to
+    the meta device, or from it) is refused before it is touched."""
+    _check_with_data([device])
+    _check_materialized(model)
     params = list(model.parameters())
     tensors = params + list(model.buffers())
     values = [t.detach().clone() for t in tensors]

@@ -22,12 +22,13 @@ Where the tie's backward cannot wait for the stages (:mod:`autopipe.runtime.func
 output gradient, no input needing one), the hooks fire in the callback it queues at the end of
 the caller's backward; should that backward fail first, the callback never runs and the hooks
 stay held aside (that CUDA path is unverified).  Several calls backwarded by one loss fire the
-hooks once per call, each on its own gradient, and so does a loss that also uses the parameters
+hooks once per call, each on its own gradient (where the tie cannot wait, their phases overlap,
+as below), and so does a loss that also uses the parameters
 outside the pipeline (an explicit L2 term: its part accumulates outside the phase, hooks and
 all); a hook registered during the phase on a parameter with none before it fires per
 micro-batch.
 
-Calls from several threads may overlap: a phase that starts while another holds a parameter's
+Calls from several threads may overlap too: a phase that starts while another holds a parameter's
 hooks joins that hold (the two phases' gradients then sum in one ``.grad``, which cannot be
 told apart), and the hooks fire once, on the summed gradient, when the last of them ends (none
 fire if one failed).  A call's own hold never takes another's stand-ins for hooks.

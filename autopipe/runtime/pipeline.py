@@ -27,7 +27,7 @@ from torch import nn
 from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .._checks import check_choice, is_positive_int, loaded, positive_int
 from .batchnorm import DeferredBatchNorm, subclassed
-from ..errors import ChainError, DeviceError, OptionError
+from ..errors import ChainError, DeviceError, OptionError, add_note
 from ..device import check_not_meta, resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
@@ -643,9 +643,9 @@ def _restored_on_failure(params: list[nn.Parameter]) -> Iterator[None]:
             else:
                 changed = changed or param.grad is not grad or grad._version != version
         if changed and isinstance(error, Exception):
-            error.add_note("autopipe: .grad held gradients before this failed step and now also holds part of its "
-                           "gradients (of the micro-batches whose backward ran); call optimizer.zero_grad() (or "
-                           "redo the accumulated steps) before the next step")
+            add_note(error, "autopipe: .grad held gradients before this failed step and now also holds part of its "
+                            "gradients (of the micro-batches whose backward ran); call optimizer.zero_grad() (or "
+                            "redo the accumulated steps) before the next step")
         raise
 
 

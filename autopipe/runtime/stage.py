@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm, micro_batch_forward
 from .checkpoint import BufferSlot, RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
-from ..errors import ChainError
+from ..errors import RAISED_BY, ChainError, add_note
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
 from .microbatch import Value, map_tensors, tensors_of
@@ -163,7 +163,7 @@ class Stage:
         except Exception as error:
             if not isinstance(error, Aborted):
                 phase = "forward" if action.kind == "F" else "backward"
-                error.add_note(f"autopipe: raised by {self.name} in {phase} of micro-batch {action.micro_batch}")
+                add_note(error, f"{RAISED_BY}{self.name} in {phase} of micro-batch {action.micro_batch}")
             raise
 
     # -- forward -----------------------------------------------------------------------

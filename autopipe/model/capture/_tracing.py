@@ -16,6 +16,7 @@ from torch import fx, nn
 from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
+from ...errors import RAISED_BY, add_note
 from ..layers import ChainError, training_flags
 
 __all__: list[str] = []
@@ -264,8 +265,8 @@ def _run_on_sample(model: nn.Module, sample_input: Any) -> None:
         with torch.no_grad():
             model(*args, **kwargs)
     except Exception as error:
-        error.add_note(f"autopipe: raised by {type(model).__name__} run on the sample while capturing it "
-                       "(torch.export failed, and the model itself fails on this sample)")
+        add_note(error, f"{RAISED_BY}{type(model).__name__} run on the sample while capturing it "
+                        "(torch.export failed, and the model itself fails on this sample)")
         raise
     finally:
         with torch.no_grad():
