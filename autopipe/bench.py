@@ -26,7 +26,7 @@ from .timeline import Event
 __all__ = [
     "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
-    "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices", "check_local",
+    "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices", "check_local", "describe_plan",
 ]
 
 #: Figures under this share of the measured iteration get no error percentage: at that size the
@@ -37,15 +37,16 @@ T = TypeVar("T")
 
 
 def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
-                    seed: int = 0) -> tuple[Tensor, Value]:
+                    seed: int = 0, *, shape_source: str | None = None) -> tuple[Tensor, Value]:
     """A random input batch and a regression target of the model's output's structure: a random
     tensor of each output tensor's shape (a tuple or dict output gets a tuple or dict of them).
 
     Synthetic data is enough to time a step; the target comes from one no-grad forward so any
     model (classifier or not) gets a well-defined loss (:func:`regression_loss`).  That forward is
     also the first call of the model on ``shape``, so its failure (most often a shape the model
-    does not take) is raised as one ``ValueError`` naming the shape, not as an error from deep
-    inside the model; so is an output with no floating-point tensor, which no loss can train.
+    does not take) is raised as one ``ValueError`` naming the shape and, if given,
+    ``shape_source`` (where the shape came from and how to give another), not as an error from
+    deep inside the model; so is an output with no floating-point tensor, which no loss can train.
     """
     generator = torch.Generator().manual_seed(seed)
     batch = torch.randn(batch_size, *shape, generator=generator)
@@ -53,9 +54,10 @@ def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
         with torch.no_grad():
             output = model(batch)
     except Exception as error:
+        source = "" if shape_source is None else f" ({shape_source})"
         raise ValueError(f"the model's forward on a random batch of shape {list(batch.shape)} failed: "
                          f"{type(error).__name__}: {error}; check that the model takes samples of shape "
-                         f"{list(shape)}") from error
+                         f"{list(shape)}{source}") from error
     if not any(t.is_floating_point() for t in tensors_of(output)):
         raise ValueError(f"the model's output ({_described(output)}) has no floating-point tensor, so bench "
                          "has no loss to train it with; bench a model that returns its float outputs "
@@ -312,6 +314,10 @@ class BenchResult:
             "model": self.plan.model.get("digest"),
             "optimizer": plan_optimizer(self.plan),
             "devices": self.plan.devices,
+            "replicas": self.plan.replicas,
+            "replica_devices": self.plan.replica_devices,
+            "interleave": self.plan.interleave,
+            "schedule": self.plan.schedule,
             "batch_size": self.plan.batch_size,
             "chunks": self.plan.chunks,
             "balance": self.plan.balance,
@@ -357,7 +363,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
     single = Trainer(copy.deepcopy(model).to(device), batch.to(device), target, devices=[device], optimizer=optimizer)
     pipe = Pipeline(model, plan)
     try:
-        piped = Trainer(pipe, batch.to(device), target, devices=plan.devices, optimizer=optimizer)
+        piped = Trainer(pipe, batch.to(device), target, devices=plan.used_devices, optimizer=optimizer)
         round_robin({"single device": single, "pipeline": piped}, steps, warmup)
         memory = measure_memory(piped, pipe)
     finally:
@@ -475,9 +481,7 @@ def format_bench(result: BenchResult) -> str:
     head = " ".join(f"{label:^22}" for label in labels)
     sub = " ".join(f"{'pred':>7}{'meas':>8}{'err':>7}" for _ in labels)
     lines = [
-        f"{_count(len(plan.stages), 'stage')}, balance {plan.balance}, {_count(plan.chunks, 'micro-batch')} "
-        f"of {plan.micro_batch_size}, checkpoint {plan.checkpoint}; medians of {_count(result.steps, 'step')} "
-        f"after {result.warmup} warm-up, in ms",
+        f"{describe_plan(plan)}; medians of {_count(result.steps, 'step')} after {result.warmup} warm-up, in ms",
         f"{'':<{width}} {head}", f"{'stage':<{width}} {sub}",
     ]
     for row in result.rows:
@@ -492,14 +496,31 @@ def format_bench(result: BenchResult) -> str:
         lines.append(f"{row.name:<{width}} {' '.join(cells)}")
     lines.append("error = (predicted - measured) / measured; '-' where the figure is under "
                  f"{ERROR_FLOOR:.0%} of the iteration; iteration idle = mean over stages; peak memory: "
-                 f"one more step, {_memory_note(plan)}, optimizer {plan_optimizer(plan)}")
+                 f"one more step, {_memory_note(plan)}, optimizer {plan_optimizer(plan)}"
+                 + ("; stage rows: replica 0's" if plan.replicas > 1 else ""))
     lines.append(f"one device {result.single.step_ms:.1f} ms/step, pipeline {result.pipeline.step_ms:.1f} "
                  f"ms/step: speedup {result.speedup:.2f}x (steps interleaved, medians)")
     return "\n".join(lines)
 
 
+def describe_plan(plan: Plan) -> str:
+    """What ``plan`` runs, in one line: its replicas and their devices (with more than one), its
+    stages, stages per device (with more than one), balance, micro-batches, checkpointing and
+    schedule (when not fill-drain)."""
+    replicas = ""
+    if plan.replicas > 1:
+        groups = ", ".join(f"[{', '.join(group[:plan.device_count])}]" for group in plan.replica_devices)
+        replicas = f"{plan.replicas} replicas (data parallel) on {groups}, each "
+    per_device = f", {plan.interleave} per device" if plan.interleave > 1 else ""
+    shares = f" (batch {plan.batch_size}, {plan.replica_batch_size} per replica)" if plan.replicas > 1 else ""
+    schedule = f", schedule {plan.schedule}" if plan.schedule != "gpipe" else ""
+    return (f"{replicas}{_count(len(plan.stages), 'stage')}{per_device}, balance {plan.balance}, "
+            f"{_count(plan.chunks, 'micro-batch')} of {plan.micro_batch_size}{shares}, "
+            f"checkpoint {plan.checkpoint}{schedule}")
+
+
 def _memory_note(plan: Plan) -> str:
-    if all(device.startswith("cpu") for device in plan.devices):
+    if all(device.startswith("cpu") for device in plan.used_devices):
         return "what each stage's thread allocates, plus its parameters and optimizer state"
     return "per device where a device measures its own (stages on it summed)"
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,11 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.bench import Row, Times, Trainer, bench_plan, plan_of, round_robin, stage_times, synthetic_batch
+from autopipe.bench import (Row, Times, Trainer, bench_plan, describe_plan, plan_of, round_robin, stage_times,
+                            synthetic_batch)
 from autopipe.cli import main
 from autopipe.errors import DeviceError
+from autopipe.profiling.profiles import ReductionFit, Stat
 from autopipe.planning.simulate import simulate_plan
 from autopipe.timeline import Event
 
@@ -46,6 +49,16 @@ class Column(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.unsqueeze(1)
+
+
+#: The calls of :func:`recording_model`, which only a command line that names it may make.
+BUILT: list[str] = []
+
+
+def recording_model() -> nn.Module:
+    """The spec ``test_bench:recording_model``: the tiny model, each build recorded."""
+    BUILT.append("test_bench:recording_model")
+    return tiny_model()
 
 
 def scalar_model() -> nn.Module:
@@ -149,7 +162,7 @@ def test_bench_plan_file_prints_every_stage_and_writes_json(
     assert whole["predicted_total_ms"] == pytest.approx(plan.predicted.iteration_ms, abs=1e-3)
     assert whole["predicted_total_ms"] == pytest.approx(simulate_plan(plan).iteration_ms, abs=1e-3)
     assert document["speedup"] == pytest.approx(
-        document["single_device"]["step_ms"] / document["pipeline"]["step_ms"], rel=1e-3)
+        document["single_device"]["step_ms"] / document["pipeline"]["step_ms"], rel=1e-3, abs=1e-4)  # 4 places
 
 
 def test_bench_model_profiles_and_plans_first(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,9 +170,10 @@ def test_bench_model_profiles_and_plans_first(capsys: pytest.CaptureFixture[str]
                  "--devices", "cpu,cpu", "--steps", "1"])
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("planned: balance [")
-    stages = len(json.loads(lines[0].split("balance ")[1].split("]")[0] + "]"))
-    assert lines[1].startswith(f"{stages} stage")
+    assert lines[0].startswith("planned: ")
+    planned = lines[0].removeprefix("planned: ").rsplit(", predicted ", 1)[0]
+    assert lines[1].startswith(f"{planned};")  # the table is of the plan just made
+    stages = len(json.loads(planned.split("balance ")[1].split("]")[0] + "]"))
     assert sum(line.startswith("#") for line in lines) == stages
     assert "speedup" in lines[-1]
 
@@ -187,7 +201,8 @@ def test_a_plan_from_the_cli_names_its_model_and_shape(tmp_path: Path, capsys: p
     plan = autopipe.Plan.load(plan_path)
     assert (plan.model["spec"], plan.model["input_shape"]) == ("test_bench:tiny_model", [FEATURES])
     capsys.readouterr()
-    assert main(["bench", "--plan", str(plan_path), "--steps", "1", "--warmup", "0"]) == 0
+    # the shape is the plan's; a model that is not torchvision:NAME is given on the command line
+    assert main(["bench", "test_bench:tiny_model", "--plan", str(plan_path), "--steps", "1", "--warmup", "0"]) == 0
     assert any(line.startswith("iteration ") for line in capsys.readouterr().out.splitlines())
 
 
@@ -248,7 +263,6 @@ def test_a_1f1b_plan_trains_with_its_loss_inside_like_the_plain_model() -> None:
 
 
 @pytest.mark.parametrize("device, words", [
-    ("gpu", "'gpu' is not a device autopipe can use"),
     pytest.param("cuda:0", "CUDA is not available", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="the plan's devices exist here")),
 ])
@@ -322,3 +336,122 @@ def test_a_plan_for_the_distributed_engine_is_refused_saying_how_to_run_it(
     batch, target = synthetic_batch(tiny_model(), [FEATURES], BATCH)
     with pytest.raises(ValueError, match=f"the plan was made for --engine distributed.*--nproc-per-node {processes}"):
         bench_plan(tiny_model(), plan, batch, target, steps=1)
+
+
+@pytest.mark.parametrize("options, header, recorded", [
+    (dict(replicas=2, chunks=1), "2 replicas (data parallel) on [cpu], [cpu], each 1 stage, balance [5], "
+     "1 micro-batch of 4 (batch 8, 4 per replica), checkpoint never;",
+     dict(devices=["cpu"], replicas=2, replica_devices=[["cpu"], ["cpu"]], interleave=1, schedule="gpipe")),
+    (dict(replicas=1, interleave=2, schedule="1f1b", chunks=2), "4 stages, 2 per device, balance {balance}, "
+     "2 micro-batches of 4, checkpoint never, schedule 1f1b;",
+     dict(devices=["cpu"] * 4, replicas=1, replica_devices=[["cpu"] * 4], interleave=2, schedule="1f1b")),
+])
+def test_bench_reports_and_records_replicas_interleave_and_schedule(
+        tiny_profile: autopipe.Profile, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        options: dict[str, Any], header: str, recorded: dict[str, Any]) -> None:
+    """A data-parallel plan was printed and recorded as one device ("1 stage, balance [5]",
+    devices ['cpu']): the header says every replica's devices, and an interleaved 1F1B plan its
+    stages per device and schedule; the JSON has them beside its old keys."""
+    plan = autopipe.plan(tiny_profile, ["cpu", "cpu"], checkpoint="never", **options)
+    path, out = plan.save(tmp_path / "plan.json"), tmp_path / "bench.json"
+    capsys.readouterr()
+    assert main(["bench", "test_bench:tiny_model", "--plan", str(path), "--input-shape", str(FEATURES),
+                 "--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(header.format(balance=plan.balance)), lines[0]
+    document = json.loads(out.read_text())
+    assert {key: document[key] for key in recorded} == recorded
+    assert (document["balance"], document["chunks"], document["batch_size"]) == (plan.balance, plan.chunks, BATCH)
+
+
+@pytest.fixture
+def data_parallel_profile(tiny_profile: autopipe.Profile, tmp_path: Path) -> Path:
+    """The tiny model's profile with every layer taking 10 ms per 4 samples and a cheap
+    reduction: two replicas on two devices beat any pipeline (no bubble, half the work each)."""
+    def slow(samples: int) -> Stat:
+        return Stat(2.5 * samples, 2.5 * samples, 2.5 * samples, 1)
+
+    layers = [dataclasses.replace(layer, forward={b: slow(b) for b in layer.forward},
+                                  backward={b: slow(b) for b in layer.backward}) for layer in tiny_profile.layers]
+    reduction = ReductionFit("local", 2, 0.01, 0.0, [(1024, 0.01), (2048, 0.01)])
+    return dataclasses.replace(tiny_profile, layers=layers, reductions=[reduction]).save(tmp_path / "slow.json")
+
+
+def test_bench_plans_from_a_profile_as_the_plan_command_does(
+        data_parallel_profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench MODEL --profile`` planned pipelines only, for a batch of 32 whatever the profile's:
+    it plans as ``plan`` does (data parallel searched too), for the profile's batch."""
+    plan_path, out = tmp_path / "plan.json", tmp_path / "bench.json"
+    assert main(["plan", str(data_parallel_profile), "-o", str(plan_path)]) == 0
+    planned = autopipe.Plan.load(plan_path)
+    assert (planned.replicas, planned.batch_size) == (2, BATCH)  # the case: data parallel wins here
+    capsys.readouterr()
+    code = main(["bench", "test_bench:tiny_model", "--profile", str(data_parallel_profile), "--steps", "1",
+                 "--warmup", "0", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.splitlines()[0] == \
+        f"planned: {describe_plan(planned)}, predicted {planned.predicted.iteration_ms:.1f} ms"
+    document = json.loads(out.read_text())
+    fields = ("replicas", "replica_devices", "balance", "chunks", "checkpoint", "batch_size")
+    assert [document[name] for name in fields] == [getattr(planned, name) for name in fields]
+
+
+def test_a_plan_without_its_input_shape_names_the_option_when_the_default_does_not_fit(
+        two_stage_plan: tuple[autopipe.Plan, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan made in Python records no input shape: bench tries 3,64,64, and when the model does
+    not take it the error says where that shape came from and which option gives another."""
+    assert main(["bench", "test_bench:tiny_model", "--plan", str(two_stage_plan[1]), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.rstrip().endswith("check that the model takes samples of shape [3, 64, 64] (bench's default, as "
+                                 "the plan records none: give the model's with --input-shape)"), err
+
+
+def _naming(source: Path, spec: str, target: Path) -> Path:
+    """A copy of the plan or profile ``source`` whose model is ``spec``, as a shared file may say."""
+    document = json.loads(source.read_text())
+    document["model"]["spec"] = spec
+    target.write_text(json.dumps(document))
+    return target
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--plan", "{plan}", "--input-shape", str(FEATURES), "--steps", "1"],
+    ["bench", "--profile", "{profile}", "--steps", "1"],
+    ["profile", "--bytes-of", "{profile}", "--quiet"],
+])
+def test_a_file_naming_a_model_factory_never_makes_autopipe_import_it(
+        two_stage_plan: tuple[autopipe.Plan, Path], tiny_profile: autopipe.Profile, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """A plan or profile's ``model.spec`` made bench and ``profile --bytes-of`` import any module
+    and call any function (``os:abort``): JSON that ran code, as a pickle does.  Refused, in one
+    line saying how to give a trusted model on the command line, and the factory never runs."""
+    spec = "test_bench:recording_model"
+    files = {"plan": _naming(two_stage_plan[1], spec, tmp_path / "plan.json"),
+             "profile": _naming(tiny_profile.save(tmp_path / "saved.json"), spec, tmp_path / "profile.json")}
+    argv = [word.format(**files) for word in command]
+    path, option = argv[2], argv[1]
+    BUILT.clear()
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert (out, BUILT) == ("", [])
+    assert err == (f"autopipe {argv[0]}: error: {path} names the model '{spec}', and autopipe does not import code a "
+                   f"file names; if you trust it, give it on the command line as MODEL: python -m autopipe "
+                   f"{argv[0]} {spec} {option} {path}\n")
+
+
+def test_a_file_naming_a_torchvision_model_is_built(two_stage_plan: tuple[autopipe.Plan, Path],
+                                                     tiny_profile: autopipe.Profile, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``torchvision:NAME`` imports no code the file names: such a file's model is built (and
+    here found not to be the one the file was made for), for bench and ``--bytes-of`` alike."""
+    spec = "torchvision:resnet18"
+    plan = _naming(two_stage_plan[1], spec, tmp_path / "plan.json")
+    profile = _naming(tiny_profile.save(tmp_path / "saved.json"), spec, tmp_path / "profile.json")
+    for argv, expected in ((["bench", "--plan", str(plan), "--steps", "1"], "the plan was made for another model"),
+                           (["profile", "--bytes-of", str(profile), "--quiet"], "the profile is of another model")):
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert expected in capsys.readouterr().err

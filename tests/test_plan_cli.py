@@ -206,3 +206,28 @@ def test_a_closed_stdout_keeps_the_plan_and_ends_quietly(profile_path, tmp_path)
             os.close(write)
         assert (done.returncode, done.stderr) == (1, "")
         assert Plan.load(out).stages
+
+
+@pytest.mark.parametrize("option", ["--chunks", "--replicas", "--interleave"])
+def test_a_count_the_planner_refuses_is_named_as_the_option(profile_path, capsys, option):
+    """``--chunks 0`` said ``chunks must be a positive integer``: the planner's parameter, not
+    the option the user typed; every such check now names the option."""
+    assert main(["plan", str(profile_path), option, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"autopipe plan: error: {option} must be ") and err.endswith(", got 0\n"), err
+
+
+def test_show_refuses_a_width_too_narrow_for_its_axis_labels(profile_path, tmp_path, capsys):
+    """``--width 5`` drew the end time's label over the ``0`` of the axis: a width below the
+    label's length is refused naming the least, which draws the two apart."""
+    out = tmp_path / "p.json"
+    main(["plan", str(profile_path), "-o", str(out)])
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    end = " ".join(capsys.readouterr().out.splitlines()[-1].split()[1:])  # e.g. "12.3 ms"
+    assert main(["show", str(out), "--width", str(len(end) - 1)]) == 2
+    out_text, err = capsys.readouterr()
+    assert out_text == "" and err == (f"autopipe show: error: --width {len(end) - 1} is too narrow for the "
+                                      f"timeline's axis labels (0 and {end}): give at least --width {len(end)}\n")
+    assert main(["show", str(out), "--width", str(len(end))]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{'':17}0 {end}"

@@ -5,23 +5,24 @@ import argparse
 
 import torch
 
-from ..bench import BenchResult, bench_plan, check_local, format_bench, plan_devices, synthetic_batch
+from ..bench import BenchResult, bench_plan, check_local, describe_plan, format_bench, plan_devices, synthetic_batch
 from ..device import resolve_devices
 from ..model.fingerprint import environment_fingerprint
 from .._jsonio import write_json_atomic
 from ..planning.plans import Plan
 from ..profiling.profiler import profile
 from ..profiling.profiles import Profile
-from ..planning.solver import plan as choose_plan
+from ..planning.replicas import plan as choose_plan
 from ..timeline import render
 from ..model import layer_chain
 from ..model.fingerprint import check_made_for
-from .profile import load_model, parse_ints
+from .plan import in_option_terms
+from .profile import load_model, parse_ints, spec_from_file
 from ._arguments import at_least, device_names, output_path
 
 __all__ = ["add_arguments", "run"]
 
-#: Without a plan or profile to say otherwise: one sample's shape, and the batch.
+#: Without a plan or profile to say otherwise: one sample's shape, and the batch profiled.
 DEFAULT_SHAPE = [3, 64, 64]
 DEFAULT_BATCH = 32
 
@@ -29,17 +30,20 @@ DEFAULT_BATCH = 32
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?",
                         help="torchvision:NAME (random weights) or package.module:factory; profiled "
-                             "and planned first unless --plan is given (default: the plan's model)")
+                             "and planned first unless --plan is given (default: the plan's or profile's "
+                             "model if it is torchvision:NAME: autopipe imports no code a file names)")
     parser.add_argument("--plan", help="a saved plan (python -m autopipe plan ... -o plans/X.json) to run "
                                        "instead of planning; a plan made from a CLI profile names its "
-                                       "model and input shape itself")
-    parser.add_argument("--profile", help="plan from this saved profile instead of profiling MODEL")
+                                       "input shape, and its model (used if torchvision:NAME)")
+    parser.add_argument("--profile", help="plan from this saved profile instead of profiling MODEL, as "
+                                          "'python -m autopipe plan' does")
     parser.add_argument("--input-shape", help="one sample's shape (default: the plan's or profile's, else 3,64,64)")
-    parser.add_argument("--batch-size", type=int, help="the training batch (default: the plan's, else 32)")
+    parser.add_argument("--batch-size", type=int,
+                        help="the training batch (default: the plan's or profile's, else 32)")
     parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu (default: all CUDA devices, "
                                           "else two CPU devices)")
     parser.add_argument("--chunks", type=int, help="fix the micro-batch count when planning")
-    parser.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
+    parser.add_argument("--checkpoint", default="auto", choices=["auto", "never", "except_last", "always"])
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--timeline", action="store_true",
@@ -53,15 +57,13 @@ def run(args: argparse.Namespace) -> int:
     devices = device_names(args.devices)
     saved, measured = _inputs(args)
     known = saved if saved is not None else measured
-    spec = args.model or (known.model.get("spec") if known is not None else None)
-    if spec is None:
-        raise ValueError("name the model: python -m autopipe bench MODEL [--plan plans/X.json]")
+    spec = _spec(args, known)
     shape = _shape(args.input_shape, known)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _model(spec, known)
-    batch_size = saved.batch_size if saved is not None else args.batch_size or DEFAULT_BATCH  # 0 is refused above
-    batch, target = synthetic_batch(model, shape, batch_size)
+    batch, target = synthetic_batch(model, shape, _batch_size(args, known),
+                                    shape_source=_shape_source(args.input_shape, known))
     chosen = saved if saved is not None else _plan(args, measured, model, batch, devices)
     result = bench_plan(model, chosen, batch, target, steps=args.steps, warmup=args.warmup)
     written = None if output is None else write_json_atomic(output, _document(result, spec, shape))  # before printing
@@ -88,10 +90,37 @@ def _what(known: Plan | Profile) -> str:
     return "plan" if isinstance(known, Plan) else "profile"
 
 
+def _spec(args: argparse.Namespace, known: Plan | Profile | None) -> str:
+    """MODEL as typed, else the model the plan or profile names if autopipe may build it
+    (:func:`~autopipe.cli.profile.spec_from_file`)."""
+    if args.model is not None:
+        return args.model
+    spec = known.model.get("spec") if known is not None else None
+    if spec is None:
+        raise ValueError("name the model: python -m autopipe bench MODEL [--plan plans/X.json]")
+    option, path = ("--plan", args.plan) if isinstance(known, Plan) else ("--profile", args.profile)
+    return spec_from_file(spec, path, "bench", option)
+
+
+def _batch_size(args: argparse.Namespace, known: Plan | Profile | None) -> int:
+    """The training batch: the plan's (``--batch-size`` is checked against it), else
+    ``--batch-size``, else the profile's, else :data:`DEFAULT_BATCH` to profile with."""
+    if isinstance(known, Plan):
+        return known.batch_size
+    if args.batch_size is not None:
+        return args.batch_size
+    return DEFAULT_BATCH if known is None else known.batch_size
+
+
+def _recorded_shape(known: Plan | Profile | None) -> list[int] | None:
+    """The sample shape the plan or profile was made with, if it records one."""
+    return known.input_shape if isinstance(known, Profile) else known.model.get("input_shape") if known else None
+
+
 def _shape(text: str | None, known: Plan | Profile | None) -> list[int]:
     """One sample's shape: ``--input-shape``, else the one the plan or profile was made with;
     refused if the two differ (the plan's times and memory are those of its own shape)."""
-    recorded = known.input_shape if isinstance(known, Profile) else known.model.get("input_shape") if known else None
+    recorded = _recorded_shape(known)
     if text is None:
         return DEFAULT_SHAPE if recorded is None else recorded  # [] is a shape: a scalar per sample
     shape = parse_ints(text, "--input-shape")
@@ -99,6 +128,15 @@ def _shape(text: str | None, known: Plan | Profile | None) -> list[int]:
         raise ValueError(f"--input-shape {text} is not the shape the {_what(known)} was made for "
                          f"({','.join(map(str, recorded))}); drop it, or profile and plan again with it")
     return shape
+
+
+def _shape_source(text: str | None, known: Plan | Profile | None) -> str | None:
+    """Where the sample shape came from when it is bench's default (neither given nor recorded),
+    for the error of a model that does not take it; ``None`` otherwise."""
+    if text is not None or _recorded_shape(known) is not None:
+        return None
+    records = f", as the {_what(known)} records none" if known is not None else ""
+    return f"bench's default{records}: give the model's with --input-shape"
 
 
 def _model(spec: str, known: Plan | Profile | None) -> torch.nn.Module:
@@ -114,14 +152,15 @@ def _model(spec: str, known: Plan | Profile | None) -> torch.nn.Module:
 
 def _plan(args: argparse.Namespace, measured: Profile | None, model: torch.nn.Module, batch: torch.Tensor,
           names: list[str] | None) -> Plan:
-    """A plan made now from the saved profile, else from profiling ``model`` on ``batch``."""
-    devices = resolve_devices(names)
+    """A plan made now, as ``python -m autopipe plan`` makes one (its planner, its defaults: data
+    parallel and pipelines searched, the profile's devices and batch), from the saved profile,
+    else from profiling ``model`` on ``batch``."""
     if measured is None:
-        measured = profile(model, batch, devices, quiet=True)
-    chosen = choose_plan(measured, [str(d) for d in devices], batch_size=batch.shape[0],
-                         checkpoint=args.checkpoint, chunks=args.chunks)
-    print(f"planned: balance {chosen.balance} on {', '.join(chosen.devices)}, {chosen.chunks} "
-          f"micro-batches, checkpoint {chosen.checkpoint}, predicted {chosen.predicted.iteration_ms:.1f} ms")
+        measured = profile(model, batch, names, quiet=True)
+    with in_option_terms():
+        chosen = choose_plan(measured, names, batch_size=args.batch_size, checkpoint=args.checkpoint,
+                             chunks=args.chunks)
+    print(f"planned: {describe_plan(chosen)}, predicted {chosen.predicted.iteration_ms:.1f} ms")
     return chosen
 
 
@@ -144,4 +183,4 @@ def _check_unused(args: argparse.Namespace, saved: Plan) -> None:
 
 def _document(result: BenchResult, spec: str, shape: list[int]) -> dict[str, object]:
     return {**result.to_json(), "model_spec": spec, "input_shape": shape,
-            "environment": environment_fingerprint(resolve_devices(result.plan.devices))}
+            "environment": environment_fingerprint(resolve_devices(result.plan.used_devices))}

@@ -6,11 +6,11 @@ import time
 
 import torch
 
-from ..bench import BenchResult, bench_plan, format_bench, synthetic_batch
+from ..bench import BenchResult, bench_plan, describe_plan, format_bench, synthetic_batch
 from ..device import resolve_devices
 from ..planning.plans import Plan
 from ..profiling.profiler import profile
-from ..planning.solver import plan as choose_plan
+from ..planning.replicas import plan as choose_plan
 from ..timeline import render
 from .profile import load_model, parse_ints
 from .show import stage_table
@@ -76,9 +76,8 @@ def _profile_and_plan(model: torch.nn.Module, batch: torch.Tensor, devices: list
     print(f"1. profiled {len(measured.layers)} layers at micro-batch sizes {measured.batch_sizes} and the "
           f"copies between devices in {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
-    chosen = choose_plan(measured, [str(d) for d in devices], batch_size=args.batch_size)
-    print(f"2. planned in {time.perf_counter() - started:.2f} s: balance {chosen.balance}, "
-          f"micro-batches {chosen.chunks} x {chosen.micro_batch_size}, checkpoint {chosen.checkpoint}, "
+    chosen = choose_plan(measured)  # as `python -m autopipe plan PROFILE` plans: the profile's devices and batch
+    print(f"2. planned in {time.perf_counter() - started:.2f} s: {describe_plan(chosen)}, "
           f"predicted {chosen.predicted.iteration_ms:.0f} ms per iteration\n")
     print(stage_table(chosen))
     return chosen

@@ -78,23 +78,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The planner's parameters named in its errors, as ``name=value`` (``chunks=4``) or, for those
-#: that are no ordinary word, alone (``raise memory_limit``).
+#: The planner's parameters named in its errors, as ``name=value`` (``chunks=4``), as the subject
+#: of a check (``chunks must be a positive integer``) or, for those that are no ordinary word,
+#: alone (``raise memory_limit``).
 _SET = ("time_limit", "memory_limit", "optimizer_state", "batch_size", "speeds", "chunks", "checkpoint",
         "schedule", "interleave", "replicas", "engine", "placement")
 _ALONE = ("time_limit", "memory_limit", "optimizer_state", "batch_size", "speeds")
-_NAMED = re.compile(rf"\b(?:({'|'.join(_SET)})=('?)([^\s,;:)']+)\2|({'|'.join(_ALONE)})\b)")
+_NAMED = re.compile(rf"\b(?:(?P<set>{'|'.join(_SET)})=(?P<quote>'?)(?P<value>[^\s,;:)']+)(?P=quote)"
+                    rf"|(?P<name>{'|'.join(_SET)})(?= must\b)|(?P<alone>{'|'.join(_ALONE)})\b)")
 
 
 def option_terms(message: str) -> str:
     """A planner's error as the command line's: its parameters (``time_limit=None``,
-    ``memory_limit``) named as the options that set them (``--time-limit 0``, ``--memory-limit``)."""
+    ``chunks must``, ``memory_limit``) named as the options that set them (``--time-limit 0``,
+    ``--chunks must``, ``--memory-limit``)."""
     message = message.replace("time_limit=None", "--time-limit 0").replace("None for no limit", "0 for no limit")
 
     def option(match: re.Match[str]) -> str:
-        if match.group(4):
-            return "--" + match.group(4).replace("_", "-")
-        return f"--{match.group(1).replace('_', '-')} {match.group(3)}"
+        if match["set"]:
+            return f"--{match['set'].replace('_', '-')} {match['value']}"
+        return "--" + (match["name"] or match["alone"]).replace("_", "-")
 
     return _NAMED.sub(option, message)
 

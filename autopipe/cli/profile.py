@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from ..profiling.profiler import profile
 from ..profiling.profiles import LayerProfile, Profile
 from ._arguments import at_least, device_names, fill_defaults, given, output_path
 
-__all__ = ["add_arguments", "run", "load_model", "parse_ints"]
+__all__ = ["add_arguments", "run", "load_model", "spec_from_file", "parse_ints"]
 
 #: The measuring options' defaults, filled in once ``--bytes-of`` (which measures with the saved
 #: profile's own) has refused any given option.
@@ -42,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bytes-of", metavar="PROFILE",
                         help="measure only the bytes (saved, workspace) of this saved profile again, "
                              "keeping its times; its model, shape, batch and sizes are used, so give "
-                             "MODEL only for a profile that does not name its model")
+                             "MODEL only for a profile that does not name its model or names one other "
+                             "than torchvision:NAME (autopipe imports no code a file names)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,17 +95,19 @@ def _bytes_of_model(args: argparse.Namespace, saved: Profile) -> str:
     would ignore: the profile fixes the shape, batch, sizes and device, and times nothing."""
     spec = saved.model.get("spec")
     ignored = given(args, ["--input-shape", "--batch-size", "--batch-sizes", "--devices", "--warmup",
-                           "--repeats", "--alone"] + (["MODEL"] if spec is not None else []))
+                           "--repeats", "--alone"] + (["MODEL"] if spec not in (None, args.model) else []))
     if ignored:
         named = f" ({spec})" if spec is not None else ""
         raise ValueError(f"{', '.join(ignored)} would be ignored: --bytes-of measures the profile's own "
                          f"model{named} on a batch of {saved.batch_size} x {saved.input_shape} "
                          f"at sizes {saved.batch_sizes} on {saved.devices[0]}, timing nothing; drop "
                          f"{'them' if len(ignored) > 1 else 'it'}")
-    if spec is None and args.model is None:
+    if args.model is not None:
+        return args.model
+    if spec is None:
         raise ValueError(f"{args.bytes_of} does not name its model (a profile made in Python); name it: "
                          "python -m autopipe profile MODEL --bytes-of PROFILE")
-    return spec or args.model
+    return spec_from_file(spec, args.bytes_of, "profile", "--bytes-of")
 
 
 def parse_ints(text: str, option: str, example: str = "3,128,128") -> list[int]:
@@ -115,6 +119,19 @@ def parse_ints(text: str, option: str, example: str = "3,128,128") -> list[int]:
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{option} expects comma-separated positive integers like {example}, got '{text}'")
     return values
+
+
+def spec_from_file(spec: str, path: str, command: str, option: str) -> str:
+    """``spec``, read from the plan or profile file ``path``, if it is ``torchvision:NAME``, which
+    autopipe builds itself.  Any other spec is refused: building it imports the module the file
+    names and calls its function, so a shared file could run any code.  The error shows the
+    ``command`` with the spec as MODEL and ``option`` naming the file, for a user who trusts it."""
+    if spec.partition(":")[0] == "torchvision":
+        return spec
+    model = shlex.quote(spec) if spec.isprintable() else "MODEL"
+    raise ValueError(f"{path} names the model {spec!r}, and autopipe does not import code a file names; if you "
+                     f"trust it, give it on the command line as MODEL: python -m autopipe {command} {model} "
+                     f"{option} {shlex.quote(path)}")
 
 
 def load_model(spec: str) -> nn.Module:

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     simulation = simulate_plan(plan)
     events = simulation.events + reduction_events(simulation, [s.reduce_ms for s in plan.stages])
+    _check_width(args.width, events)
     drawn = None if png is None else draw_png(pyplot, events, png)  # before printing: a closed stdout loses nothing
     print(stage_table(plan))
     print()
@@ -38,6 +39,16 @@ def run(args: argparse.Namespace) -> int:
     if drawn is not None:
         print(f"\ntimeline drawn to {drawn}")
     return 0
+
+
+def _check_width(width: int, events: list[Event]) -> None:
+    """Refuse a timeline too narrow for its axis labels: ``0`` under its first column and the end
+    time (``1789.0 ms``) flush with its last would run into each other."""
+    axis = render(events, MIN_WIDTH).splitlines()[-1].lstrip()  # "0" and the end time, nothing between
+    end = axis[1:]
+    if width < len(end):
+        raise ValueError(f"--width {width} is too narrow for the timeline's axis labels (0 and {end}): "
+                         f"give at least --width {len(end)}")
 
 
 def stage_table(plan: Plan) -> str:
