@@ -26,6 +26,37 @@ def inplace_model() -> nn.Sequential:
                          Double(), nn.ReLU(inplace=True), nn.Linear(16, 4))
 
 
+class MeanOverTime(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
+class Trim(nn.Module):
+    """Cuts (batch, time, features) to the micro-batch's longest sequence (padding steps are zeros):
+    the shape of what it returns follows the data."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, : int((x.abs().sum(-1) > 0).sum(1).max())]
+
+
+def trim_model(frozen: bool) -> nn.Sequential:
+    """Balance [2, 2]: the first stage trims padding, and its Linear trains unless ``frozen`` (then
+    nothing it sends needs a gradient)."""
+    torch.manual_seed(11)
+    model = nn.Sequential(Trim(), nn.Linear(4, 4), MeanOverTime(), nn.Linear(4, 3)).double()
+    model[1].requires_grad_(not frozen)
+    return model
+
+
+def padded(lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """Sequences of 6 steps, zeros after ``lengths``, and their targets."""
+    generator = torch.Generator().manual_seed(sum(lengths))
+    x = torch.randn(len(lengths), 6, 4, generator=generator, dtype=torch.float64)
+    for row, length in zip(x, lengths):
+        row[length:] = 0
+    return x, torch.randn(len(lengths), 3, generator=generator, dtype=torch.float64)
+
+
 def batch(size: int = BATCH) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(0)
     return torch.randn(size, 8, generator=generator), torch.randn(size, 4, generator=generator)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from autopipe.distributed.local import launch_local
 from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
-from distributed_models import batch, error_of, inplace_model, plan_for
+from distributed_models import MeanOverTime, batch, error_of, inplace_model, padded, plan_for, trim_model
 from models import REFUSED, Regain, aliased
 
 JOB_TIMEOUT_S = 100.0
@@ -258,11 +259,6 @@ def skip_model() -> nn.Sequential:
                          MulY(), AddX(), nn.Linear(8, 4))
 
 
-class MeanOverTime(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean(dim=1)
-
-
 def sequence_model() -> nn.Sequential:
     """Balance [1, 2]: the first stage sends (micro-batch, time, features), whose length can change."""
     torch.manual_seed(8)
@@ -274,6 +270,86 @@ def sequences(length: int) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(length)
     return (torch.randn(8, length, 4, generator=generator, dtype=torch.float64),
             torch.randn(8, 3, generator=generator, dtype=torch.float64))
+
+
+class Embed(nn.Module):
+    """Returns the ids beside their embedding: integers go to the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8)
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return self.embedding(ids), ids
+
+
+class EmbedAgain(nn.Module):
+    """Embeds the ids the stage before sends, keeping each batch of them it reads in :attr:`seen`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8)
+        self.seen: list[Tensor] = []
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        hidden, ids = pair
+        self.seen.append(ids.clone())
+        return (hidden + self.embedding(ids)).mean(1)
+
+
+def ids_model() -> nn.Sequential:
+    """Balance [1, 2]: the second stage embeds the ids the first sends."""
+    torch.manual_seed(12)
+    return nn.Sequential(Embed(), EmbedAgain(), nn.Linear(8, 4))
+
+
+def token_ids() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(12)
+    return torch.randint(0, 50, (8, 5), generator=generator), torch.randn(8, 4, generator=generator)
+
+
+class Scores(nn.Module):
+    """Passes the labels on beside its scores: integer targets go to the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, inputs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, labels = inputs
+        return self.linear(x), labels
+
+
+class CrossEntropy(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return nn.functional.cross_entropy(*pair)
+
+
+def loss_inside_model() -> nn.Sequential:
+    """Balance [1, 1]: the model ends with its loss, on labels the first stage sends."""
+    torch.manual_seed(13)
+    return nn.Sequential(Scores(), CrossEntropy())
+
+
+def labelled() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(13)
+    return torch.randn(8, 8, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+
+
+def model_loss(output: Tensor, target: Tensor) -> Tensor:
+    """The loss the model computed (:func:`loss_inside_model`)."""
+    return output
+
+
+class Calls:
+    """``loss_fn`` counting its calls."""
+
+    def __init__(self, loss_fn: Callable[..., Tensor]) -> None:
+        self.loss_fn, self.calls = loss_fn, 0
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        self.calls += 1
+        return self.loss_fn(output, target)
 
 
 def classifier_model() -> nn.Sequential:
@@ -306,13 +382,15 @@ class SwitchedLoss:
 
 
 def reference(model: nn.Module, chunks: int, lr: float = 0.0,
-              loss_fn: Callable[..., Tensor] = nn.functional.mse_loss) -> dict[str, Tensor]:
-    """Gradients of the plain model accumulated micro-batch by micro-batch (then an SGD step)."""
-    x, y = batch()
+              loss_fn: Callable[..., Tensor] = nn.functional.mse_loss,
+              data: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
+    """Gradients of the plain model accumulated micro-batch by micro-batch (then an SGD step), of
+    the parameters that train."""
+    x, y = data or batch()
     for xi, yi in zip(x.chunk(chunks), y.chunk(chunks)):
         (loss_fn(model(xi), yi) / chunks).backward()
     torch.optim.SGD(model.parameters(), lr=lr).step()
-    return {name: p.grad for name, p in model.named_parameters()}
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
 def in_process(model: nn.Module, balance: list[int], chunks: int) -> dict[str, Tensor]:
@@ -342,7 +420,7 @@ def _run(model: nn.Module, balance: list[int] | None, chunks: int | None, schedu
             "loss": runner.broadcast_loss(loss), "runner": runner}
 
 
-def _job_two(rank: int, out: Path) -> dict[str, Any]:
+def _job_two(out: Path) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
     result: dict[str, Any] = {}
@@ -386,13 +464,47 @@ def _job_two(rank: int, out: Path) -> dict[str, Any]:
     result["outputs_refused"] = _refused_outputs()
     runner = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
     result["hooks"] = with_hooks(dict(runner.named_parameters()), lambda: runner.step(batch()[0], target=batch()[1]))
-    # Last: rank 0 refuses to send a count that differs from the shape probe's and leaves; rank 1,
-    # waiting for it, then fails too.
-    if rank == 0:
-        result["changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
-        torch.save(result, out / f"rank{rank}.pt")
-        os._exit(0)
-    result["peer_of_changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
+    result["changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
+    result["sent_shapes"] = _refused_sent_shapes()
+    result["integers"] = _integers_between_stages()
+    x, y = batch()
+    unequal = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    result["unequal_target"] = error_of(lambda: unequal.step(x, target=y[:4]))
+    return result
+
+
+def _refused_sent_shapes() -> dict[str, Any]:
+    """A first stage whose output's length follows the data, refused on every rank where a micro-batch's
+    differs from the shape probe's: micro-batch 1 of the first step, and micro-batch 0 of a later step
+    with the stage frozen (what it sends needs no gradient).  Then a step of full-length sequences."""
+    from autopipe.distributed import DistributedPipeline
+
+    full = padded([6, 6, 6, 6])
+    result: dict[str, Any] = {}
+    for frozen, refused in ((False, [6, 2, 3, 1]), (True, [2, 1, 1, 2])):
+        runner = DistributedPipeline(trim_model(frozen), balance=[2, 2], chunks=2, loss_fn=nn.functional.mse_loss)
+        if frozen:  # the first step fixes full-length sequences, and a later one is shorter
+            runner.step(full[0], target=full[1])
+        x, y = padded(refused)
+        result[f"frozen={frozen}"] = error_of(functools.partial(runner.step, x, target=y))
+        runner.module.zero_grad()
+        runner.step(full[0], target=full[1])
+        result[f"grads frozen={frozen}"] = {n: p.grad.clone() for n, p in runner.named_parameters() if p.requires_grad}
+    return result
+
+
+def _integers_between_stages() -> dict[str, Any]:
+    """Ids and labels sent between stages, which the next stage's shape probe must read as they are;
+    ``loss_fn`` runs once per micro-batch (not in the probe)."""
+    from autopipe.distributed import DistributedPipeline
+
+    loss_fn = Calls(nn.functional.mse_loss)
+    ids = _run(ids_model(), [1, 2], 2, "gpipe", loss_fn=loss_fn, data=token_ids())
+    result = {"ids": ids["grads"], "loss_calls": loss_fn.calls,
+              "ids_seen": ids["runner"].module.layers[0].seen if ids["runner"].is_last else []}
+    runner = DistributedPipeline(loss_inside_model(), balance=[1, 1], chunks=2, loss_fn=model_loss)
+    runner.step(*labelled(), target=torch.zeros(8))
+    result["loss_inside"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
     return result
 
 
@@ -481,7 +593,7 @@ def _forwards_in_second_step(checkpoint: str) -> int:
     return counted.calls
 
 
-def _job_three(rank: int, out: Path) -> dict[str, Any]:
+def _job_three(out: Path) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
     gpipe = _run(skip_model(), [3, 3, 3], CHUNKS, "gpipe")
@@ -502,12 +614,10 @@ def _worker(job: str, out: Path) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    result = {"two": _job_two, "three": _job_three}[job](rank, out)
+    result = {"two": _job_two, "three": _job_three}[job](out)
     torch.save(result, out / f"rank{rank}.pt")
-    if job != "two":
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # in job "two" the peer is gone: skip the process group's shutdown
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # ---- test side ------------------------------------------------------------------------------
@@ -673,7 +783,7 @@ def test_a_loss_that_is_not_one_number_on_the_graph_and_no_grad_are_refused_on_e
     assert last["float"].startswith("DistributedError: loss_fn returned a float,")
     assert last["detached"].startswith("DistributedError: loss_fn returned a tensor that does not require grad")
     for form in ("none", "float", "detached"):
-        assert first[form].startswith("DistributedError: the last rank refused this step's output or loss")
+        assert first[form].startswith("DistributedError: another rank refused a value of this step or its loss")
     for result in (first, last):
         assert result["no_grad"].startswith("DistributedError: step() trains (forward and backward) but runs under "
                                             "torch.no_grad()")
@@ -725,18 +835,65 @@ def test_a_last_stage_output_without_a_tensor_is_refused_on_every_rank(two: list
                                      "a value of type Holder holds tensors in its attributes (tensor)")
     for form in ("text", "hidden"):
         assert last[form].endswith("This step ran with a zero loss in its place")
-        assert first[form].startswith("DistributedError: the last rank refused this step's output or loss")
+        assert first[form].startswith("DistributedError: another rank refused a value of this step or its loss")
     expected = reference(switched_model(), 2, loss_fn=halves_loss)
     _assert_grads_equal(first["grads"] | last["grads"], expected)
 
 
 @pytest.mark.slow
 def test_a_value_between_stages_unlike_the_shape_probes_is_refused_naming_it(two: list[dict[str, Any]]) -> None:
+    """The sending rank refuses it and sends zeros in its place, so the step ends and every rank raises."""
     message = two[0]["changing_form"]
-    assert message.startswith("StageOutputError: stage 0 ends with layer '1', which returns a tuple of (Tensor, int) "
+    assert message.startswith("DistributedError: stage 0 ends with layer '1', which returns a tuple of (Tensor, int) "
                               "in micro-batch 0 unlike in the first step's shape probe")
     assert "return the same containers and plain values whatever the input" in message
-    assert two[1]["peer_of_changing_form"] != "no error"
+    assert two[1]["changing_form"].startswith("DistributedError: another rank refused a value of this step")
+
+
+@pytest.mark.slow
+def test_a_value_between_stages_of_another_shape_than_the_probes_is_refused_on_every_rank(
+        two: list[dict[str, Any]]) -> None:
+    """The receiver reads each micro-batch into a buffer of the probe's shape: a shorter or longer value
+    would be read wrong (a frozen stage's, which gets no gradient, without any error).  The sending rank
+    refuses it naming the shapes, the step ends with zeros in its place on every rank and raises on all,
+    and the pipeline goes on: a step of the probe's shapes gives the plain model's gradients."""
+    first, last = (result["sent_shapes"] for result in two)
+    assert first["frozen=False"].startswith(
+        "DistributedError: stage 0 sends the value its last layer '1' returns with shape (2, 3, 4) float64 in "
+        "micro-batch 1 but (2, 6, 4) float64 in the first step's shape probe")
+    assert first["frozen=True"].startswith(
+        "DistributedError: stage 0 sends the value its last layer '1' returns with shape (2, 2, 4) float64 in "
+        "micro-batch 0 but (2, 6, 4) float64")
+    for frozen in (False, True):
+        assert "Fix: give every micro-batch the same shapes (pad to a fixed length" in first[f"frozen={frozen}"]
+        assert "call zero_grad() before the next step" in first[f"frozen={frozen}"]
+        assert last[f"frozen={frozen}"].startswith("DistributedError: another rank refused a value of this step")
+        expected = reference(trim_model(frozen), 2, data=padded([6, 6, 6, 6]))
+        _assert_grads_equal(first[f"grads frozen={frozen}"] | last[f"grads frozen={frozen}"], expected)
+
+
+@pytest.mark.slow
+def test_integers_between_stages_train_as_the_plain_model(two: list[dict[str, Any]]) -> None:
+    """Ids an embedding reads and labels a loss inside the model reads: the next stage's shape probe runs
+    on the values the stage before computed in its own, not on uninitialised memory (an out-of-range id
+    or label).  The probe does not call ``loss_fn``: it runs once per micro-batch."""
+    integers = [result["integers"] for result in two]
+    _assert_grads_equal(_merged(integers, "ids"), reference(ids_model(), 2, data=token_ids()))
+    first, second = token_ids()[0].chunk(2)  # the micro-batches' ids; the probe runs on the first
+    assert [seen.tolist() for seen in integers[1]["ids_seen"]] == [first.tolist(), first.tolist(), second.tolist()]
+    assert integers[1]["loss_calls"] == 2
+    model, (x, labels) = loss_inside_model(), labelled()
+    for xi, li in zip(x.chunk(2), labels.chunk(2)):
+        (model((xi, li)) / 2).backward()
+    _assert_grads_equal(_merged(integers, "loss_inside"), {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.slow
+def test_inputs_and_a_target_of_different_batch_sizes_are_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
+    """Each rank sees only what it feeds: the first step compares the sizes, and every rank refuses."""
+    for result in two:
+        assert result["unequal_target"].startswith(
+            "DistributedError: the ranks feed batches of different sizes: 8 samples on rank 0 and 4 samples on rank 1")
 
 
 def test_a_stage_value_without_a_tensor_is_refused_naming_it() -> None:
@@ -756,10 +913,10 @@ def test_a_stage_value_without_a_tensor_is_refused_naming_it() -> None:
 
 def test_a_stage_value_whose_form_was_not_sent_is_refused_unless_bare() -> None:
     """Where torch never called the metadata hook that sends a value's form (a torch without it),
-    the receiver would read a dict as a plain tuple: the sender refuses it at its first micro-batch,
-    and still sends a tensor or a plain tuple of tensors, which the receiver reads right."""
+    the receiver would read a dict as a plain tuple: the sender refuses it at its first micro-batch
+    (and sends zeros in its place, so the step ends on every rank), and still sends a tensor or a
+    plain tuple of tensors, which the receiver reads right."""
     from autopipe.distributed import StageModule
-    from autopipe.errors import StageOutputError
     from autopipe.runtime.balance import stage_of_layer
     from autopipe.runtime.skips import skip_spans
 
@@ -767,10 +924,42 @@ def test_a_stage_value_whose_form_was_not_sent_is_refused_unless_bare() -> None:
     first = StageModule(layers[:4], 0, 2, skip_spans(layers, stage_of_layer([4, 1])))
     first(torch.randn(3, 8))  # the shape probe (micro_batch None) keeps the form
     first.micro_batch = 0
-    with pytest.raises(StageOutputError, match="did not pass its form to the next stage"):
-        first(torch.randn(3, 8))
-    first.form_sent = True
+    assert len(first(torch.randn(3, 8))) == 3  # zeros for the dict's three tensors
+    assert first.refusal is not None and "did not pass its form to the next stage" in first.refusal
+    first.form_sent, first.refusal = True, None
     assert len(first(torch.randn(3, 8))) == 3  # the dict's three tensors
+    assert first.refusal is None
+
+
+def test_a_stage_value_of_another_shape_or_dtype_than_the_probes_is_refused_with_zeros_in_its_place() -> None:
+    """The sending rank refuses a tensor unlike the probe's, naming it, and sends zeros of the probe's
+    shapes in its place (on the received tensors' graph where it needed a gradient), so the step ends on
+    every rank; the first refusal of a step is the one kept."""
+    from autopipe.distributed import StageModule
+    from autopipe.runtime.balance import stage_of_layer
+    from autopipe.runtime.skips import skip_spans
+
+    layers = layer_chain(skip_model())
+    middle = StageModule(layers[3:6], 1, 3, skip_spans(layers, stage_of_layer([3, 3, 3])))
+    middle(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))  # the probe: main and the skip 'x'
+    middle.micro_batch, middle.form_sent = 1, True
+    received = torch.randn(4, 8, requires_grad=True)
+    sent = middle(received, torch.randn(2, 8))
+    assert middle.refusal is not None and middle.refusal.startswith(
+        "stage 1 sends the skip 'x' with shape (2, 8) float32 in micro-batch 1 but (4, 8) float32 in the first "
+        "step's shape probe")
+    # the main value and the skip 'y' computed from it need a gradient, the relayed skip 'x' does not
+    assert [(t.shape, t.dtype, t.requires_grad) for t in sent] == [((4, 8), torch.float32, grad)
+                                                                    for grad in (True, False, True)]
+    sum(t.sum() for t in sent).backward()
+    assert torch.equal(received.grad, torch.zeros(4, 8))
+    middle.layers[1].double()
+    middle(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8))
+    assert middle.refusal.startswith("stage 1 sends the skip 'x'")
+    middle.refusal = None  # as each step starts
+    middle(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8))
+    assert middle.refusal.startswith("stage 1 sends the value its last layer '5' returns with shape (4, 8) float64 "
+                                     "in micro-batch 1 but (4, 8) float32")
 
 
 @pytest.mark.slow

@@ -4,10 +4,11 @@ into the plain model, the replicas' batch norm statistics end each step alike, a
 wrong size or a parameter unfrozen after construction is refused with the fix named."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -16,8 +17,11 @@ from torch import Tensor, nn
 from autopipe.distributed.local import launch_local
 from autopipe.planning.plans import Plan
 
+if TYPE_CHECKING:
+    from autopipe.distributed import DistributedPipeline
+
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_models import batch, error_of, inplace_model, plan_for  # noqa: E402
+from distributed_models import batch, error_of, inplace_model, padded, plan_for, trim_model  # noqa: E402
 
 JOB_TIMEOUT_S = 150.0
 CHUNKS = 2
@@ -30,11 +34,12 @@ def replicated(balance: list[int], replicas: int, schedule: str = "gpipe") -> Pl
     return plan
 
 
-def reference(replicas: int, model: nn.Module | None = None) -> dict[str, Tensor]:
+def reference(replicas: int, model: nn.Module | None = None,
+              data: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
     """The plain model's gradient of the whole batch's mean loss, accumulated over the replicas'
     micro-batches (equal sizes, so it is the whole-batch gradient)."""
     model = inplace_model() if model is None else model
-    x, y = batch()
+    x, y = data or batch()
     parts = replicas * CHUNKS
     for xi, yi in zip(x.chunk(parts), y.chunk(parts)):
         (nn.functional.mse_loss(model(xi), yi) / parts).backward()
@@ -68,6 +73,15 @@ def batchnorm_reference(steps: int) -> dict[str, Tensor]:
     return model.state_dict()
 
 
+class Silenced(nn.Module):
+    """Returns its input, or while :attr:`silent` a string, which holds no tensor for ``loss_fn``."""
+
+    silent = False
+
+    def forward(self, x: Tensor) -> Any:
+        return "silent" if self.silent else x
+
+
 # ---- worker side ----------------------------------------------------------------------------
 
 def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
@@ -88,6 +102,36 @@ def _train(plan: Plan, out: Path | None = None) -> dict[str, Any]:
         runner.step(runner.shard(x), target=runner.shard(y))  # DDP rebuilds its buckets after a first step
         result["second"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
     return result
+
+
+def _after_refusals() -> dict[str, Any]:
+    """Steps refused mid-step, with zeros in place of what was refused (a stage's value of another shape
+    than the probe's, the last stage's output without a tensor), each followed by a right step: DDP's
+    reduction of the refused step must leave it ready for the next, which trains as the plain model."""
+    from autopipe.distributed import DistributedPipeline
+
+    trim = DistributedPipeline(trim_model(False), balance=[2, 2], chunks=CHUNKS, replicas=2,
+                               loss_fn=nn.functional.mse_loss)
+    result: dict[str, Any] = {"shape": _step_error(trim, padded([6, 2, 3, 1] * 2)),
+                              "shape grads": _right_step(trim, padded([6] * 8))}
+    model = nn.Sequential(*inplace_model(), Silenced())
+    silenced = DistributedPipeline(model, balance=[3, 4], chunks=CHUNKS, replicas=2, loss_fn=nn.functional.mse_loss)
+    model[-1].silent = True
+    result["output"] = _step_error(silenced, batch())
+    model[-1].silent = False
+    result["output grads"] = _right_step(silenced, batch())
+    return result
+
+
+def _step_error(runner: DistributedPipeline, data: tuple[Tensor, Tensor]) -> str:
+    return error_of(functools.partial(runner.step, runner.shard(data[0]), target=runner.shard(data[1])))
+
+
+def _right_step(runner: DistributedPipeline, data: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+    """The gradients of one step from zero."""
+    runner.module.zero_grad()
+    runner.step(runner.shard(data[0]), target=runner.shard(data[1]))
+    return {n: p.grad.clone() for n, p in runner.named_parameters()}
 
 
 def _statistics(steps: int) -> dict[str, Tensor]:
@@ -123,6 +167,20 @@ def _unfrozen() -> dict[str, Any]:
     return result
 
 
+def _unequal() -> dict[str, Any]:
+    """Replicas fed shares of 6 and 2 samples directly (not by ``shard()``): each rank sees only its own,
+    and the first step refuses on both; then equal shares train as the plain model."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(inplace_model(), balance=[6], chunks=CHUNKS, replicas=2,
+                                 loss_fn=nn.functional.mse_loss)
+    (x, y), share = batch(), slice(0, 6) if runner.replica == 0 else slice(6, 8)
+    result: dict[str, Any] = {"refused": error_of(lambda: runner.step(x[share], target=y[share]))}
+    runner.step(runner.shard(x), target=runner.shard(y))
+    result["grads"] = {n: p.grad.clone() for n, p in runner.named_parameters()}
+    return result
+
+
 def _worker(job: str, out: Path) -> None:
     import torch.distributed as dist
 
@@ -131,9 +189,11 @@ def _worker(job: str, out: Path) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     if job == "hybrid":
-        result = {"gpipe": _train(replicated([3, 3], 2), out), "1f1b": _train(replicated([3, 3], 2, "1f1b"))}
+        result = {"gpipe": _train(replicated([3, 3], 2), out), "1f1b": _train(replicated([3, 3], 2, "1f1b")),
+                  "after_refusals": _after_refusals()}
     else:
         result = {"dp": _train(replicated([6], 2)), "statistics": _statistics(2), "unfrozen": _unfrozen(),
+                  "unequal": _unequal(),
                   "too_few": error_of(lambda: DistributedPipeline(inplace_model(), replicated([3, 3], 2),
                                                                   loss_fn=nn.functional.mse_loss))}
     torch.save(result, out / f"rank{rank}.pt")
@@ -162,9 +222,14 @@ def _assert_replicas_equal_plain(results: list[dict[str, Any]], replicas: int) -
     assert all(r["loss"] == pytest.approx(whole, rel=1e-5) for r in results)
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch("hybrid", 4, tmp_path_factory.mktemp("hybrid"))
+
+
 @pytest.mark.slow
-def test_hybrid_two_replicas_of_two_stages_on_four_processes(tmp_path: Path) -> None:
-    results = _launch("hybrid", 4, tmp_path)
+def test_hybrid_two_replicas_of_two_stages_on_four_processes(hybrid: list[dict[str, Any]]) -> None:
+    results = hybrid
     assert [(r["gpipe"]["replica"], r["gpipe"]["stage"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for schedule in ("gpipe", "1f1b"):
         _assert_replicas_equal_plain([r[schedule] for r in results], 2)
@@ -180,6 +245,21 @@ def test_hybrid_two_replicas_of_two_stages_on_four_processes(tmp_path: Path) -> 
     for result in results:
         for name, grad in result["gpipe"]["second"].items():
             torch.testing.assert_close(grad, second[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_replicas_train_as_the_plain_model_after_a_step_refused_mid_step(hybrid: list[dict[str, Any]]) -> None:
+    """Every rank raises, and the next step's gradients are the plain model's."""
+    elsewhere = "DistributedError: another rank refused a value of this step"
+    expected = {"shape": reference(2, trim_model(False), padded([6] * 8)), "output": reference(2)}
+    for ranks in hybrid:
+        result, first = ranks["after_refusals"], ranks["gpipe"]["stage"] == 0
+        assert result["shape"].startswith("DistributedError: stage 0 sends" if first else elsewhere)
+        assert result["output"].startswith(elsewhere if first else "DistributedError: the last stage ends with "
+                                                                    "layer '6', which returns a str")
+        for name, want in expected.items():
+            for param, grad in result[f"{name} grads"].items():
+                torch.testing.assert_close(grad, want[param], msg=lambda m, n=param: f"{n}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +303,21 @@ def test_a_parameter_unfrozen_after_construction_is_refused_on_every_replica(dp:
         for name, grad in result["unfrozen"]["grads"].items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
         assert sorted(result["unfrozen"]["grads"]) == sorted(expected)
+
+
+@pytest.mark.slow
+def test_replica_shares_of_different_sizes_are_refused_on_every_replica(dp: list[dict[str, Any]]) -> None:
+    """Averaged replica gradients weigh each share alike: shares of 6 and 2 samples would weigh the
+    samples unequally (wrong gradients, no error)."""
+    for result in dp:
+        refused = result["unequal"]["refused"]
+        assert refused.startswith("DistributedError: the ranks feed batches of different sizes: 6 samples on rank 0 "
+                                  "and 2 samples on rank 1")
+        assert "runner.shard(x) and runner.shard(y)" in refused
+        expected = reference(2)
+        for name, grad in result["unequal"]["grads"].items():
+            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        assert sorted(result["unequal"]["grads"]) == sorted(expected)
 
 
 if __name__ == "__main__":

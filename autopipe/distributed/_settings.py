@@ -1,6 +1,7 @@
 """Checks every rank makes alike before running: the plan's fit to the model, balance, schedule,
-checkpoint mode, micro-batch split and replicas; the process group from torchrun; and the agreement
-that brings a refusal only one rank can see to every rank."""
+checkpoint mode, micro-batch split and replicas; the process group from torchrun; the agreement
+that brings a refusal only one rank can see to every rank; and the comparison of the batch sizes
+the ranks feed."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from ..model.fingerprint import check_made_for
 from ..planning.plans import Plan
 from ..runtime.balance import check_balance
 
-__all__ = ["RunSettings", "agree", "init_distributed", "plan_device", "uneven_split"]
+__all__ = ["RunSettings", "agree", "init_distributed", "plan_device", "unequal_batches", "uneven_split"]
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> None:
@@ -129,3 +130,33 @@ def agree(refusal: str | None, group: dist.ProcessGroup | None, device: torch.de
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
         raise DistributedError(refusal or elsewhere)
+
+
+def unequal_batches(size: int, group: dist.ProcessGroup | None, device: torch.device, replicas: int) -> str | None:
+    """Collective over ``group``: why the batches its ranks feed differ in size, or ``None`` when they do not.
+
+    ``size`` is this rank's (0 on a rank that feeds none), which only it sees: replica shares of
+    different sizes would weigh samples unequally in the averaged gradients, and a target of another
+    size than the inputs would meet another number of outputs, both without an error.
+    """
+    ranks: dict[int, list[int]] = {}
+    for rank, fed in enumerate(_gathered(size, group, device)):
+        if fed:
+            ranks.setdefault(fed, []).append(rank)
+    if len(ranks) < 2:
+        return None
+    said = " and ".join(f"{n} samples on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                        for n, r in ranks.items())
+    why = ("the replicas' gradients are averaged, which weighs each share alike, so unequal shares would weigh the "
+           "samples unequally. Fix: pass runner.shard(x) and runner.shard(y) of one whole batch (a size divisible "
+           f"by {replicas}) on every replica's first and last ranks" if replicas > 1 else
+           "the loss would meet outputs and targets of different sizes. Fix: give the first rank's inputs and the "
+           "last rank's target one batch size")
+    return f"the ranks feed batches of different sizes: {said}; {why}"
+
+
+def _gathered(value: int, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """Collective over ``group``: every rank's ``value``, in rank order."""
+    values = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.int64, device=device), group=group)
+    return [int(v.item()) for v in values]

@@ -29,7 +29,10 @@ class StageModule(nn.Module):
     value travels as its tensors (walked as the in-process runtime walks values) and its form (the
     value with placeholders for them: containers, keys, non-tensor items) goes once, with the shape
     probe's metadata (:class:`~autopipe.distributed._schedule.Stage`).  The receiver knows how many
-    trailing arguments are skips and fills the form with the rest.  The last stage's output reaches
+    trailing arguments are skips and fills the form with the rest.  The probe also fixes each sent
+    tensor's shape and dtype (the receiver's buffers): the sending rank refuses a micro-batch's value
+    of another form, shape or dtype and sends zeros of the probe's in its place (:attr:`refusal`),
+    so the step ends on every rank before it raises.  The last stage's output reaches
     ``loss_fn`` from here (:meth:`take_output`), not through the engine, so any value with tensors
     that the in-process runtime returns reaches the loss as the layer returned it.
     """
@@ -51,19 +54,28 @@ class StageModule(nn.Module):
         #: micro-batch's must equal: the receiver fills that one form.
         self.sent_form: Value = None
         self._sent_signature: Hashable = None
+        #: Each tensor sent in the shape probe: its shape, dtype and whether it needed a gradient, which every
+        #: micro-batch's must equal (the receiver's buffers have them); and its values, until they go to the next
+        #: stage, whose probe then runs on them (:meth:`_take_probe_values`).
+        self._sent_metas: list[tuple[torch.Size, torch.dtype, bool]] = []
+        self.probe_sent: tuple[Tensor, ...] | None = None
         #: Whether the form went to the next stage (a torch without the metadata hooks never sends it:
         #: the receiver then reads one tensor as itself and several as a tuple, so nothing else may go).
         self.form_sent = False
         #: The form of the main value the stage before sent, ``None`` on the first stage (its inputs are the step's).
         self.received_form: Value = None
+        #: The values the stage before sent in its shape probe, until this stage's probe takes them.
+        self.probe_received: tuple[Tensor, ...] | None = None
         #: The last stage's output in the micro-batch run last, until ``loss_fn`` takes it.
         self.output: Any = None
-        #: Why the last stage's output cannot reach ``loss_fn``, set mid-step on the last rank (raising there
-        #: would leave the other ranks waiting); the pipeline raises it on every rank after the step.
+        #: Why a value this stage computed in a micro-batch cannot go on (the last stage's output to ``loss_fn``,
+        #: another stage's to the next rank), set mid-step (raising there would leave the other ranks waiting)
+        #: while zeros stand in for it; the pipeline raises it on every rank after the step.
         self.refusal: str | None = None
 
     def forward(self, *received: Tensor) -> Any:
         if self.micro_batch is None:  # the engine's shape probe, which the plain model never ran
+            self._take_probe_values(received)
             with buffers_restored(buffer_slots([self])):
                 return self._run(*received)
         if self._checkpointing():
@@ -90,10 +102,30 @@ class StageModule(nn.Module):
         watch.check(f"stage {self.index} ('{self.layer_names[0]}'..)", self.micro_batch)
         if self.is_last:
             return self._output(main, received)
-        sent = self._sent(main) + tuple(self._skip_out(tracker, key) for key in self.skips_out)
-        # The receiver's buffers copy the first micro-batch's strides and gloo refuses
-        # non-contiguous buffers (a slice like x[:, :8]), so send contiguous tensors only.
-        return tuple(t.contiguous() for t in sent)
+        try:
+            return self._sent(main, tracker)
+        except StageOutputError as error:
+            if self._probing():  # nothing fixed yet to stand in for
+                raise
+            # the first refusal of the step is the one reported
+            self.refusal = self.refusal or (f"{error}. This step ran with zeros in its place, so its gradients are "
+                                            "not the plain model's: call zero_grad() before the next step")
+            return self._stand_in(received)
+
+    def _probing(self) -> bool:
+        """Whether this run is the engine's shape probe (``micro_batch`` is ``None`` in a recomputation too)."""
+        return self.micro_batch is None and not is_recomputing()
+
+    def _take_probe_values(self, received: Sequence[Tensor]) -> None:
+        """Give the probe the values the stage before computed in its own (the first micro-batch's): torch
+        makes this probe's tensors from their shapes alone, uninitialised, and a layer would read garbage
+        (ids an embedding refuses, targets out of range).  The first stage's probe gets the first micro-batch."""
+        if self.probe_received is None:
+            return
+        with torch.no_grad():
+            for tensor, value in zip(received, self.probe_received):
+                tensor.copy_(value)
+        self.probe_received = None
 
     def _checkpointing(self) -> bool:
         """As the in-process runtime: ``except_last`` keeps the last micro-batch's activations."""
@@ -130,12 +162,59 @@ class StageModule(nn.Module):
             return _filled(self.received_form, tensors)
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
-    def _sent(self, main: Any) -> tuple[Tensor, ...]:
+    def _sent(self, main: Any, tracker: SkipTracker) -> tuple[Tensor, ...]:
+        """The main value's tensors, then the skips', contiguous: the receiver's buffers copy the probe's
+        strides and gloo refuses non-contiguous buffers (a slice like ``x[:, :8]``).  The shape probe keeps
+        what the receiver's buffers and form are made from; a micro-batch that sends anything else is refused."""
+        tensors = self._main_tensors(main)
+        sent = tuple(t.contiguous() for t in tensors + tuple(self._skip_out(tracker, key) for key in self.skips_out))
+        if self._probing():
+            self._sent_metas = [(t.shape, t.dtype, t.requires_grad) for t in sent]
+            self.probe_sent = tuple(t.detach().cpu() for t in sent)
+        else:
+            self._check_shapes(sent, len(tensors))
+        return sent
+
+    def _check_shapes(self, sent: Sequence[Tensor], n_main: int) -> None:
+        """Refuse a tensor whose shape or dtype differs from the probe's, which the receiver's buffer has."""
+        for i, (tensor, (shape, dtype, _)) in enumerate(zip(sent, self._sent_metas)):
+            if tensor.shape != shape or tensor.dtype != dtype:
+                raise StageOutputError(
+                    f"stage {self.index} sends {self._what_sent(i, n_main)} with shape "
+                    f"{_shape(tensor.shape, tensor.dtype)} in micro-batch {self.micro_batch} but "
+                    f"{_shape(shape, dtype)} in the first step's shape probe; torch.distributed.pipelining fixes "
+                    "the shape and dtype of each tensor sent between stages at the first step and would read this "
+                    "one into a buffer of the probe's (wrong values, no error). Fix: give every micro-batch the same "
+                    "shapes (pad to a fixed length rather than trimming to the longest), or build a new "
+                    "DistributedPipeline on every rank for each new shape")
+
+    def _what_sent(self, position: int, n_main: int) -> str:
+        """The sent tensor at ``position``, named for the user: part of the last layer's value, or a skip."""
+        if position >= n_main:
+            return f"the skip '{self.skips_out[position - n_main]}'"
+        whose = f"the value its last layer '{self.layer_names[-1]}' returns"
+        return whose if n_main == 1 else f"tensor {position} of {whose}"
+
+    def _stand_in(self, received: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """Zeros of the probe's shapes and dtypes, in place of a refused micro-batch's tensors: the receiver runs
+        on them and the step ends on every rank.  Those that needed a gradient are on :meth:`_zero`'s graph."""
+        zero = self._zero(received)
+        device = received[0].device
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) + zero if grad
+                     else torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, grad in self._sent_metas)
+
+    def _zero(self, received: Sequence[Tensor]) -> Tensor:
+        """Zero on the graph of the received tensors and of this stage's parameters that train, whose backward
+        gives them zeros as a micro-batch's would: with replicas, DDP's last backward of a step waits for each
+        parameter's gradient, and one it finds unused there breaks its next step."""
+        return zero_on([*received, *(p for p in self.parameters() if p.requires_grad)])
+
+    def _main_tensors(self, main: Any) -> tuple[Tensor, ...]:
         """The main value's tensors; the shape probe keeps its form for the receiver, which fills that
         form in every micro-batch, so a micro-batch whose value has another form is refused."""
         tensors = self._tensors(main, "stage {index} ends with layer '{layer}', which returns {value}")
         signature = _signature(main)
-        if self.micro_batch is None and not is_recomputing():  # the shape probe
+        if self._probing():
             self.sent_form, self._sent_signature = _form(main), signature
         elif not self.form_sent and not _bare(main):
             raise StageOutputError(
@@ -155,15 +234,15 @@ class StageModule(nn.Module):
         """The last stage's output stays here for ``loss_fn`` (:meth:`take_output`, right after this
         forward), and the engine gets one of its tensors: the engine takes tensors only and fixes their
         count at the first step, which a dict whose keys vary between steps would not keep.  An output
-        without tensors is put in :attr:`refusal` and a zero on the received tensors' graph stands in,
-        so the step ends on every rank (their gradients are zeros) and then raises on all."""
+        without tensors is put in :attr:`refusal` and :meth:`_zero` stands in, so the step ends on
+        every rank (the received tensors' and parameters' gradients are zeros) and then raises on all."""
         try:
             tensors = [main] if isinstance(main, Tensor) else self._tensors(
                 main, "the last stage ends with layer '{layer}', which returns {value}")
         except StageOutputError as error:
             self.refusal = f"{error}. This step ran with a zero loss in its place"
-            return zero_on(received)
-        if not is_recomputing():  # a checkpoint's recomputation, in backward, has no loss to feed
+            return self._zero(received)
+        if self.micro_batch is not None and not is_recomputing():  # the probe and a recomputation feed no loss
             self.output = main
         return tensors[0]
 
@@ -261,6 +340,10 @@ class _Received(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
         return grad.contiguous()
+
+
+def _shape(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def _describe(value: Any) -> str:

@@ -21,7 +21,7 @@ from ..runtime.hooks import HeldHooks, fired_after
 from ..runtime.skips import skip_spans
 from ._replicas import average_buffers, data_parallel, layout
 from ._schedule import SCHEDULE_CLASSES, Stage
-from ._settings import RunSettings, agree, init_distributed, plan_device, uneven_split
+from ._settings import RunSettings, agree, init_distributed, plan_device, unequal_batches, uneven_split
 from ._stage import StageModule, zero_on
 from ._state import merge_state_dicts, state_prefix
 
@@ -46,9 +46,12 @@ class DistributedPipeline:
     :meth:`state_dict` uses the original model's keys.
 
     Micro-batch shapes are fixed by the engine at the first step, so the batch size is fixed
-    too (the plan's, ``batch_size``, or the first step's), and so is every input's and the
-    target's shape and dtype (a sequence length too): another one raises
-    :class:`DistributedError`; build a new pipeline on every rank for new shapes.
+    too (the plan's, ``batch_size``, or the first step's, one on every rank), and so are the shapes
+    and dtypes of every input, the target and every tensor sent between stages (a sequence length
+    too): another one raises :class:`DistributedError`; build a new pipeline on every rank for new shapes.
+    To learn them, torch runs each stage once more at the first step, on the first micro-batch (its
+    shape probe): buffers and the random state are put back after it, and ``loss_fn`` does not run
+    in it, but a forward hook, or a count a layer keeps in a Python attribute, sees that extra call.
 
     ``loss_fn`` must be a mean over its micro-batch's samples, each sample weighed alike: the
     engine divides each micro-batch's loss by their count (and DDP averages the replicas), which is
@@ -124,7 +127,8 @@ class DistributedPipeline:
                            self.device, group=self.group)
         # what DDP averages: the parameters that required grad when it was built
         self._trainable = [p.requires_grad for _, p in self.named_parameters()]
-        # what this rank fed the first step it ran, "input (8, 10) float32", which the engine's buffers keep
+        # what this rank fed the first step it ran, "input (8, 10) float32" ([] on a rank that feeds nothing),
+        # which the engine's buffers keep
         self._first_fed: list[str] | None = None
         self._loss = _Share(loss_fn, self.chunks, self.module)
         # each micro-batch's loss divided by their count, and gradients left as they come: the
@@ -185,16 +189,18 @@ class DistributedPipeline:
             DistributedError: on every rank, when any rank refuses the step.  Before anything runs:
                 it is called under ``torch.no_grad()``; the first rank's inputs or the last rank's
                 target are missing or differ in batch size, shape or dtype from the first step's;
-                with replicas, a parameter's ``requires_grad`` changed since construction.  After
-                the step (which ran with a zero loss in its place): the last stage's output holds no
-                tensor or hides tensors in an object's attributes; ``loss_fn`` did not return a
-                scalar tensor on the output's graph.
+                at the first step, the ranks' batches differ in size (the replicas' shares, or the
+                inputs and the target); with replicas, a parameter's ``requires_grad`` changed since
+                construction.  After the step (which ran with zeros in place of what was refused):
+                a stage's value for the next rank differs in form, shape or dtype from the first
+                step's shape probe; the last stage's output holds no tensor or hides tensors in an
+                object's attributes; ``loss_fn`` did not return a scalar tensor on the output's graph.
         """
         fed = self._fed(inputs, target)
         agree(self._refusal(fed), self.layout.job_group, self.device,
               "another rank refused this step, so no rank ran it: that rank's error names the problem and the fix")
-        if fed and self._first_fed is None:
-            self._first_fed, self.batch_size = _described(fed), fed[0][1].size(0)
+        if self._first_fed is None:
+            self._fix_batch(fed)
         losses: list[Tensor] = []
         args = tuple(t.to(self.device) for t in inputs) if self.is_first else ()
         kwargs = {"target": target.to(self.device), "losses": losses} if self.is_last else {}  # type: ignore[union-attr]
@@ -204,8 +210,8 @@ class DistributedPipeline:
             # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
             self.schedule.step(*args, return_outputs=False, **kwargs)
             agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
-                  "the last rank refused this step's output or loss (its error names the problem and the fix); the "
-                  "step ran with a zero loss in its place")
+                  "another rank refused a value of this step or its loss (that rank's error names the problem and the "
+                  "fix); the step ran with zeros in its place")
         average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 
@@ -257,6 +263,15 @@ class DistributedPipeline:
         if self.is_last:
             fed.append(("target", target))
         return fed
+
+    def _fix_batch(self, fed: list[tuple[str, Tensor]]) -> None:
+        """Collective, at the first step: the batch this rank feeds is fixed, the same size on every rank
+        that feeds one (each sees only its own), or the step is refused on every rank."""
+        size = fed[0][1].size(0) if fed else 0
+        refusal = unequal_batches(size, self.layout.job_group, self.device, self.replicas)
+        if refusal:
+            raise DistributedError(refusal)
+        self._first_fed, self.batch_size = _described(fed), size or self.batch_size
 
     def _refusal(self, fed: list[tuple[str, Any]]) -> str | None:
         """What this rank finds wrong with the step it is asked to run, or ``None``."""
