@@ -498,7 +498,7 @@ def format_bench(result: BenchResult) -> str:
                  f"{ERROR_FLOOR:.0%} of the iteration; iteration idle = mean over stages; peak memory: "
                  f"one more step, {_memory_note(plan)}, optimizer {plan_optimizer(plan)}"
                  + ("; stage rows: replica 0's" if plan.replicas > 1 else ""))
-    lines.append(f"one device {result.single.step_ms:.1f} ms/step, pipeline {result.pipeline.step_ms:.1f} "
+    lines.append(f"one device {result.single.step_ms:.1f} ms/step, the plan {result.pipeline.step_ms:.1f} "
                  f"ms/step: speedup {result.speedup:.2f}x (steps interleaved, medians)")
     return "\n".join(lines)
 
