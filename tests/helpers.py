@@ -6,7 +6,9 @@ import copy
 import itertools
 import math
 import dataclasses
-from typing import Any, Sequence
+import threading
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,3 +169,39 @@ class StopAfter(Budget):
         self.calls -= 1
         self.spent = self.spent or self.calls < 0
         return self.spent
+
+
+class Overlap:
+    """Two calls from two threads that overlap for sure: the first's :meth:`hold` (put inside it:
+    a layer's forward or backward) waits until the second is starting, then a moment more, while
+    the second starts its phase (:meth:`run`)."""
+
+    def __init__(self) -> None:
+        self.inside, self.other = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        """In the first call only: wait for the second."""
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.other.wait(30), "the second call never started"
+            time.sleep(0.5)
+
+    def run(self, first: Callable[[], object], second: Callable[[], object]) -> None:
+        """``first`` and, once it holds, ``second``, each on its own thread; their failures raised."""
+        failures: list[BaseException] = []
+
+        def call(index: int) -> None:
+            try:
+                if index:
+                    assert self.inside.wait(30), "the first call never held"
+                    self.other.set()
+                (first, second)[index]()
+            except BaseException as error:  # raised below, on the test's thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not failures, failures

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import copy
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -13,7 +11,7 @@ from torch import Tensor, nn
 import autopipe
 from autopipe.runtime.batchnorm import DeferredBatchNorm
 from autopipe.runtime.microbatch import split_sizes
-from helpers import assert_close, reference_step
+from helpers import Overlap, assert_close, reference_step
 
 
 def conv_bn(momentum: float | None = 0.1) -> nn.Sequential:
@@ -217,19 +215,15 @@ def test_a_batch_norm_subclass_trains_as_itself_without_deferral() -> None:
     assert_close(out, reference_step(reference, x, g, chunks=1), "output")
 
 
-class Waits(nn.Module):
-    """The identity, whose first forward waits until ``other`` is set (the other call is
-    starting), then a moment more: the two calls' steps are under way at once for sure."""
+class Holds(nn.Module):
+    """The identity, whose forward holds the first call until the second's starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: Overlap) -> None:
         super().__init__()
-        self.inside, self.other = threading.Event(), threading.Event()
+        self.overlap = overlap
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.inside.is_set():
-            self.inside.set()
-            assert self.other.wait(30), "the other call never started"
-            time.sleep(0.5)  # while the other call begins its step
+        self.overlap.hold()
         return x
 
 
@@ -239,29 +233,17 @@ def test_overlapping_calls_of_replicas_each_update_once() -> None:
     bracketed per call, and each call's step collects its own statistics (one call's start had
     reset the other's, and its end left the other's micro-batches updating one by one)."""
     torch.manual_seed(0)
-    waits = Waits()
+    overlap = Overlap()
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
-    model = nn.Sequential(waits, *copy.deepcopy(plain))
+    model = nn.Sequential(Holds(overlap), *copy.deepcopy(plain))
     pipe = autopipe.Pipeline(model, balance=[2, 3], devices=["cpu"] * 4, chunks=2, replicas=2)
     xs = [torch.randn(16, 4) * 2 + 1 for _ in range(2)]
-    failures: list[BaseException] = []
 
-    def call(index: int) -> None:
-        try:
-            if index:
-                assert waits.inside.wait(30), "the first call never started"
-                waits.other.set()
-            with torch.no_grad():
-                pipe(xs[index])
-        except BaseException as error:  # reported below
-            failures.append(error)
+    def call(x: Tensor) -> None:
+        with torch.no_grad():
+            pipe(x)
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not failures, failures
+    overlap.run(lambda: call(xs[0]), lambda: call(xs[1]))
     assert model[2].num_batches_tracked.item() == 2
     ends = []
     for order in ((0, 1), (1, 0)):  # the calls end in either order

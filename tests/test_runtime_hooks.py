@@ -5,8 +5,6 @@ gradient, and a backward into named inputs fires none (:mod:`autopipe.runtime.ho
 from __future__ import annotations
 
 import copy
-import threading
-import time
 from typing import Any, Callable
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
-from helpers import assert_close, mlp
+from helpers import Overlap, assert_close, mlp
 
 #: name -> (the pipeline's options, how a step runs: "call" backwards through pipe(x), "train_step")
 CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
@@ -202,32 +200,27 @@ def test_a_hook_removed_by_another_parameters_hook_does_not_fire() -> None:
     assert_close(grads[1], grads[0], "first weight's gradient")
 
 
-class _Gated(torch.autograd.Function):
-    """The identity, whose first backward waits until ``gate.other`` is set (the other call's
-    backward is starting), then a moment more: the two backward phases overlap for sure."""
+class _Held(torch.autograd.Function):
+    """The identity, whose backward holds the first call's backward until the second's starts."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, gate: Gate) -> Tensor:
-        ctx.gate = gate
+    def forward(ctx: Any, x: Tensor, overlap: Overlap) -> Tensor:
+        ctx.overlap = overlap
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        gate = ctx.gate
-        if not gate.inside.is_set():
-            gate.inside.set()
-            assert gate.other.wait(30), "the other call's backward never started"
-            time.sleep(0.5)  # while the other call starts its backward phase
+        ctx.overlap.hold()
         return grad, None
 
 
-class Gate(nn.Module):
-    def __init__(self) -> None:
+class HoldsBackward(nn.Module):
+    def __init__(self, overlap: Overlap) -> None:
         super().__init__()
-        self.inside, self.other = threading.Event(), threading.Event()
+        self.overlap = overlap
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Gated.apply(x, self)
+        return _Held.apply(x, self.overlap)
 
 
 @pytest.mark.timeout(120)
@@ -237,31 +230,15 @@ def test_overlapping_backwards_from_two_threads_keep_the_hooks() -> None:
     first's stand-ins for the hooks and put them back for good)."""
     torch.manual_seed(0)
     plain = mlp()
-    gate = Gate()
-    pipe = autopipe.Pipeline(nn.Sequential(*copy.deepcopy(plain), gate), balance=[3, 5], chunks=4)
+    overlap = Overlap()
+    pipe = autopipe.Pipeline(nn.Sequential(*copy.deepcopy(plain), HoldsBackward(overlap)), balance=[3, 5], chunks=4)
     fired = {name: 0 for name, _ in pipe.named_parameters()}
     for name, p in pipe.named_parameters():
         p.register_hook(lambda g: g * 2)
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired[name] + 1))
     (xa, ya), (xb, yb) = _batch(), _batch()
     losses = [_loss(pipe(xa), ya), _loss(pipe(xb), yb)]
-    failures: list[BaseException] = []
-
-    def backward(index: int) -> None:
-        try:
-            if index:
-                assert gate.inside.wait(30), "the first call's backward never started"
-                gate.other.set()
-            losses[index].backward()
-        except BaseException as error:  # reported below
-            failures.append(error)
-
-    threads = [threading.Thread(target=backward, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not failures, failures
+    overlap.run(losses[0].backward, losses[1].backward)
     assert set(fired.values()) == {1}, fired
     _loss(plain(xa), ya).backward()
     _loss(plain(xb), yb).backward()
