@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -253,4 +254,23 @@ def test_overlapping_calls_of_replicas_each_update_once() -> None:
         ends.append(reference[1])
     for name in ("running_mean", "running_var"):
         assert min(float((getattr(model[2], name) - getattr(end, name)).abs().max()) for end in ends) < 1e-5, name
+    pipe.close()
+
+
+def test_a_module_pickled_with_one_steps_statistics_trains_in_a_pipeline() -> None:
+    """A ``torch.save`` of a whole model from when a deferred batch norm kept one step's
+    statistics (``_step``, ``_stepping``) loads and trains (it lacked the steps by key)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    DeferredBatchNorm.convert(model)
+    state = vars(model[1])
+    del state["_steps"]
+    state["_step"], state["_stepping"] = [], False
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert "_step" not in vars(loaded[1]) and "_stepping" not in vars(loaded[1])
+    pipe = autopipe.Pipeline(loaded, balance=[2, 2], chunks=2)
+    pipe(torch.randn(8, 4)).sum().backward()
+    assert loaded[1].num_batches_tracked.item() == 1
     pipe.close()

@@ -5,6 +5,7 @@ gradient, and a backward into named inputs fires none (:mod:`autopipe.runtime.ho
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any, Callable
 
 import pytest
@@ -253,3 +254,32 @@ def test_overlapping_backwards_from_two_threads_keep_the_hooks() -> None:
     for name, p in pipe.named_parameters():
         assert_close(p.grad, 2 * expected[name].grad, name)
     pipe.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_hook_may_wait_for_another_threads_pipeline() -> None:
+    """Hooks fire outside any lock: two threads training their own pipelines, each hook waiting
+    for the other's (a threaded gradient sync), both finish, as with the plain models (the
+    hooks had fired under one process-wide lock, and the two waited for each other)."""
+    meeting = threading.Barrier(2, timeout=20)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)) for _ in range(2)]
+    for model in models:
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: meeting.wait() and None)
+    pipes = [autopipe.Pipeline(model, balance=[2, 1], chunks=2) for model in models]
+    failures: list[BaseException] = []
+
+    def train(pipe: autopipe.Pipeline) -> None:
+        try:
+            pipe(torch.randn(4, 4)).sum().backward()
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=train, args=(pipe,)) for pipe in pipes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    assert all(model[0].weight.grad is not None for model in models)
+    for pipe in pipes:
+        pipe.close()

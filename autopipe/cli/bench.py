@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-shape", help="one sample's shape (default: the plan's or profile's, else 3,64,64)")
     parser.add_argument("--batch-size", type=int,
                         help="the training batch (default: the plan's or profile's, else 32)")
-    parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu (default: all CUDA devices, "
-                                          "else two CPU devices)")
+    parser.add_argument("--devices", help="comma-separated, e.g. cpu,cpu (default: with --profile, the "
+                                          "profile's; else all CUDA devices, else two CPU devices)")
     parser.add_argument("--chunks", type=int, help="fix the micro-batch count when planning")
     parser.add_argument("--checkpoint", default="auto", choices=["auto", "never", "except_last", "always"])
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each (default 5)")

@@ -72,6 +72,12 @@ class DeferredBatchNorm(_BatchNorm):
         # by the key of each step under way: its statistics of each call, in call order
         self._steps: dict[object, list[Statistics]] = {}
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickled (``torch.save`` of a whole module) with no step under way, also from a file
+        written when the module kept one step's statistics (``_step``, ``_stepping``)."""
+        super().__setstate__({key: value for key, value in state.items() if key not in ("_step", "_stepping")})
+        self._steps = {}
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")

@@ -31,7 +31,9 @@ micro-batch.
 Calls from several threads may overlap too: a phase that starts while another holds a parameter's
 hooks joins that hold (the two phases' gradients then sum in one ``.grad``, which cannot be
 told apart), and the hooks fire once, on the summed gradient, when the last of them ends (none
-fire if one failed).  A call's own hold never takes another's stand-ins for hooks.
+fire if one failed).  A call's own hold never takes another's stand-ins for hooks, and one that
+would hold a parameter whose hooks are firing waits until they are done; hooks fire outside any
+lock, so one may wait for another thread's pipeline.
 
 Parameters without such hooks (the common case) are only looked at.  A backward into named
 inputs (``autograd.grad(loss, x)``) runs no parameter's ``AccumulateGrad``, as on the plain
@@ -39,6 +41,7 @@ model, so it holds nothing (:class:`~autopipe.runtime.replicas.Replicas` asks).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +66,7 @@ class _Held:
     post_hooks: _Hooks
     phases: int = 1
     fire: bool = True
+    releasing: bool = False  # the last phase is putting its hooks back and firing them
 
     @classmethod
     def take(cls, param: Tensor) -> _Held:
@@ -99,10 +103,11 @@ class _Held:
                 hook(self.param)
 
 
-# The parameters whose hooks phases under way hold, by id; taken with the lock (hooks fire under it,
-# re-entrant for a hook that runs a pipeline on its own thread).
+# The parameters whose hooks phases under way hold, by id, read and written under the condition's lock.
+# Hooks fire outside it (a hook may wait for another thread's pipeline); a phase that would hold a
+# parameter whose hooks are firing waits until they are done.
 _holding: dict[int, _Held] = {}
-_lock = threading.RLock()
+_changed = threading.Condition()
 
 
 class HeldHooks:
@@ -116,8 +121,9 @@ class HeldHooks:
         """Hold the hooks of those ``params`` that have any, or join a phase under way that holds
         them (module docstring); ``None`` where none has."""
         held = []
-        with _lock:
+        with _changed:
             for param in _unique(params):
+                _changed.wait_for(functools.partial(_not_firing, id(param)))
                 entry = _holding.get(id(param))
                 if entry is not None:
                     entry.phases += 1
@@ -135,23 +141,33 @@ class HeldHooks:
         (every phase succeeded).  The hooks are back before any fires, so a hook that removes
         itself (``handle.remove()``) stays removed.  A hook that raises stops the firing; every
         later parameter still gets its gradient."""
-        with _lock:
+        with _changed:
             ended = []
             for held in self._held:
                 held.phases, held.fire = held.phases - 1, held.fire and fire
                 if not held.phases:
-                    del _holding[id(held.param)]
+                    held.releasing = True
                     ended.append(held)
+        pending = list(reversed(ended))  # the last stage's first, as a backward reaches them
+        try:
             for held in ended:
                 held.put_back_hooks()
-            pending = list(reversed(ended))  # the last stage's first, as a backward reaches them
-            try:
-                while pending:
-                    held = pending.pop(0)
-                    held.accumulate(held.fire)
-            finally:
-                for held in pending:
-                    held.accumulate(fire=False)
+            while pending:
+                held = pending.pop(0)
+                held.accumulate(held.fire)
+        finally:
+            for held in pending:
+                held.accumulate(fire=False)
+            with _changed:
+                for held in ended:
+                    del _holding[id(held.param)]
+                _changed.notify_all()
+
+
+def _not_firing(key: int) -> bool:
+    """Whether the parameter of id ``key`` is not having its hooks fired by a phase's end."""
+    entry = _holding.get(key)
+    return entry is None or not entry.releasing
 
 
 def _unique(params: Iterable[Tensor]) -> list[Tensor]:
