@@ -1185,3 +1185,35 @@ def test_the_models_own_exception_on_the_sample_keeps_its_type() -> None:
         chain(model, (wide, wide))
     assert any("run on the sample while capturing it" in note for note in caught.value.__notes__)
     assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())
+
+
+class BranchesOnBatch(nn.Module):
+    """A forward that branches on the batch size: fx cannot trace it, export keeps the sample's branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if x.shape[0] > 6:
+            h = h * 2
+        return self.out(h)
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_the_exported_branch_does_not_hold_for_is_refused() -> None:
+    """Export records the branch as the batch sizes its graph holds for (7 and more here); a call
+    of the pipeline whose whole batch lies outside is refused (a batch of 6 ran the sample's branch,
+    0.40 off the model), whatever its micro-batches are, and one inside matches the model."""
+    torch.manual_seed(0)
+    model = BranchesOnBatch().double()
+    pipe = autopipe.Pipeline(chain(model, torch.randn(12, 8, dtype=torch.double)), balance=[1, 1], chunks=4)
+    for batch in (12, 8, 7):
+        x = torch.randn(batch, 8, dtype=torch.double)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(CapturedCallError, match="branches on the batch size.*batches of 7 or more, and this call's "
+                                                "batch is 6; capture it again"):
+        pipe(torch.randn(6, 8, dtype=torch.double))
+    pipe.close()

@@ -383,6 +383,9 @@ class Pipeline(nn.Module):
         """One call's runs: the batch split into replica shares, each into micro-batches."""
         for engine in self._engines:
             check_not_meta(tensors_of(args), engine.stages[0].device, "an input of the pipeline")
+        first = self._engines[0].stages[0].layers[0].module
+        if isinstance(first, CapturedLayer):  # its graph may hold for some batch sizes only
+            first.check_whole_batch(args)
         runs = [self._new_run(scatter(share, self.chunks), grad) for share in self._shares(args)]
         replays = any(any(run.checkpointed) for run in runs)  # the replicas share generators and buffers
         for run in runs:

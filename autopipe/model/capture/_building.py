@@ -104,6 +104,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             argument_names=traced.argument_names if index == 0 else (),
             positional_names=traced.positional_names if index == 0 else (),
             batch_sizes=traced.batch_sizes if index == 0 else None,
+            batch_ranges=traced.batch_ranges if index == 0 else None,
             input_dtypes=traced.input_dtypes if index == 0 else None,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))

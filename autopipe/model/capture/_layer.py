@@ -79,6 +79,7 @@ class CapturedLayer(Skippable):
         traced_mode: bool | None = None,
         argument_names: Sequence[str] = (),
         batch_sizes: Sequence[int | None] | None = None,
+        batch_ranges: Sequence[tuple[int, int | None] | None] | None = None,
         positional_names: Sequence[str] = (),
         input_dtypes: Sequence[torch.dtype | None] | None = None,
     ) -> None:
@@ -90,6 +91,7 @@ class CapturedLayer(Skippable):
         self.argument_names = tuple(argument_names)
         self.positional_names = tuple(positional_names)
         self.batch_sizes = None if batch_sizes is None else tuple(batch_sizes)
+        self.batch_ranges = None if batch_ranges is None else tuple(batch_ranges)
         self.traced_mode = traced_mode
         self.input_sizes = None if input_sizes is None else tuple(input_sizes)
         self.output_spec = output_spec
@@ -278,6 +280,23 @@ class CapturedLayer(Skippable):
                 f"called with {given}; capture it again on a sample of at least 2 (autopipe.chain(model, batch)), "
                 "or run micro-batches of the sample's size"
             )
+
+    def check_whole_batch(self, main: tuple[Any, ...]) -> None:
+        """Refuse a whole batch (a call of the model, before it is split into micro-batches) of a
+        size the graph does not hold for: the model's forward branches on the batch size, and
+        export kept the sample's branch (:attr:`batch_ranges`)."""
+        if self.batch_ranges is None:
+            return
+        given = [t.shape[0] if t.dim() else None for t in tree_leaves(self._inputs(main)) if isinstance(t, Tensor)]
+        for size, bounds in zip(given, self.batch_ranges):
+            if size is not None and bounds is not None and not bounds[0] <= size <= (bounds[1] or size):
+                held = f"{bounds[0]} to {bounds[1]}" if bounds[1] is not None else f"{bounds[0]} or more"
+                raise CapturedCallError(
+                    f"the model was captured with torch.export, and its forward branches on the batch size: export "
+                    f"kept the sample's branch, which holds for batches of {held}, and this call's batch is {size}; "
+                    "capture it again on a batch of this size for these calls (autopipe.chain(model, batch)), or "
+                    "make the forward independent of the batch size"
+                )
 
     def _steps(self, main: tuple[Any, ...]) -> Any:
         inputs = self._inputs(main)

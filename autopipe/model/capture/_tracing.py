@@ -219,6 +219,9 @@ class Traced:
     argument_names: tuple[str, ...] = ()  # fx: the forward's arguments in the graph, in order (none if variadic)
     positional_names: tuple[str, ...] = ()  # fx: the forward's parameters a call may pass by position, fixed too
     batch_sizes: tuple[int | None, ...] | None = None  # exported: first sizes the graph fixed, per tensor input
+    # exported: per tensor input, the batch sizes its graph holds for ((least, most or None), None: any),
+    # where the model's forward branches on the batch size; None where it does not
+    batch_ranges: tuple[tuple[int, int | None] | None, ...] | None = None
     input_dtypes: tuple[torch.dtype | None, ...] | None = None  # exported: the inputs' dtypes, which the graph keeps
 
 
@@ -424,7 +427,8 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in leaves)
     dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
-                  frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes)
+                  frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes,
+                  batch_ranges=_batch_ranges(program))
 
 
 def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -454,6 +458,30 @@ def _fixed_batch(program: torch.export.ExportedProgram) -> tuple[int | None, ...
     sizes = tuple(int(v.shape[0]) if v.dim() and not isinstance(v.shape[0], torch.SymInt) else None
                   for v in values if isinstance(v, torch.Tensor))
     return sizes if any(size is not None for size in sizes) else None
+
+
+def _batch_ranges(program: torch.export.ExportedProgram) -> tuple[tuple[int, int | None] | None, ...] | None:
+    """For each tensor input in order, the batch sizes the graph holds for where the forward
+    branches on the batch size (``if x.shape[0] > 6``: export keeps the sample's branch and records
+    its condition as the range of the batch's symbol, 7 and more); ``None`` for an input whose
+    range is export's own (2 and more: a batch of 1 runs the graph as well); ``None`` if every
+    input's is."""
+    inputs = set(program.graph_signature.user_inputs)
+    values = [node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    ranges = tuple(_range_of(program, v.shape[0]) if v.dim() else None for v in values if isinstance(v, torch.Tensor))
+    return ranges if any(bounds is not None for bounds in ranges) else None
+
+
+def _range_of(program: torch.export.ExportedProgram, size: Any) -> tuple[int, int | None] | None:
+    """The bounds export recorded for a dynamic first size (``None``: fixed, or export's own range)."""
+    if not isinstance(size, torch.SymInt):
+        return None
+    bounds = program.range_constraints.get(size.node.expr)
+    if bounds is None:
+        return None
+    least = int(bounds.lower)
+    most = int(bounds.upper) if bounds.upper < 2**62 else None  # export's unbounded is sympy's int_oo
+    return None if least <= 2 and most is None else (least, most)
 
 
 def _batch_dynamic(value: Any) -> dict[int, Any] | None:
