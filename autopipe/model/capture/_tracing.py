@@ -453,11 +453,16 @@ def _fixed_batch(program: torch.export.ExportedProgram) -> tuple[int | None, ...
     """For each tensor input in order, the first dimension's size if export fixed it in the graph
     (a sample of batch 1, which export specialises with only a warning, or a forward that needs
     the sample's batch size); None if it fixed none."""
-    inputs = set(program.graph_signature.user_inputs)
-    values = [node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    values = _input_values(program)
     sizes = tuple(int(v.shape[0]) if v.dim() and not isinstance(v.shape[0], torch.SymInt) else None
                   for v in values if isinstance(v, torch.Tensor))
     return sizes if any(size is not None for size in sizes) else None
+
+
+def _input_values(program: torch.export.ExportedProgram) -> list[Any]:
+    """The example values of the model's inputs in the graph, in order (fake tensors, sizes symbolic)."""
+    inputs = set(program.graph_signature.user_inputs)
+    return [node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in inputs]
 
 
 def _batch_ranges(program: torch.export.ExportedProgram) -> tuple[tuple[int, int | None] | None, ...] | None:
@@ -466,8 +471,7 @@ def _batch_ranges(program: torch.export.ExportedProgram) -> tuple[tuple[int, int
     its condition as the range of the batch's symbol, 7 and more); ``None`` for an input whose
     range is export's own (2 and more: a batch of 1 runs the graph as well); ``None`` if every
     input's is."""
-    inputs = set(program.graph_signature.user_inputs)
-    values = [node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder" and node.name in inputs]
+    values = _input_values(program)
     ranges = tuple(_range_of(program, v.shape[0]) if v.dim() else None for v in values if isinstance(v, torch.Tensor))
     return ranges if any(bounds is not None for bounds in ranges) else None
 
