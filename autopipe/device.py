@@ -19,7 +19,8 @@ from ._vocab import check_device_name
 from ._checks import check_device_list
 from .errors import DeviceError
 
-__all__ = ["DeviceOps", "check_not_meta", "ops_for", "resolve_devices", "default_devices", "DeviceError"]
+__all__ = ["DeviceOps", "check_not_meta", "meta_tensor", "MATERIALIZE", "ops_for", "resolve_devices",
+           "default_devices", "DeviceError"]
 
 
 class Timer(ABC):
@@ -192,6 +193,16 @@ class MetaOps(CPUOps):
         if tensor.is_meta and target.device.type != "meta":
             return torch.zeros(tensor.shape, dtype=tensor.dtype, device=target.device)
         return super().copy_to(tensor, target, stream)
+
+
+#: The way out for a model built on the meta device (shapes without values) before it computes.
+MATERIALIZE = ("materialize it first (model.to_empty(device='cpu'), then load its weights with "
+               "model.load_state_dict(...))")
+
+
+def meta_tensor(module: torch.nn.Module) -> str | None:
+    """The name of ``module``'s first parameter or buffer on the meta device, or ``None``."""
+    return next((name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta), None)
 
 
 def check_not_meta(tensors: Iterable[Tensor], device: torch.device, what: str) -> None:

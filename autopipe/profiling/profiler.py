@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..device import DeviceOps, ops_for, resolve_devices
+from ..device import MATERIALIZE, DeviceOps, meta_tensor, ops_for, resolve_devices
 from .._checks import is_positive_int
 from ..errors import DeviceError, OptionError, raised_by_model
 from ..model import Layer, layer_chain, sample_arguments
@@ -214,11 +214,10 @@ def _check_with_data(devices: list[torch.device]) -> None:
 def _check_materialized(model: nn.Module) -> None:
     """Refuse a model with parameters or buffers on the ``meta`` device: profiling runs the model
     on values it does not have."""
-    name = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    name = meta_tensor(model)
     if name is not None:
         raise DeviceError(f"the model's '{name}' is on the meta device (a shape without values), and profiling "
-                          "runs the model; materialize it first (model.to_empty(device='cpu'), then load its "
-                          "weights with model.load_state_dict(...)), then profile it")
+                          f"runs the model; {MATERIALIZE}, then profile it")
 
 
 def _check_counts(warmup: int, repeats: int, copy_sizes: Sequence[int], devices: int) -> None:

@@ -28,7 +28,7 @@ from .._vocab import CHECKPOINT_MODES, CheckpointMode
 from .._checks import check_choice, is_positive_int, loaded, positive_int
 from .batchnorm import DeferredBatchNorm, subclassed
 from ..errors import ChainError, DeviceError, OptionError, add_note
-from ..device import check_not_meta, resolve_devices
+from ..device import MATERIALIZE, check_not_meta, meta_tensor, resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
 from ..model.capture import CapturedLayer, autocast_state
@@ -525,11 +525,8 @@ def _link_model_slots(holder: nn.Module, model: nn.Module, path: str) -> None:
     do (the model's root, or a container not adopted, holds a parameter a captured layer reads)
     to ``holder``'s: ``load_state_dict(assign=True)`` on the model then reaches the stages, and
     on the pipeline the model."""
-    try:
-        own = model.get_submodule(path)
-    except AttributeError:  # a holder the capture made where the model has no module
-        return
-    if own is holder:
+    own = _submodule(model, path)
+    if own is None or own is holder:  # no module there (a holder the capture made), or the one adopted
         return
     for kind in ("_parameters", "_buffers"):
         mine = vars(holder)[kind]
@@ -718,12 +715,11 @@ def _check_materialized(layers: list[Layer], balance: list[int], groups: list[li
     for layer, stage in zip(layers, stage_of_layer(balance)):
         devices = [group[stage % len(group)] for group in groups]
         with_data = next((device for device in devices if device.type != "meta"), None)
-        if with_data is not None and any(t.is_meta for t in (*layer.module.parameters(), *layer.module.buffers())):
+        if with_data is not None and meta_tensor(layer.module) is not None:
             raise DeviceError(
                 f"layer '{layer.name}' has parameters or buffers on the meta device (shapes without values), but "
                 f"its stage runs on {with_data}, which needs their values; a pipeline cannot be built from a model "
-                "on the meta device: materialize it first (model.to_empty(device='cpu'), then load its weights "
-                "with model.load_state_dict(...)), then build the pipeline")
+                f"on the meta device: {MATERIALIZE}, then build the pipeline")
 
 
 def undeferrable(layers: Sequence[Layer]) -> list[str]:
