@@ -1,6 +1,7 @@
 """Captured chains of non-Sequential models equal the models: run layer by layer and as pipelines."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 from typing import Any, Callable
@@ -216,6 +217,27 @@ def test_untraceable_module_names_the_operation_and_the_way_out() -> None:
     assert [layer.name for layer in layers] == ["stem", "blocks.0", "blocks.1"]
     x = torch.randn(3, 4)
     _assert_same(_output_and_grads(model, model, x), _output_and_grads(_sequential(layers), model, x))
+
+
+@pytest.mark.parametrize("succeeds", [True, False])
+def test_torchs_output_during_an_export_shows_only_if_it_succeeds(capsys, succeeds: bool) -> None:
+    """What torch logs or prints while exporting is held back: dropped when the export fails
+    (the CaptureError says why), shown as it was when it succeeds."""
+    import logging
+    import sys
+
+    from autopipe.model.capture._tracing import _torch_output_held
+
+    capsys.readouterr()
+    with contextlib.suppress(RuntimeError), _torch_output_held():
+        logging.getLogger("torch.export").warning("a torch warning")
+        print("a partial graph", file=sys.stderr)
+        assert capsys.readouterr().err == ""  # held while the export runs
+        if not succeeds:
+            raise RuntimeError("export failed")
+    err = capsys.readouterr().err
+    assert ("a partial graph" in err and "a torch warning" in err) is succeeds
+    assert ("a partial graph" in err or "a torch warning" in err) is succeeds
 
 
 def test_untraceable_root_forward_points_to_sequential() -> None:

@@ -41,6 +41,18 @@ class Captured(nn.Module):
         raise Boom("my forward failed")
 
 
+class DataDependent(nn.Module):
+    """Branches on a value: neither torch.fx nor torch.export captures it (export prints its
+    partial graph on the way out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) if x.sum() > 0 else x
+
+
 class OffMainThread(nn.Module):
     """Runs where a profile alone times it, on the main thread; fails in a pipeline's stage."""
 
@@ -60,6 +72,10 @@ def key_error() -> nn.Module:
 
 def captured() -> nn.Module:
     return Captured()
+
+
+def data_dependent() -> nn.Module:
+    return DataDependent()
 
 
 def off_main_thread() -> nn.Module:
@@ -99,6 +115,13 @@ def test_a_model_failing_while_captured_is_its_exception(capsys) -> None:
     assert lines == [f"autopipe profile: error: {HERE}.Boom: my forward failed",
                      "autopipe: raised by Captured run on the sample while capturing it (torch.export failed, "
                      "and the model itself fails on this sample)"]
+
+
+def test_a_model_neither_tracer_captures_is_one_line_without_torchs_output(capsys) -> None:
+    lines = _failed(capsys, ["profile", f"{HERE}:data_dependent", *FAST, "--devices", "cpu"])
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("autopipe profile: error: cannot capture DataDependent: torch.fx cannot trace")
+    assert "torch.export failed too" in lines[0]
 
 
 def test_a_layer_failing_in_a_pipeline_stage_is_its_exception_and_the_stage(capsys, tmp_path: Path) -> None:

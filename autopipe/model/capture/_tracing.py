@@ -4,8 +4,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import io
+import logging
 import operator
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -407,7 +410,7 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     args, kwargs = _unaliased(*_split_sample(sample_input))
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
-    with _assignments(model) as assigned:
+    with _assignments(model) as assigned, _torch_output_held():
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic)
     root = program.module()
     if assigned:
@@ -429,6 +432,37 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
                   frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes,
                   batch_ranges=_batch_ranges(program))
+
+
+@contextlib.contextmanager
+def _torch_output_held() -> Iterator[None]:
+    """Hold back torch's log records and what it prints to stderr while the body runs, and
+    emit them only if it succeeds: an export that fails prints its partial graph (dozens of
+    lines, twice) ahead of the :class:`CaptureError`, which already says why."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.name.split(".")[0] != "torch":
+            return True
+        if not any(record is other for other in held):  # one record may reach several handlers
+            held.append(record)
+        return False
+
+    loggers = [logging.root, *(logger for name, logger in logging.root.manager.loggerDict.items()
+                               if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger))]
+    handlers = list({id(h): h for logger in loggers for h in logger.handlers}.values())  # torch's do not propagate
+    printed = io.StringIO()
+    for handler in handlers:
+        handler.addFilter(hold)
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hold)
+    sys.stderr.write(printed.getvalue())
+    for record in held:
+        logging.getLogger(record.name).handle(record)
 
 
 def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
