@@ -19,6 +19,7 @@ from .profiling.profiles import Profile
 from .runtime import Pipeline
 from .runtime.memory import optimizer_state_bytes
 from .runtime.microbatch import Value, map_tensors, tensors_of
+from .planning.replicas import plan_events
 from .planning.simulate import Simulation, simulate_plan
 from .planning import build_plan
 from .timeline import Event
@@ -372,7 +373,7 @@ def bench_plan(model: nn.Module, plan: Plan, batch: Tensor, target: Value, *, st
     return BenchResult(
         plan=plan, rows=_rows(plan, simulation, piped, memory), single=medians(single.times),
         pipeline=medians(piped.times), steps=steps, warmup=warmup,
-        predicted_events=simulation.events, measured_events=piped.traces[-1], losses=piped.losses,
+        predicted_events=plan_events(plan, simulation), measured_events=piped.traces[-1], losses=piped.losses,
     )
 
 

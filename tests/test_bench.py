@@ -397,6 +397,18 @@ def test_bench_plans_from_a_profile_as_the_plan_command_does(
     assert [document[name] for name in fields] == [getattr(planned, name) for name in fields]
 
 
+def test_the_predicted_timeline_of_replicas_ends_with_their_reduction(data_parallel_profile: Path) -> None:
+    """bench drew a replica plan's predicted timeline without the gradient reduction (``show``
+    drew it): its end fell short of the predicted iteration by the reduction's tail."""
+    plan = autopipe.plan(data_parallel_profile)
+    assert plan.replicas == 2 and plan.stages[0].reduce_ms > 0
+    batch, target = synthetic_batch(tiny_model(), [FEATURES], BATCH)
+    result = bench_plan(tiny_model(), plan, batch, target, steps=1, warmup=0)
+    reductions = [event for event in result.predicted_events if event.kind == "A"]
+    assert len(reductions) == len(plan.stages)
+    assert max(event.end_ms for event in result.predicted_events) == pytest.approx(plan.predicted.iteration_ms)
+
+
 def test_a_plan_without_its_input_shape_names_the_option_when_the_default_does_not_fit(
         two_stage_plan: tuple[autopipe.Plan, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """A plan made in Python records no input shape: bench tries 3,64,64, and when the model does

@@ -7,8 +7,7 @@ from typing import Any
 
 from .._jsonio import write_atomic
 from ..planning.plans import Plan, StagePlan
-from ..planning.replicas import reduction_events
-from ..planning.simulate import simulate_plan
+from ..planning.replicas import plan_events
 from ..timeline import MIN_WIDTH, Event, render
 from ._arguments import at_least, output_path
 
@@ -26,8 +25,7 @@ def run(args: argparse.Namespace) -> int:
     png = output_path(args.png, "--png", [args.plan], "timeline.png")
     pyplot = _pyplot() if png is not None else None
     plan = Plan.load(args.plan)
-    simulation = simulate_plan(plan)
-    events = simulation.events + reduction_events(simulation, [s.reduce_ms for s in plan.stages])
+    events = plan_events(plan)
     _check_width(args.width, events)
     drawn = None if png is None else draw_png(pyplot, events, png)  # before printing: a closed stdout loses nothing
     print(stage_table(plan))

@@ -61,7 +61,7 @@ from ._options import check_replica_share, device_speeds, plan_batch_size
 from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
-           "best_pipeline", "parallelism", "reduction_events", "SPLITS"]
+           "best_pipeline", "parallelism", "plan_events", "reduction_events", "SPLITS"]
 
 #: most splits (over all stage counts) whose totals with the reduction tail are priced one by one.
 SPLITS = 200_000
@@ -123,6 +123,13 @@ def reduction_events(timeline: Simulation, reductions: Sequence[float]) -> list[
             start = max(e.end_ms for e in timeline.events if e.stage == s and e.kind == "B")
             events.append(Event(s, "reduce", "A", 0, start, start + ms))
     return events
+
+
+def plan_events(plan: Plan, timeline: Simulation | None = None) -> list[Event]:
+    """The plan's predicted timeline, as ``show`` and ``bench`` draw it: the simulator's events
+    (``timeline``, else simulated here) and each stage's gradient reduction on its own lane."""
+    timeline = simulate_plan(plan) if timeline is None else timeline
+    return timeline.events + reduction_events(timeline, [stage.reduce_ms for stage in plan.stages])
 
 
 def _tail(timeline: Simulation, reductions: Sequence[float]) -> float:
