@@ -197,6 +197,40 @@ def test_an_in_place_first_layer_of_a_stage_gives_the_plain_gradients(
         _assert_like_plain(pipe, model, x, out, grads)
 
 
+class ScaleFirstAddSecond(nn.Module):
+    """Writes into its first argument, then reads the second: ``2a + b``, or ``4x`` where both are ``x``."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2.0)
+        return a + b
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("same", ["object", "view"])
+def test_arguments_that_are_one_tensor_stay_one_when_the_first_layer_writes_into_them(
+        checkpoint: str, same: str) -> None:
+    """``pipe(x, x)``: stage 0 computed on a copy of each argument, so the write into one no longer
+    reached the other (3x where the plain model gives 4x; no error)."""
+    model = nn.Sequential(ScaleFirstAddSecond(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(6, 4)
+    plain = x.clone()  # a Sequential takes one argument: its layers called in turn
+    expected = model[1:](model[0](plain, plain if same == "object" else plain.view(6, 4)))
+    expected.sum().backward()
+    expected, grads = expected.detach(), _grads(model)
+    model.zero_grad()
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    for _ in range(2):  # the first call measures whether the stage writes its input; the second relies on it
+        batch = x.clone()
+        got = pipe(batch, batch if same == "object" else batch.view(6, 4))
+        got.sum().backward()
+        torch.testing.assert_close(got, expected)
+        for name, grad in grads.items():
+            torch.testing.assert_close(_grads(model)[name], grad, msg=name)
+        model.zero_grad()
+        assert torch.equal(batch, x)  # the caller's batch is not written
+
+
 @pytest.mark.timeout(60)
 def test_in_place_dropout_first_in_a_stage_is_the_same_in_every_checkpoint_mode() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5, inplace=True), nn.Linear(16, 16))

@@ -9,12 +9,16 @@ batch).  A first layer such as ``LeakyReLU(inplace=True)``, ``Dropout(inplace=Tr
 measured, not guessed, from the tensors' version counters: the first guarded computation in each
 training mode runs on copies and looks whether they were written; if not, later ones run on the
 originals and are still checked, so a stage that writes only on some inputs is reported as an
-error rather than giving a wrong result.
+error rather than giving a wrong result.  Inputs that are one tensor (``pipe(x, x)``: each
+micro-batch's two arguments are views of the same rows) get one copy, so a write into one still
+reaches the other, as in the plain model.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
+
+from torch import Tensor
 
 from ..model._tensors import Value, map_tensors, tensors_of
 
@@ -33,7 +37,7 @@ class InputGuard:
         """Yield what to compute on instead of ``inputs`` so that ``inputs`` stay unchanged."""
         known = self.writes.get(training)
         if known is not False:
-            copies = map_tensors(inputs, lambda t: t.clone())
+            copies = _copies(inputs)
             yield copies
             if known is None:
                 self.writes[training] = any(t._version for t in tensors_of(copies))
@@ -47,3 +51,21 @@ class InputGuard:
                 "the first one, so this call's recomputation or the caller's batch would be wrong; "
                 "autopipe now copies this stage's inputs first: run the step again"
             )
+
+
+def _copies(inputs: Value) -> Value:
+    """``inputs`` with each tensor cloned, one clone for tensors that are one: the same object,
+    or, needing no gradient, views of the same memory alike (storage, offset, shape, strides,
+    dtype).  Two views needing gradients may have their own autograd histories, so only the
+    same object shares a clone."""
+    made: dict[tuple[object, ...], Tensor] = {}
+
+    def copy(t: Tensor) -> Tensor:
+        pointer = t.untyped_storage().data_ptr()
+        key: tuple[object, ...] = ((id(t),) if t.requires_grad or not pointer else
+                                   (pointer, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
+        if key not in made:
+            made[key] = t.clone()
+        return made[key]
+
+    return map_tensors(inputs, copy)
