@@ -673,6 +673,23 @@ def test_with_one_micro_batch_any_output_passes_and_a_scalar_is_the_batch_mean()
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("chunks, batch", [(1, 6), (3, 1)], ids=["chunks-1", "batch-of-1"])
+def test_with_one_micro_batch_an_output_not_batch_first_gets_gradients(chunks: int, batch: int) -> None:
+    """One micro-batch returns any output as the model does; its gradient was split by the batch
+    (``split_with_sizes`` failed in backward)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), WithExtra(lambda h: h.mean(0)))
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=chunks)
+    x = torch.randn(batch, 8)
+    out, ref = pipe(x), reference(x)
+    torch.testing.assert_close(out, ref)
+    (out[0].sum() + out[1].pow(2).sum()).backward()
+    (ref[0].sum() + ref[1].pow(2).sum()).backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 class Heads(nn.Module):
     """A dict output: ``{"logits": ..., "hidden": ...}``, as many models return."""
 

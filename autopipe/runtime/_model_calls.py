@@ -121,6 +121,8 @@ def split_output_grad(grad: Tensor | None, sizes: Sequence[int]) -> Sequence[Ten
     output the loss does not use)."""
     if grad is None:
         return [None] * len(sizes)
+    if len(sizes) == 1:  # one micro-batch: its output came back unjoined, whatever its dim 0
+        return [grad]
     if grad.dim() == 0:
         return [grad * size / sum(sizes) for size in sizes]
     return torch.split(grad, list(sizes))
