@@ -18,6 +18,7 @@ from .model.layers import training_modes
 from .profiling.profiler import check_sample, profile as measure, sample_tensors
 from .profiling.profiles import Profile
 from .runtime import Pipeline
+from .runtime._structure import Structure
 from .runtime.pipeline import undeferrable
 from .planning.replicas import plan as choose_plan
 
@@ -65,7 +66,8 @@ def partition(
         The pipeline; the plan it runs is ``pipe.plan``.
 
     Raises:
-        ChainError: the model is not an ``nn.Module`` or cannot be read as a chain of layers.
+        ChainError: the model is not an ``nn.Module``, cannot be read as a chain of layers, or has hooks
+            on itself (or a container whose layers are split) that the pipeline would not run.
         Exception: a layer's own, as its own type, where it fails on the sample (a note names it).
         FormatError: the ``profile`` file is corrupt or of another schema.
         PlanningError: no plan fits the memory limits.
@@ -79,6 +81,7 @@ def partition(
     # profiled in the modes it trains with
     with training_modes(model) if isinstance(model, nn.Module) else nullcontext():
         layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
+        Structure.of(None, [], layers, getattr(layers, "model", None)).check_hooks()  # refused now, not after profiling
         inputs = sample_tensors(layers, sample_input)
         plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))
         measured = _profile_for(layers, sample_input, inputs, resolved, profile, quiet)

@@ -16,10 +16,14 @@ from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Chain", "Layer", "ChainError", "Span", "attach", "merge_shared_state", "module_at", "sequential_layers",
-    "sequential_units", "positions", "resnet_layers", "is_torchvision_resnet", "training_flags",
-    "training_modes",
+    "Chain", "Layer", "ChainError", "Span", "attach", "call_hooks", "merge_shared_state", "module_at",
+    "runs_as_sequential", "sequential_forward", "sequential_layers", "sequential_units", "positions", "resnet_layers",
+    "is_torchvision_resnet", "training_flags", "training_modes",
 ]
+
+#: The hook dicts a module's call runs around its forward (``register_forward_pre_hook``,
+#: ``register_forward_hook``, ``register_full_backward_pre_hook``, ``register_full_backward_hook``).
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,13 +104,31 @@ def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:
     return [(name, child) for name, child in sequential._modules.items() if child is not None]
 
 
+def call_hooks(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+    """The handles of the hooks ``module``'s call runs around its forward, by kind (none: all empty)."""
+    return tuple(tuple(getattr(module, kind)) for kind in _CALL_HOOKS)
+
+
+def sequential_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Sequential`` whose forward is ``Sequential.forward`` (a
+    subclass may have its own)."""
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def runs_as_sequential(module: nn.Module) -> bool:
+    """Whether ``module``'s call is its children in turn and nothing more: a
+    :func:`sequential_forward` without hooks on it."""
+    return sequential_forward(module) and not any(call_hooks(module))
+
+
 def sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[Layer]:
-    """The finest layers: nested Sequentials flattened (unless they hold skips)."""
+    """The finest layers: nested Sequentials flattened, unless they hold skips or do more than
+    call their children (:func:`runs_as_sequential`): those stay one layer, whose call runs them."""
     layers: list[Layer] = []
     for name, child in positions(sequential):
         qualified = f"{prefix}{name}"
         stashes, pops = skip_keys(child)
-        if isinstance(child, nn.Sequential) and not stashes + pops:
+        if runs_as_sequential(child) and not stashes + pops:
             layers.extend(sequential_layers(child, qualified + "."))
         else:  # a Sequential with skips inside stays one layer, carrying every key declared in it
             layers.append(Layer(qualified, child, stashes, pops))
@@ -186,11 +208,14 @@ def merge_shared_state(layers: Sequence[Layer]) -> list[Layer]:
 
 
 def is_torchvision_resnet(model: nn.Module) -> bool:
+    """Whether ``model`` is a torchvision ResNet whose forward is ResNet's own (a subclass may
+    have its own, which :func:`resnet_layers` would not run)."""
     try:
         from torchvision.models import ResNet
     except ImportError:  # pragma: no cover - torchvision is a dependency
         return False
-    return isinstance(model, ResNet)
+    kind = type(model)
+    return isinstance(model, ResNet) and kind.forward is ResNet.forward and kind._forward_impl is ResNet._forward_impl
 
 
 def resnet_layers(model: nn.Module) -> list[Layer]:
@@ -198,7 +223,7 @@ def resnet_layers(model: nn.Module) -> list[Layer]:
     layers: list[Layer] = []
     for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"):
         child = getattr(model, name)
-        if isinstance(child, nn.Sequential):
+        if runs_as_sequential(child):
             layers.extend(sequential_layers(child, name + "."))
         else:
             layers.append(Layer(name, child))

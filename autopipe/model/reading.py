@@ -10,7 +10,7 @@ from torch import nn
 from ..errors import ChainError
 from .capture import CapturedLayer, chain
 from .layers import (Chain, Layer, is_torchvision_resnet, merge_shared_state, resnet_layers,
-                     sequential_layers, sequential_units)
+                     sequential_forward, sequential_layers, sequential_units)
 from .skip import verify_skippables
 
 __all__ = ["layer_chain", "balance_units", "call_arguments", "sample_arguments"]
@@ -22,11 +22,13 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
     A list of :class:`Layer` (e.g. from ``autopipe.chain(model, granularity="finer")``) is taken
     as it is, so every step accepts a chain made with non-default options.
 
-    Accepts an ``nn.Sequential`` (nested Sequentials are flattened; their names join with dots,
+    Accepts an ``nn.Sequential`` (nested Sequentials are flattened, but one with its own
+    ``forward`` or with hooks stays one layer; their names join with dots,
     matching ``model.named_parameters()``; a module called at several positions runs at each,
     and positions sharing a parameter or buffer form one layer with the layers between them, so
     that no plan puts one tensor on two stages) and a torchvision ResNet (its children in forward
-    order, with the ``flatten`` that its ``forward`` applies before ``fc``).  Any other model
+    order, with the ``flatten`` that its ``forward`` applies before ``fc``; one of its stages
+    with hooks stays one layer).  A subclass of either with its own ``forward``, and any other model,
     is captured with :func:`autopipe.chain` (torch.fx, else torch.export on ``sample_input``;
     a transformers model always on its sample batch).
     """
@@ -34,7 +36,7 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
         return model
     if isinstance(model, (list, tuple)):
         layers = list(model)
-    elif isinstance(model, nn.Sequential):
+    elif sequential_forward(model):
         verify_skippables(model)
         layers = merge_shared_state(sequential_layers(model, ""))
     elif is_torchvision_resnet(model):
@@ -51,8 +53,9 @@ def layer_chain(model: nn.Module | Sequence[Layer], sample_input: Any = None) ->
 
 def balance_units(model: nn.Module | Sequence[Layer]) -> list[Layer]:
     """The units a manual ``balance`` counts: an ``nn.Sequential``'s top-level children (a
-    nested Sequential is one unit, as in torchgpipe), otherwise :func:`layer_chain`'s layers."""
-    if isinstance(model, nn.Sequential):
+    nested Sequential is one unit, as in torchgpipe), otherwise (a subclass with its own
+    ``forward`` too) :func:`layer_chain`'s layers."""
+    if sequential_forward(model):
         verify_skippables(model)
         if not len(model):
             raise ChainError("the Sequential has no layers to partition")

@@ -35,6 +35,7 @@ from ..model.capture import CapturedLayer, autocast_state
 from ..model.layers import attach, module_at
 from ..model.reading import balance_units
 from ._model_calls import model_output
+from ._structure import Structure, submodule
 from .microbatch import scatter, tensors_of
 from ..planning.plans import Plan
 from .._vocab import REDUCTIONS, SCHEDULES, TURN_RULES, Reduction, Schedule, TurnRule
@@ -124,6 +125,9 @@ class Pipeline(nn.Module):
       (a copy is kept until its backward; a buffer the forward assigns anew is followed where
       it lives) and what the recomputation writes into them (batch norm statistics, counters)
       is put back: each micro-batch updates them once.
+    * The stages run the modules the pipeline was built with: one replaced since, in the model
+      or the pipeline, and hooks that would not run (on the model itself, or added since on a
+      container whose layers were split) are refused at the call (:mod:`autopipe.runtime._structure`).
     * ``len(pipe)``, ``pipe[i]`` and ``iter(pipe)`` give the layers, as on the Sequential.
     * ``train_step(*args, target=y, loss_fn=f, **kwargs)``: one training iteration with the loss
       on the last stage, run by the pipeline's schedule; the only way to train a ``"1f1b"``
@@ -221,7 +225,9 @@ class Pipeline(nn.Module):
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
-        self._register_modules(layers, model if isinstance(model, nn.Module) else getattr(model, "model", None))
+        source = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+        self._structure = Structure.of(self, self._register_modules(layers, source), layers, source)
+        self._structure.check()
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
         chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
@@ -381,6 +387,7 @@ class Pipeline(nn.Module):
 
     def _replicas(self, args: tuple[Any, ...], grad: bool) -> Replicas:
         """One call's runs: the batch split into replica shares, each into micro-batches."""
+        self._structure.check()
         for engine in self._engines:
             check_not_meta(tensors_of(args), engine.stages[0].device, "an input of the pipeline")
         first = self._engines[0].stages[0].layers[0].module
@@ -425,9 +432,9 @@ class Pipeline(nn.Module):
         for engine in self._engines:
             engine.close()
 
-    def _register_modules(self, layers: list[Layer], model: nn.Module | None) -> None:
+    def _register_modules(self, layers: list[Layer], model: nn.Module | None) -> list[tuple[str, nn.Module]]:
         """Hold the model's modules at their paths in the model, so ``named_modules()``,
-        ``apply()``, ``get_submodule()`` and ``print(pipe)`` show the model's own (the objects
+        ``apply()``, ``getsubmodule()`` and ``print(pipe)`` show the model's own (the objects
         the first replica's stages run: setting ``dropout.p`` or zeroing ``bn2.weight`` through
         them changes what runs) and ``state_dict`` keys (and ``parameters()``) are the model's.
 
@@ -449,15 +456,17 @@ class Pipeline(nn.Module):
         holding more) the model's slots are linked too (:func:`_link_model_slots`).  Modules
         are attached in the model's order where the chain knows it (a
         :class:`~autopipe.model.layers.Chain`), else in forward order, so ``parameters()``
-        lists them as ``model.parameters()`` does."""
+        lists them as ``model.parameters()`` does.  Returns the modules attached, with their paths."""
         order = {path: index for index, path in reversed(list(enumerate(getattr(layers, "module_order", ()))))}
         held = [(layer.path(name), module)
                 for layer in layers for name, module in layer.module.named_modules(remove_duplicate=False)]
         linked: list[tuple[str, nn.Module]] = []
+        attached: list[tuple[str, nn.Module]] = []
         for path, module in sorted(held, key=lambda entry: order.get(entry[0], len(order))):
             if path and type(module) is not nn.Module:
                 if not order or path in order or _holds_tensors(module):
                     attach(self, path, module)
+                    attached.append((path, module))
             elif module._parameters or module._buffers:
                 module_at(self, path)  # made now, so that it comes in the model's order
                 linked.append((path, module))
@@ -469,6 +478,7 @@ class Pipeline(nn.Module):
             _link_tensors(module_at(self, path), module)
             if model is not None:
                 _link_model_slots(module_at(self, path), model, path)
+        return attached
 
 
 #: A slot that is not there (``None`` is a slot's value: a parameter set to none).
@@ -525,7 +535,7 @@ def _link_model_slots(holder: nn.Module, model: nn.Module, path: str) -> None:
     do (the model's root, or a container not adopted, holds a parameter a captured layer reads)
     to ``holder``'s: ``load_state_dict(assign=True)`` on the model then reaches the stages, and
     on the pipeline the model."""
-    own = _submodule(model, path)
+    own = submodule(model, path)
     if own is None or own is holder:  # no module there (a holder the capture made), or the one adopted
         return
     for kind in ("_parameters", "_buffers"):
@@ -559,7 +569,7 @@ def _adopt_containers(root: nn.Module, model: nn.Module, state: dict[str, int], 
         qualified = f"{path}.{name}" if path else name
         if child is None or type(child) is not nn.Module:
             continue
-        own = _submodule(model, qualified)
+        own = submodule(model, qualified)
         if own is not None and own is not child and _same_contents(child, own, state, qualified):
             root._modules[name] = own
         else:
@@ -577,17 +587,9 @@ def _same_contents(container: nn.Module, own: nn.Module, state: dict[str, int], 
     mine = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
     run = {id(module) for module in container.modules() if type(module) is not nn.Module}
     return mine == {key: id(value) for key, value in own.state_dict(keep_vars=True).items()} and all(
-        _submodule(own, name) is module for name, module in container.named_modules(remove_duplicate=False)
+        submodule(own, name) is module for name, module in container.named_modules(remove_duplicate=False)
         if type(module) is not nn.Module) and all(
         id(module) in run or module._parameters or module._buffers for module in own.modules() if not module._modules)
-
-
-def _submodule(model: nn.Module, path: str) -> nn.Module | None:
-    """The module at the dotted ``path`` in ``model``, or ``None`` where there is none."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _micro_targets(share: tuple[Any, ...] | None, chunks: int, count: int) -> list[Any]:
