@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import numbers
 import math
 import os
 import sys
@@ -92,7 +93,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
 
 def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     """Write ``document`` to ``path`` as JSON, atomically; returns the path."""
-    text = json.dumps(document, indent=1, allow_nan=False) + "\n"
+    text = json.dumps(document, indent=1, allow_nan=False, default=plain_number) + "\n"
     return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
@@ -253,7 +254,18 @@ def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def plain_number(value: Any) -> int | float:
+    """``json.dumps``'s ``default``: a number of another type (``numpy.int64(4)``, which a user
+    may pass as ``chunks``) as the ``int`` or ``float`` it is; anything else is refused as
+    ``json`` refuses it."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def digest(document: Any) -> str:
     """A short, stable hash of a JSON-able value."""
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), default=plain_number)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

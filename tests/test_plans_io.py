@@ -65,6 +65,11 @@ def edit(path, change):
     (lambda d: d["devices"].__setitem__(0, "gpu"), "devices[0]", "'gpu' is not a device autopipe can use"),
     (lambda d: d["replica_devices"][0].__setitem__(1, "cuda:one"), "replica_devices[0][1]",
      "'cuda:one' is not a device"),
+    # loaded as they were: the gap read 0 (optimal), and names disagreed with the stages
+    (lambda d: d["predicted"].update(lower_bound_ms=2 * d["predicted"]["iteration_ms"]),
+     "predicted.lower_bound_ms", "above the predicted iteration"),
+    (lambda d: d["stages"][1].update(first_layer="nope"), "stages[1]", "names its layers 'nope'"),
+    (lambda d: d["split_points"][0].update(name="nope"), "split_points", "disagrees with the stages"),
 ])
 def test_validation_names_the_field(saved, change, field, words):
     _, path = saved
@@ -126,3 +131,24 @@ def test_save_names_a_count_the_micro_batch_size_divides_by(saved, field, value,
 def test_load_refuses_what_is_no_file_name():
     with pytest.raises(OptionError, match=r"path must name a plan file \(a str or os.PathLike .*\), got None"):
         Plan.load(None)
+
+
+@pytest.mark.parametrize("options", [dict(chunks=2), dict(memory_limit=10**9), dict(memory_limit=[10**9, None, None]),
+                                     dict(time_limit=0.5), dict(interleave=1), dict(optimizer_state=2)])
+def test_numpy_numbers_as_options_give_a_plan_that_saves(tmp_path, options):
+    """numpy numbers (``np.int64(2)`` from an array) were taken and planned with, then the plan's
+    save failed inside json (``Object of type int64 is not JSON serializable``)."""
+    import numpy as np
+
+    def as_numpy(value):
+        if isinstance(value, list):
+            return [as_numpy(v) for v in value]
+        return np.float32(value) if isinstance(value, float) else np.int64(value) if value is not None else None
+
+    profile = make_profile([1.0, 2.0, 3.0, 4.0], sizes=(1, 2, 4), devices=3)
+    expected = plan(profile, **options)
+    chosen = plan(profile, **{name: as_numpy(value) for name, value in options.items()})
+    loaded = Plan.load(chosen.save(tmp_path / "p.json"))
+    fields = ("balance", "chunks", "checkpoint")
+    assert [getattr(loaded, name) for name in fields] == [getattr(expected, name) for name in fields]
+    assert loaded.options == json.loads(json.dumps(expected.options))

@@ -68,6 +68,7 @@ would change ``b`` — extend :func:`stage_memory`'s arguments, not its callers'
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -118,7 +119,7 @@ def optimizer_factor(state: str | float) -> float:
             raise OptionError(f"optimizer_state '{state}' is not one of {list(OPTIMIZER_STATE)} "
                               "nor a number (state bytes per parameter byte)")
         return OPTIMIZER_STATE[state]
-    if isinstance(state, bool) or not isinstance(state, (int, float)) or not 0 <= state <= MAX_OPTIMIZER_FACTOR:
+    if isinstance(state, bool) or not isinstance(state, numbers.Real) or not 0 <= state <= MAX_OPTIMIZER_FACTOR:
         raise OptionError(f"optimizer_state must be one of {list(OPTIMIZER_STATE)} or a number from 0 to "
                           f"{MAX_OPTIMIZER_FACTOR:g} (state bytes per parameter byte: 1 for SGD with momentum, "
                           f"2 for Adam), got {state!r}")

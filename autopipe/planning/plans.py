@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._jsonio import Fields, read_json, write_json_atomic
+from .._jsonio import Fields, plain_number, read_json, write_json_atomic
 from ..profiling.profiles import read_model
 from .._vocab import CHECKPOINT_MODES, SCHEDULES, TURN_RULES, CheckpointMode, Schedule, TurnRule
 
@@ -238,8 +238,7 @@ class Plan:
     def _checked_json(self) -> dict[str, Any]:
         """:meth:`to_json`, checked as :meth:`load` checks a file; the counts it divides by
         (``micro_batch_size``) are checked first, so that a zero is named rather than divided by."""
-        counts = Fields({"batch_size": self.batch_size, "replicas": self.replicas, "chunks": self.chunks},
-                        "in-memory plan")
+        counts = _as_file({"batch_size": self.batch_size, "replicas": self.replicas, "chunks": self.chunks})
         for name in counts.keys():
             counts.int(name, 1)
         document = self.to_json()
@@ -278,7 +277,7 @@ class Plan:
 def _as_file(document: dict[str, Any]) -> Fields:
     """``document`` as :meth:`Plan.load` would read it back from its JSON (tuples as lists; a
     ``nan``, which saving refuses, as itself), to check before it is written."""
-    return Fields(json.loads(json.dumps(document)), "in-memory plan", "")
+    return Fields(json.loads(json.dumps(document, default=plain_number)), "in-memory plan", "")
 
 
 def _options(f: Fields) -> dict[str, Any]:
@@ -328,6 +327,17 @@ def _check_consistent(plan: Plan, f: Fields) -> None:
     if expected_start != len(plan.model["layers"]):
         raise f.error(f"stages cover {expected_start} layers, the model has {len(plan.model['layers'])}",
                       "stages")
+    for index, stage in enumerate(plan.stages):
+        first, last = (plan.model["layers"][i]["name"] for i in (stage.start, stage.stop - 1))
+        if (stage.first_layer, stage.last_layer) != (first, last):
+            raise f.error(f"names its layers '{stage.first_layer}' to '{stage.last_layer}', but layers "
+                          f"[{stage.start}, {stage.stop}) of the model are '{first}' to '{last}'", f"stages[{index}]")
+    if f.has("split_points") and f.get("split_points").value != [{"index": i, "name": n} for i, n in plan.split_points]:
+        raise f.error(f"disagrees with the stages: {plan.split_points}", "split_points")
+    bound, time = plan.predicted.lower_bound_ms, plan.predicted.iteration_ms
+    if bound is not None and bound > time * (1 + 1e-9):
+        raise f.get("predicted").error(f"{bound} ms is above the predicted iteration ({time} ms), which no "
+                                       "lower bound can be", "lower_bound_ms")
     if f.has("balance") and f.int_list("balance") != plan.balance:
         raise f.error(f"{f.int_list('balance')} disagrees with the stages {plan.balance}", "balance")
     shapes = [len(d) for d in plan.replica_devices]
