@@ -12,6 +12,7 @@ import pytest
 from helpers import StopAfter, all_splits, brute_force, model_of
 from synthetic import make_profile, random_profile
 
+from autopipe.errors import OptionError
 from autopipe.profiling.profiles import Profile
 from autopipe.planning._infeasible import infeasible
 from autopipe.planning._options import Options
@@ -533,3 +534,21 @@ def test_the_limit_named_is_the_least_of_the_schedule_and_interleave_asked(sched
             assert "though one fits them: an interleaved 1F1B plan" in str(missed), error.value
             continue
         assert max(chosen.device_memory_bytes) <= math.ceil(expected)
+
+
+def test_candidate_chunks_are_the_least_count_of_each_micro_batch_size_for_any_batch() -> None:
+    """Each distinct micro-batch size ceil(B/m) within the profiled sizes, by its least count m
+    (checked against every m up to B, which the planner once listed: 9 s at B = 10^8)."""
+    rng = random.Random(5)
+    for _ in range(300):
+        batch, sizes = rng.randint(1, 2000), sorted(rng.sample(range(1, 70), rng.randint(1, 4)))
+        least: dict[int, int] = {}
+        for m in range(1, batch + 1):
+            least.setdefault(-(-batch // m), m)
+        expected = sorted(m for size, m in least.items() if sizes[0] <= size <= sizes[-1])
+        if expected:
+            assert candidate_chunks(batch, sizes) == expected
+        else:
+            with pytest.raises(OptionError, match="cannot be split into micro-batches"):
+                candidate_chunks(batch, sizes)
+    assert candidate_chunks(10 ** 9, [1, 64]) == sorted({-(-10 ** 9 // s) for s in range(1, 65)})

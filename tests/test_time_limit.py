@@ -339,3 +339,28 @@ def test_interleave_auto_leaves_the_interleaved_search_its_share_of_the_time(mon
     chosen = plan(random_profile(random.Random(2), 12, 3), time_limit=0.8)
     assert len(given) == 1 and given[0] > 0.25
     assert chosen.options["time_limit_reached"]
+
+
+def test_a_simulation_foreseen_to_end_past_the_limit_is_not_started(monkeypatch) -> None:
+    """The interleaved search simulates every micro-batch on every stage: at 16,384 of them a
+    simulation took 2.4 s past a 0.3 s limit.  One is foreseen from its size (micro-batches x
+    stages) at the slowest rate per unit so far, or interleaved.SIMULATED before any: here a
+    second per unit, so the search under interleave="auto" simulates nothing and says the limit
+    was reached, while the fill-drain plan stands."""
+    profile = make_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4), batch_size=8, devices=2)
+    simulated = []
+    timed = interleaved.timed
+    monkeypatch.setattr(interleaved, "timed", lambda *args, **kw: simulated.append(args) or timed(*args, **kw))
+    assert plan(profile, interleave=2, time_limit=None).interleave == 2 and simulated  # the search simulates
+    simulated.clear()
+    monkeypatch.setattr(interleaved, "SIMULATED", 1.0)
+    chosen = plan(profile, interleave="auto", time_limit=5.0)
+    assert not simulated and chosen.interleave == 1 and chosen.options["time_limit_reached"]
+
+
+def test_a_step_is_foreseen_per_unit_of_its_size() -> None:
+    budget = Budget(10.0)
+    with budget.step("simulation", 1000):
+        pass
+    rate = budget.slowest["simulation"]
+    assert not budget.before("simulation", size=1000) and budget.before("simulation", size=20.0 / max(rate, 1e-12))

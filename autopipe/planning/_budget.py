@@ -62,17 +62,18 @@ class Budget:
         :meth:`out`, a step that would not leaves the time to shorter ones."""
         return not self.out() and time.perf_counter() + expected < self.end
 
-    def before(self, kind: str, steps: int = 1) -> bool:
-        """Whether the time is up, or would be after ``steps`` more steps of ``kind`` as long as
-        the slowest so far (:meth:`step`)."""
-        return self.out(steps * self.slowest.get(kind, 0.0))
+    def before(self, kind: str, steps: int = 1, size: float = 1.0, prior: float = 0.0) -> bool:
+        """Whether the time is up, or would be after ``steps`` more steps of ``kind`` and
+        ``size`` as long, per unit of size, as the slowest so far (:meth:`step`; ``prior``
+        before one was timed)."""
+        return self.out(steps * size * self.slowest.get(kind, prior))
 
     @contextmanager
-    def step(self, kind: str) -> Iterator[None]:
-        """Time a step of ``kind``, for :meth:`before`."""
+    def step(self, kind: str, size: float = 1.0) -> Iterator[None]:
+        """Time a step of ``kind`` and ``size`` (its seconds per unit of size), for :meth:`before`."""
         start = time.perf_counter()
         yield
-        self.slowest[kind] = max(self.slowest.get(kind, 0.0), time.perf_counter() - start)
+        self.slowest[kind] = max(self.slowest.get(kind, 0.0), (time.perf_counter() - start) / size)
 
 
 @dataclass(frozen=True)

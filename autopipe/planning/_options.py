@@ -136,10 +136,9 @@ def candidate_chunks(batch_size: int, sizes: Sequence[int], chunks: int | None =
 def _usable_chunks(batch_size: int, low: int, high: int, equal: bool) -> list[int]:
     """In order, the least ``m`` for each distinct ``ceil(B/m)`` in ``low..high`` (with ``equal``,
     divisors of ``B`` only)."""
-    found: dict[int, int] = {}
-    for m in range(1, batch_size + 1):
-        found.setdefault(-(-batch_size // m), m)
-    return sorted(m for size, m in found.items() if low <= size <= high and not (equal and batch_size % m))
+    # the least m whose ceil(B/m) is at most s is ceil(B/s): the least giving s, if it gives s
+    least = {size: -(-batch_size // size) for size in range(max(low, 1), min(high, batch_size) + 1)}
+    return sorted(m for size, m in least.items() if -(-batch_size // m) == size and not (equal and batch_size % m))
 
 
 def check_replica_share(batch_size: int, replicas: int, sizes: Sequence[int], equal: bool = False) -> None:

@@ -44,7 +44,7 @@ from .candidates import Choice, better, least_feasible
 from .cost import CostModel, SizeCosts, recomputations
 from ._minmax import foreseen, min_max_split
 from ._chain import cheapest_ring_cuts, copies_between
-from .interleaved import Group, timed
+from .interleaved import SIMULATED, Group, timed
 from .simulate import evaluate
 
 __all__ = ["CELLS", "search"]
@@ -121,9 +121,10 @@ def _seeded(model: CostModel, seeds: Sequence[tuple[int, ...]], candidates: Sequ
     for bounds in dict.fromkeys(seeds):
         for chunks in candidates:
             for mode in modes:
-                if budget.before("simulation"):
+                size = chunks * (len(bounds) - 1)
+                if budget.before("simulation", size=size, prior=SIMULATED):
                     return found
-                with budget.step("simulation"):
+                with budget.step("simulation", size):
                     ms, _, phases = timed(model, bounds, chunks, mode, 1, limits, "1f1b")
                 if found is None or ms < found.iteration_ms:
                     found = Choice(tuple(bounds), chunks, mode, ms, schedule="1f1b", phases=phases)
