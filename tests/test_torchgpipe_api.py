@@ -232,6 +232,42 @@ def test_arguments_that_are_one_tensor_stay_one_when_the_first_layer_writes_into
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_an_argument_needing_gradients_passed_twice_is_one_tensor(checkpoint: str) -> None:
+    """``pipe(h, h)`` with ``h`` needing a gradient: stage 0 made a leaf of each argument, so
+    the write into one did not reach the other (3h for 4h); its gradient comes back once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaleFirstAddSecond(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x, w = torch.randn(6, 4), torch.randn(4, requires_grad=True)
+    h = x * w
+    expected = model[1:](model[0](*[h.clone()] * 2))
+    (grad_w,) = torch.autograd.grad(expected.sum(), w)
+    pipe = autopipe.Pipeline(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    for _ in range(2):
+        h = x * w
+        got = pipe(h, h)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), w)[0], grad_w)
+
+
+@pytest.mark.timeout(60)
+def test_views_of_one_memory_with_other_values_keep_their_own_copies() -> None:
+    """``z.imag`` and ``z.conj().imag`` share memory, not values (a lazy negation): taken for one
+    tensor, the first call computed 11 where the plain model computes 9."""
+    class Mix(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a * 10 + b
+
+    model = nn.Sequential(Mix(), nn.Identity(), nn.ReLU())
+    z = torch.complex(torch.zeros(6, 4), torch.ones(6, 4))
+    a, b = z.imag, z.conj().imag
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.is_neg()
+    pipe = autopipe.Pipeline(model, balance=[1, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    for _ in range(2):
+        torch.testing.assert_close(pipe(a, b), model[1:](model[0](a, b)))
+
+
+@pytest.mark.timeout(60)
 def test_in_place_dropout_first_in_a_stage_is_the_same_in_every_checkpoint_mode() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5, inplace=True), nn.Linear(16, 16))
     x = torch.randn(8, 16)

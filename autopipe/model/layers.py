@@ -16,9 +16,9 @@ from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Chain", "Layer", "ChainError", "Span", "attach", "call_hooks", "merge_shared_state", "module_at",
-    "runs_as_sequential", "sequential_forward", "sequential_layers", "sequential_units", "positions", "resnet_layers",
-    "is_torchvision_resnet", "training_flags", "training_modes",
+    "Chain", "Hooks", "Layer", "ChainError", "Span", "attach", "call_hooks", "merge_shared_state", "run_modules",
+    "module_at", "runs_as_sequential", "sequential_forward", "sequential_layers", "sequential_units", "positions",
+    "resnet_layers", "is_torchvision_resnet", "training_flags", "training_modes",
 ]
 
 #: The hook dicts a module's call runs around its forward (``register_forward_pre_hook``,
@@ -104,9 +104,19 @@ def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:
     return [(name, child) for name, child in sequential._modules.items() if child is not None]
 
 
-def call_hooks(module: nn.Module) -> tuple[tuple[int, ...], ...]:
+#: The handles of a module's call hooks, by kind (:func:`call_hooks`).
+Hooks = tuple[tuple[int, ...], ...]
+
+
+def call_hooks(module: nn.Module) -> Hooks:
     """The handles of the hooks ``module``'s call runs around its forward, by kind (none: all empty)."""
     return tuple(tuple(getattr(module, kind)) for kind in _CALL_HOOKS)
+
+
+def run_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules a layer's call runs: ``module`` and those in it, but the bare ``nn.Module``
+    containers a captured layer holds the model's paths with (their forwards are traced away)."""
+    return [inner for inner in module.modules() if type(inner) is not nn.Module]
 
 
 def sequential_forward(module: nn.Module) -> bool:

@@ -1,16 +1,19 @@
 """What a pipeline was built on, checked at every call: the modules at their paths, and the hooks
 of the model's modules whose forward it does not run.
 
-The stages run the modules the pipeline was built with.  One put in their place afterwards
-(``model.head = nn.Linear(...)``, or ``pipe.head = ...``) would never run, and an optimizer on
-its parameters would train them on nothing, where the plain model runs the new module: refused.
+The stages run the layers the pipeline was built with.  One put in a layer's place afterwards
+(``model.head = nn.Linear(...)``, ``pipe.head = ...``, or a container holding layers) would
+never run, and an optimizer on its parameters would train them on nothing, where the plain model
+runs the new module: refused.  What changes inside a layer (a parametrization added or removed,
+a submodule of a block swapped) runs, as the layer's own call runs it.
 
 A pipeline runs the model's layers, not the forward of the modules above them: the model itself,
 a Sequential flattened into its children, a ResNet's ``layer3`` split into its blocks, a container
-torch.fx traced through.  Their hooks would never run (a Sequential or ResNet stage with hooks is
-kept one layer when the chain is read, so this is about the model itself and hooks added later):
-refused.  torch.export traces every hook of the model into its graph, which runs them as they
-were at the capture; any change since is refused.
+torch.fx traced through.  Hooks on those run only as far as a capture traced them into its graph
+(torch.fx: those of the containers it traced through; torch.export: every module's, the model's
+own too), as they were then: any other, or any change since, is refused.  A Sequential or ResNet
+stage with hooks stays one layer when the chain is read, so the hooks refused there are the model's
+own and those added later.
 """
 from __future__ import annotations
 
@@ -21,48 +24,52 @@ from torch import nn
 
 from ..errors import ChainError
 from ..model.capture import CapturedLayer
-from ..model.layers import Layer, call_hooks
+from ..model.layers import Hooks, Layer, call_hooks, run_modules
 
 __all__ = ["Structure", "submodule"]
 
 Paths = list[tuple[str, nn.Module]]
-#: Where (``"pipeline"`` or ``"model"``), the path, and the parent module, name and child of one
+#: Where (``"model"`` or ``"pipeline"``), the path, and the parent module, name and child of one
 #: step down that path: the child must still be there.
 Edge = tuple[str, str, nn.Module, str, nn.Module]
 
 
 @dataclass(frozen=True)
 class Structure:
-    """The steps down the module trees of a pipeline and its model to the modules the stages run
-    (``edges``), the model's modules whose forward no stage runs (``above``) and the hooks
-    torch.export traced into a captured graph, per path of those (``traced``)."""
+    """The steps down the module trees of a model and its pipeline to the layers the stages run
+    (``edges``), the model's modules whose forward no stage runs (``above``) and the hooks a
+    capture traced into its graph, by path (``traced``)."""
 
     edges: list[Edge]
     above: Paths
-    traced: dict[str, tuple[tuple[int, ...], ...]]
+    traced: dict[str, Hooks]
 
     @staticmethod
     def of(pipe: nn.Module | None, held: Paths, layers: Sequence[Layer], model: nn.Module | None) -> Structure:
         """What to check of ``pipe`` holding ``held`` (none: only the hooks) that runs ``layers``
-        of ``model``.  Where a layer is a graph torch.export captured, no module of the model
-        runs and the hooks are those it traced, now."""
-        edges = _edges(held, [("pipeline", pipe), ("model", model)])
+        of ``model``.  A layer torch.export captured runs no module of the model: every one is
+        then checked."""
+        paths = {path for path, _ in held}
+        tops = [(path, module) for path, module in held if not any(prefix in paths for prefix in _prefixes(path))]
+        edges = _edges(tops, [("model", model), ("pipeline", pipe)])
         if model is None:
             return Structure(edges, [], {})
-        if any(isinstance(layer.module, CapturedLayer) and layer.module.exported_mode is not None for layer in layers):
-            above = list(model.named_modules(remove_duplicate=False))
-            return Structure(edges, above, {path: call_hooks(module) for path, module in above})
-        run = {id(module) for layer in layers for module in layer.module.modules() if type(module) is not nn.Module}
-        paths = [layer.path(name) for layer in layers for name, _ in layer.module.named_modules(remove_duplicate=False)]
-        prefixes = dict.fromkeys(".".join(path.split(".")[:cut])  # each path's strict prefixes, "" too
-                                 for path in paths if path for cut in range(path.count(".") + 1))
+        captured = [layer.module for layer in layers if isinstance(layer.module, CapturedLayer)]
+        traced = captured[0].traced_hooks if captured else {}
+        if any(layer.exported_mode is not None for layer in captured):
+            modules = list(model.named_modules(remove_duplicate=False))
+            return Structure(edges + _edges(modules[1:], [("model", model)]), modules, traced)
+        run = {id(module) for layer in layers for module in run_modules(layer.module)}
+        inside = (layer.path(name) for layer in layers
+                  for name, _ in layer.module.named_modules(remove_duplicate=False))
+        prefixes = dict.fromkeys(prefix for path in inside for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
-        return Structure(edges, above, {})
+        return Structure(edges, above, traced)
 
     def check(self) -> None:
-        """Refuse a call if a module the stages run was replaced (or a container holding it), in
-        the pipeline or in the model, or hooks above its layers would not run as the plain model
+        """Refuse a call if a layer the stages run was replaced (or a container holding it), in
+        the model or in the pipeline, or hooks above the layers would not run as the plain model
         runs them.  A dict lookup per step: 0.04 ms for a ResNet-50's 300 steps.
 
         Raises:
@@ -71,11 +78,12 @@ class Structure:
         for where, path, parent, name, child in self.edges:
             now = parent._modules.get(name)
             if now is not child:
+                change = "was removed" if now is None else f"is a new {type(now).__name__}"
                 raise ChainError(
-                    f"the {where}'s module at '{path}' is not the one the pipeline was built with "
-                    f"({type(now).__name__} for {type(child).__name__}): the stages run the modules they "
-                    f"were built with, so it would never run nor train. Build the pipeline again from the model "
-                    f"(autopipe.partition(model, ...) or autopipe.Pipeline(model, plan))")
+                    f"the {where}'s module at '{path}' {change}, not the {type(child).__name__} the pipeline "
+                    f"was built with: the stages run the modules they were built with, so it would never run nor "
+                    f"train. Build the pipeline again from the model (autopipe.partition(model, ...) or "
+                    f"autopipe.Pipeline(model, plan))")
         self.check_hooks()
 
     def check_hooks(self) -> None:
@@ -90,6 +98,12 @@ class Structure:
 
 
 _NONE = call_hooks(nn.Module())
+
+
+def _prefixes(path: str) -> list[str]:
+    """The strict prefixes of a dotted module path, ``""`` (the root) first; none of ``""``."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:cut]) for cut in range(len(parts))]
 
 
 def _edges(held: Paths, roots: list[tuple[str, nn.Module | None]]) -> list[Edge]:
@@ -112,11 +126,13 @@ def _unrun_hooks(path: str, module: nn.Module, traced: bool) -> str:
     """Why hooks on the model's ``module`` at ``path`` do not run, and the way out."""
     what = "the model" if not path else f"the model's '{path}' ({type(module).__name__})"
     if traced:
-        return (f"hooks on {what} changed since the pipeline was built: torch.export traced the ones there then "
-                "into its graph, which runs them as they were. Build the pipeline again from the model")
+        return (f"hooks on {what} changed since the model was captured: the capture traced the ones there then "
+                "into its graph, which runs them as they were. Capture the model again and build the pipeline "
+                "from it (autopipe.partition(model, ...), or autopipe.chain(model, ...) then autopipe.Pipeline)")
     way = ("register them on the pipeline (pipe.register_forward_hook(...)), which is called as the model was"
-           if not path else "register them before building the pipeline (a module with hooks then stays one "
-           f"layer, whose call runs them), or keep it one layer: autopipe.chain(model, leaf_modules=['{path}'])")
+           if not path else "register them before building the pipeline (a Sequential or a ResNet stage with hooks "
+           f"then stays one layer, whose call runs them), or keep it one layer: "
+           f"autopipe.chain(model, leaf_modules=['{path}'])")
     return (f"{what} has hooks (register_forward_hook, register_forward_pre_hook or a backward hook) that would "
             f"never run: the pipeline runs the layers inside it, not its forward. Remove them, or {way}")
 

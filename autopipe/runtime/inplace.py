@@ -56,14 +56,16 @@ class InputGuard:
 def _copies(inputs: Value) -> Value:
     """``inputs`` with each tensor cloned, one clone for tensors that are one: the same object,
     or, needing no gradient, views of the same memory alike (storage, offset, shape, strides,
-    dtype).  Two views needing gradients may have their own autograd histories, so only the
-    same object shares a clone."""
+    dtype, class, and a conjugate's or a negation's lazy flag: ``z.conj()`` shares ``z``'s
+    memory, not its values).  Two views needing gradients may have their own autograd histories,
+    so only the same object shares a clone (the stage's inputs make one leaf of one tensor)."""
     made: dict[tuple[object, ...], Tensor] = {}
 
     def copy(t: Tensor) -> Tensor:
         pointer = t.untyped_storage().data_ptr()
         key: tuple[object, ...] = ((id(t),) if t.requires_grad or not pointer else
-                                   (pointer, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
+                                   (pointer, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                                    t.is_conj(), t.is_neg(), type(t)))
         if key not in made:
             made[key] = t.clone()
         return made[key]

@@ -32,7 +32,7 @@ from ..device import MATERIALIZE, check_not_meta, meta_tensor, resolve_devices
 from ..model.fingerprint import check_made_for
 from ..model import Layer, call_arguments, layer_chain
 from ..model.capture import CapturedLayer, autocast_state
-from ..model.layers import attach, module_at
+from ..model.layers import attach, module_at, run_modules
 from ..model.reading import balance_units
 from ._model_calls import model_output
 from ._structure import Structure, submodule
@@ -434,7 +434,7 @@ class Pipeline(nn.Module):
 
     def _register_modules(self, layers: list[Layer], model: nn.Module | None) -> list[tuple[str, nn.Module]]:
         """Hold the model's modules at their paths in the model, so ``named_modules()``,
-        ``apply()``, ``getsubmodule()`` and ``print(pipe)`` show the model's own (the objects
+        ``apply()``, ``get_submodule()`` and ``print(pipe)`` show the model's own (the objects
         the first replica's stages run: setting ``dropout.p`` or zeroing ``bn2.weight`` through
         them changes what runs) and ``state_dict`` keys (and ``parameters()``) are the model's.
 
@@ -585,7 +585,7 @@ def _same_contents(container: nn.Module, own: nn.Module, state: dict[str, int], 
     is the state linked to the stage's, so it may be shown)."""
     prefix = path + "."
     mine = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
-    run = {id(module) for module in container.modules() if type(module) is not nn.Module}
+    run = {id(module) for module in run_modules(container)}
     return mine == {key: id(value) for key, value in own.state_dict(keep_vars=True).items()} and all(
         submodule(own, name) is module for name, module in container.named_modules(remove_duplicate=False)
         if type(module) is not nn.Module) and all(

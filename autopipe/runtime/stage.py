@@ -224,8 +224,9 @@ class Stage:
         inbox = run.inboxes[self.index]
         if self.index == 0:
             given = map_tensors(run.micro_batches[j], lambda t: self._pull(run, j, t, "C"))
-            flags = [run.grad_enabled and t.requires_grad for t in tensors_of(run.micro_batches[j])]
-            args = _leaves(given, flags)
+            originals = tensors_of(run.micro_batches[j])
+            flags = [run.grad_enabled and t.requires_grad for t in originals]
+            args = _leaves(given, flags, [id(t) for t in originals])  # pipe(h, h): one leaf, as h is one
         else:
             args = (_leaves(*inbox.take(("x", j))),)
         skips = {key: _leaves(*inbox.take(("skip", key, j))) for key in self.routes.arriving}
@@ -249,7 +250,7 @@ class Stage:
                 training = any(m.training for m in self.modules)
                 args, skips = stack.enter_context(self.inputs.kept((args, skips), training))
             if wrap:
-                args, skips = map_tensors((args, skips), _boundary)
+                args, skips = _boundaries((args, skips))
             tracker = StageTracker(skips, self.routes.leaving)
             stack.enter_context(_autocast(run))
             stack.enter_context(use_skip_tracker(tracker))
@@ -492,7 +493,9 @@ class Stage:
         return self.replay_lock if held else contextlib.nullcontext()
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
-        grads = [leaf.grad for leaf in tensors_of(saved.args)]
+        leaves = tensors_of(saved.args)
+        grads = [None if any(leaf is other for other in leaves[:i]) else leaf.grad  # a leaf's gradient once
+                 for i, leaf in enumerate(leaves)]
         if self.index == 0:
             run.input_grads[j] = grads
         else:
@@ -601,10 +604,18 @@ def _graph_leaves(roots: list[Tensor]) -> list[Tensor]:
     return list(leaves.values())
 
 
-def _leaves(value: Value, flags: list[bool]) -> Value:
-    """``value``'s tensors as fresh leaves, requiring grad per ``flags``."""
-    needs = iter(flags)
-    return map_tensors(value, lambda t: t.detach().requires_grad_(next(needs)))
+def _leaves(value: Value, flags: list[bool], ids: list[int] | None = None) -> Value:
+    """``value``'s tensors as fresh leaves, requiring grad per ``flags``; tensors whose ``ids``
+    (default: their own) are alike get one leaf."""
+    needs, keys, made = iter(flags), iter(ids) if ids is not None else None, {}
+
+    def leaf(t: Tensor) -> Tensor:
+        key, need = id(t) if keys is None else next(keys), next(needs)
+        if key not in made:
+            made[key] = t.detach().requires_grad_(need)
+        return made[key]
+
+    return map_tensors(value, leaf)
 
 
 def _autocast(run: Run) -> contextlib.ExitStack:
@@ -615,5 +626,16 @@ def _autocast(run: Run) -> contextlib.ExitStack:
     return stack
 
 
-def _boundary(tensor: Tensor) -> Tensor:
-    return Boundary.apply(tensor) if tensor.requires_grad else tensor
+def _boundaries(value: Value) -> Value:
+    """``value`` with each tensor needing a gradient behind a :class:`Boundary`, one for each
+    tensor object (``pipe(h, h)``'s two arguments stay one tensor)."""
+    made: dict[int, Tensor] = {}
+
+    def wrapped(tensor: Tensor) -> Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        if id(tensor) not in made:
+            made[id(tensor)] = Boundary.apply(tensor)
+        return made[id(tensor)]
+
+    return map_tensors(value, wrapped)

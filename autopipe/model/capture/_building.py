@@ -106,6 +106,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             batch_sizes=traced.batch_sizes if index == 0 else None,
             batch_ranges=traced.batch_ranges if index == 0 else None,
             input_dtypes=traced.input_dtypes if index == 0 else None,
+            traced_hooks=traced.hooks,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers

@@ -11,13 +11,13 @@ operations, which take any dtype.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, fx
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
-from ..layers import ChainError
+from ..layers import ChainError, Hooks
 from ..skip import Skippable, pop, stash
 
 __all__ = ["CapturedLayer", "CapturedCallError", "autocast_state", "fixed_dtype"]
@@ -82,8 +82,10 @@ class CapturedLayer(Skippable):
         batch_ranges: Sequence[tuple[int, int | None] | None] | None = None,
         positional_names: Sequence[str] = (),
         input_dtypes: Sequence[torch.dtype | None] | None = None,
+        traced_hooks: Mapping[str, Hooks] | None = None,
     ) -> None:
         super().__init__()
+        self.traced_hooks = dict(traced_hooks or {})  # the model's hooks the trace ran into the graph, by path
         self.input_dtypes = None if input_dtypes is None else tuple(input_dtypes)
         self.captured_autocast = autocast_state()
         self.captured_dtypes = {name: t.dtype for name, t in (*code.named_parameters(), *code.named_buffers())}

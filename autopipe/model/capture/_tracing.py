@@ -10,7 +10,7 @@ import operator
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Literal
 
@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ...errors import RAISED_BY, add_note
-from ..layers import ChainError, training_flags
+from ..layers import ChainError, Hooks, call_hooks, training_flags
 
 __all__: list[str] = []
 
@@ -226,6 +226,8 @@ class Traced:
     # where the model's forward branches on the batch size; None where it does not
     batch_ranges: tuple[tuple[int, int | None] | None, ...] | None = None
     input_dtypes: tuple[torch.dtype | None, ...] | None = None  # exported: the inputs' dtypes, which the graph keeps
+    # the hooks of the model's modules the trace ran into its graph, by path (runtime/_structure.py)
+    hooks: dict[str, Hooks] = field(default_factory=dict)
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
@@ -233,10 +235,11 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
 
     ``fx_first=False`` exports straight away (models whose forward fx is known not to trace)."""
     if not fx_first:
-        return _exported(model, leaves, sample_input, f"cannot capture {type(model).__name__}: torch.export failed")
+        return _with_hooks(_exported(model, leaves, sample_input,
+                                     f"cannot capture {type(model).__name__}: torch.export failed"), model)
     tracer = _Tracer(leaves)
     try:
-        return _symbolic(model, tracer, sample_input)
+        return _with_hooks(_symbolic(model, tracer, sample_input), model)
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
         failure = _trace_failure(model, tracer.failed_in or "", error)
         if isinstance(error, _AssignsBuffers):  # export would drop the assignment: no way out there
@@ -244,7 +247,16 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         if sample_input is None:
             way_out = "pass sample_input" if isinstance(error, _ChangesGradMode) else "or pass sample_input"
             raise CaptureError(f"{failure} ({way_out} to let torch.export try)") from error
-        return _exported(model, leaves, sample_input, f"{failure}; torch.export failed too")
+        return _with_hooks(_exported(model, leaves, sample_input, f"{failure}; torch.export failed too"), model)
+
+
+def _with_hooks(traced: Traced, model: nn.Module) -> Traced:
+    """``traced`` with the hooks it ran into its graph: torch.export runs every module's call,
+    the model's own included; torch.fx calls the model's forward itself, and the calls of the
+    modules it traces through (a leaf module's call is a node, which runs its hooks each time)."""
+    exported = traced.mode is not None
+    modules = model.named_modules(remove_duplicate=False)
+    return replace(traced, hooks={path: call_hooks(module) for path, module in modules if path or exported})
 
 
 def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: str) -> Traced:
