@@ -420,6 +420,27 @@ def _run(model: nn.Module, balance: list[int] | None, chunks: int | None, schedu
             "loss": runner.broadcast_loss(loss), "runner": runner}
 
 
+def first_inplace_model() -> nn.Sequential:
+    """Balance [2, 2]: the first stage starts by writing into the caller's batch."""
+    torch.manual_seed(4)
+    return nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _structure_refusals() -> dict[str, str]:
+    """Hooks on the model itself, and a module replaced after building: the stages never ran them."""
+    from autopipe.distributed import DistributedPipeline
+
+    hooked = inplace_model()
+    hooked.register_forward_hook(lambda module, args, out: out * 3)
+    refusals = {"root_hook": error_of(lambda: DistributedPipeline(hooked, balance=[3, 3], chunks=CHUNKS,
+                                                                  loss_fn=nn.functional.mse_loss))}
+    model = inplace_model()
+    runner = DistributedPipeline(model, balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    model[5] = nn.Linear(16, 4)
+    refusals["replaced"] = error_of(lambda: runner.step(batch()[0], target=batch()[1]))
+    return refusals
+
+
 def _job_two(out: Path) -> dict[str, Any]:
     from autopipe.distributed import DistributedPipeline
 
@@ -467,6 +488,8 @@ def _job_two(out: Path) -> dict[str, Any]:
     result["changing_form"] = error_of(lambda: _run(counting_model(), [2, 2], 2, "gpipe"))
     result["sent_shapes"] = _refused_sent_shapes()
     result["integers"] = _integers_between_stages()
+    result.update(_structure_refusals())
+    result["first_inplace"] = _run(first_inplace_model(), [2, 2], 1, "gpipe")["grads"]
     x, y = batch()
     unequal = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
     result["unequal_target"] = error_of(lambda: unequal.step(x, target=y[:4]))
@@ -657,6 +680,22 @@ def test_gradients_equal_plain_model_with_inplace_first_op(two: list[dict[str, A
     got = _merged(two, f"inplace_{run}")
     _assert_grads_equal(got, reference(inplace_model(), CHUNKS))
     _assert_grads_equal(got, in_process(inplace_model(), [3, 3], CHUNKS))
+
+
+@pytest.mark.slow
+def test_an_in_place_first_layer_gives_the_plain_gradients_from_the_first_step(two: list[dict[str, Any]]) -> None:
+    """The engine's shape probe ran stage 0 on the caller's batch itself: the first layer's write
+    stayed in it, so the first step computed on it written twice (loss 0.783 for 0.798)."""
+    _assert_grads_equal(_merged(two, "first_inplace"), reference(first_inplace_model(), 1))
+
+
+@pytest.mark.slow
+def test_hooks_on_the_model_and_modules_replaced_after_building_are_refused(two: list[dict[str, Any]]) -> None:
+    """Both ran silently without what the plain model runs (a root hook's x3; the new head)."""
+    for result in two:
+        assert result["root_hook"].startswith("ChainError: the model has hooks"), result["root_hook"]
+        assert result["replaced"].startswith("DistributedError: the model's module at '5' is a new Linear"), \
+            result["replaced"]
 
 
 @pytest.mark.slow

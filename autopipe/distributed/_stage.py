@@ -15,6 +15,7 @@ from ..model import Layer
 from ..model._tensors import Value, items_of, map_tensors, tensors_of
 from ..model.skip import SkipTracker, use_skip_tracker
 from ..runtime.aliases import Watch
+from ..runtime.inplace import aliased_copies
 from ..runtime.checkpoint import (buffer_slots, buffers_kept, buffers_replayed, buffers_restored, checkpointed,
                                   is_recomputing, recomputing)
 from ..runtime.skips import SkipSpan
@@ -85,8 +86,11 @@ class StageModule(nn.Module):
     def _run(self, *received: Tensor) -> Any:
         # Received activations are autograd leaves; an in-place first op (ReLU(inplace=True))
         # on a leaf that requires grad fails, so the layers work on a copy (which also leaves
-        # a checkpoint's saved inputs intact for the recomputation).
-        received = tuple(_non_leaf(t) for t in received)
+        # a checkpoint's saved inputs intact for the recomputation).  The first stage's are the
+        # caller's batch (in the shape probe its very memory), which such an op would write: the
+        # probe's write would reach the first micro-batch, and the micro-batches' views share one
+        # version counter, so they work on copies too (one for tensors that are one).
+        received = aliased_copies(received) if self.index == 0 else tuple(_non_leaf(t) for t in received)
         n_main = len(received) - len(self.skips_in)
         main = self._main_of(received[:n_main])
         tracker = SkipTracker()

@@ -13,9 +13,10 @@ from torch import Tensor, nn
 
 from .._vocab import CheckpointMode, Schedule
 from .._jsonio import write_atomic
-from ..errors import DistributedError, StageOutputError
+from ..errors import ChainError, DistributedError, StageOutputError
 from ..model import Layer, layer_chain
 from ..planning.plans import Plan
+from ..runtime._structure import Structure
 from ..runtime.balance import stage_of_layer
 from ..runtime.hooks import HeldHooks, fired_after
 from ..runtime.skips import skip_spans
@@ -107,6 +108,7 @@ class DistributedPipeline:
         replicas: int | None = None,
     ) -> None:
         self.layers = layer_chain(model)
+        source = model if isinstance(model, nn.Module) else getattr(model, "model", None)
         settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size, replicas)
         self.balance, self.chunks, self.schedule_name = settings.balance, settings.chunks, settings.schedule
         self.batch_size = settings.batch_size
@@ -120,6 +122,12 @@ class DistributedPipeline:
             torch.cuda.set_device(self.device)
         start = sum(self.balance[: self.rank])
         self.stage_layers = self.layers[start : start + self.balance[self.rank]]
+        # every layer as the model holds them (each rank has the whole model: each names what changed), and the
+        # hooks above them
+        held = [(layer.path(name), module) for layer in self.layers
+                for name, module in layer.module.named_modules(remove_duplicate=False) if type(module) is not nn.Module]
+        self._structure = Structure.of(None, [(path, module) for path, module in held if path], self.layers, source)
+        self._structure.check()
         spans = skip_spans(self.layers, stage_of_layer(self.balance))
         self.module = StageModule(self.stage_layers, self.rank, self.num_stages, spans,
                                   settings.checkpoint, self.chunks).to(self.device)
@@ -191,10 +199,12 @@ class DistributedPipeline:
                 target are missing or differ in batch size, shape or dtype from the first step's;
                 at the first step, the ranks' batches differ in size (the replicas' shares, or the
                 inputs and the target); with replicas, a parameter's ``requires_grad`` changed since
-                construction.  After the step (which ran with zeros in place of what was refused):
-                a stage's value for the next rank differs in form, shape or dtype from the first
-                step's shape probe; the last stage's output holds no tensor or hides tensors in an
-                object's attributes; ``loss_fn`` did not return a scalar tensor on the output's graph.
+                construction; a module of the model's layers was replaced since construction, or
+                hooks the stages would not run were put above them (:mod:`autopipe.runtime._structure`).
+                After the step (which ran with zeros in place of what was refused): a stage's value for
+                the next rank differs in form, shape or dtype from the first step's shape probe; the last
+                stage's output holds no tensor or hides tensors in an object's attributes; ``loss_fn``
+                did not return a scalar tensor on the output's graph.
         """
         fed = self._fed(inputs, target)
         agree(self._refusal(fed), self.layout.job_group, self.device,
@@ -279,7 +289,7 @@ class DistributedPipeline:
             return ("step() trains (forward and backward) but runs under torch.no_grad() or torch.inference_mode(), "
                     "and this engine has no forward-only mode. Fix: call step() with gradients enabled; to evaluate, "
                     "load save_checkpoint's file into the plain model")
-        return self._fed_refusal(fed) or self._trainable_refusal()
+        return self._fed_refusal(fed) or self._trainable_refusal() or self._structure_refusal()
 
     def _fed_refusal(self, fed: list[tuple[str, Any]]) -> str | None:
         """The engine fixes its micro-batch shapes and dtypes at the first step: another batch size
@@ -310,6 +320,15 @@ class DistributedPipeline:
                     "at the first step and would read others into those buffers (wrong values, no error). Fix: keep "
                     "every shape and dtype constant (pad sequences to one length) or build a new DistributedPipeline "
                     "for the new shapes on every rank")
+        return None
+
+    def _structure_refusal(self) -> str | None:
+        """A module of the layers replaced in the model since it was built, or hooks above the
+        layers that the stages would not run (:mod:`autopipe.runtime._structure`)."""
+        try:
+            self._structure.check()
+        except ChainError as error:
+            return str(error)
         return None
 
     def _trainable_refusal(self) -> str | None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..model._tensors import Value, map_tensors, tensors_of
 
-__all__: list[str] = []
+__all__ = ["InputGuard", "aliased_copies"]
 
 
 class InputGuard:
@@ -37,7 +37,7 @@ class InputGuard:
         """Yield what to compute on instead of ``inputs`` so that ``inputs`` stay unchanged."""
         known = self.writes.get(training)
         if known is not False:
-            copies = _copies(inputs)
+            copies = aliased_copies(inputs)
             yield copies
             if known is None:
                 self.writes[training] = any(t._version for t in tensors_of(copies))
@@ -53,7 +53,7 @@ class InputGuard:
             )
 
 
-def _copies(inputs: Value) -> Value:
+def aliased_copies(inputs: Value) -> Value:
     """``inputs`` with each tensor cloned, one clone for tensors that are one: the same object,
     or, needing no gradient, views of the same memory alike (storage, offset, shape, strides,
     dtype, class, and a conjugate's or a negation's lazy flag: ``z.conj()`` shares ``z``'s
