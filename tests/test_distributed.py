@@ -426,6 +426,30 @@ def first_inplace_model() -> nn.Sequential:
     return nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+class PairWrite(nn.Module):
+    """Writes into the first of its pair, then reads the second: ``4x`` where both are ``x``."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        a, b = pair
+        a.mul_(2.0)
+        return a + b
+
+
+def pair_model() -> nn.Sequential:
+    torch.manual_seed(5)
+    return nn.Sequential(PairWrite(), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _passed_twice() -> dict[str, Tensor]:
+    """``step(x, x)``: refused on the first rank only (the other waited for the timeout)."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(pair_model(), balance=[2, 2], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    runner.step(x, x, target=y)
+    return {n: p.grad.clone() for n, p in runner.named_parameters()}
+
+
 def _structure_refusals() -> dict[str, str]:
     """Hooks on the model itself, and a module replaced after building: the stages never ran them."""
     from autopipe.distributed import DistributedPipeline
@@ -490,6 +514,7 @@ def _job_two(out: Path) -> dict[str, Any]:
     result["integers"] = _integers_between_stages()
     result.update(_structure_refusals())
     result["first_inplace"] = _run(first_inplace_model(), [2, 2], 1, "gpipe")["grads"]
+    result["passed_twice"] = _passed_twice()
     x, y = batch()
     unequal = DistributedPipeline(inplace_model(), balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
     result["unequal_target"] = error_of(lambda: unequal.step(x, target=y[:4]))
@@ -687,6 +712,14 @@ def test_an_in_place_first_layer_gives_the_plain_gradients_from_the_first_step(t
     """The engine's shape probe ran stage 0 on the caller's batch itself: the first layer's write
     stayed in it, so the first step computed on it written twice (loss 0.783 for 0.798)."""
     _assert_grads_equal(_merged(two, "first_inplace"), reference(first_inplace_model(), 1))
+
+
+@pytest.mark.slow
+def test_one_tensor_passed_twice_is_one_tensor_as_in_the_plain_model(two: list[dict[str, Any]]) -> None:
+    model, (x, y) = pair_model(), batch()
+    for xi, yi in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)):
+        (nn.functional.mse_loss(model((xi.clone(),) * 2), yi) / CHUNKS).backward()
+    _assert_grads_equal(_merged(two, "passed_twice"), {n: p.grad for n, p in model.named_parameters()})
 
 
 @pytest.mark.slow

@@ -322,6 +322,8 @@ def _equals(named: Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor, froz
     others: list[set[str]] = [set() for _ in named]
     for i, j in itertools.combinations(range(len(named)), 2):  # each pair compared once
         (what, tensor), (other, twin) = named[i], named[j]
+        if twin is tensor:  # one tensor passed twice (step(x, x), copied once): a write reaches both, as planned
+            continue
         if twin.shape == tensor.shape and twin.dtype == tensor.dtype and torch.equal(twin, tensor):
             others[i].add(other)
             others[j].add(what)
