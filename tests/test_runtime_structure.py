@@ -145,8 +145,8 @@ def test_a_module_replaced_after_building_is_refused(where: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_hooks_torch_export_traced_run_as_traced_and_a_change_is_refused() -> None:
-    """torch.export traces the model's hooks into its graph: they run as at the capture, and one
-    added since would not."""
+    """torch.export traces the model's forward hooks into its graph: they run as at the capture,
+    and one added since would not."""
     torch.manual_seed(0)
     model = StockEncoder().eval()
     model.register_forward_hook(lambda module, args, out: out * 3)
@@ -197,19 +197,28 @@ class Traced(nn.Module):
 
 
 @pytest.mark.timeout(60)
-def test_hooks_torch_fx_traced_through_run_as_traced_and_a_change_is_refused() -> None:
-    """The containers fx traces through run their hooks into the graph: refused as if they
-    would not run, those models stopped working; a hook added after the capture would not run."""
+def test_a_module_with_hooks_is_one_layer_of_a_captured_model_and_one_added_later_is_refused() -> None:
+    """torch.fx traced through ``enc`` and kept only what its forward hooks did to the tensors: a
+    backward hook, or a hook collecting features, never ran.  A module with hooks is now a layer."""
     torch.manual_seed(0)
     model = Traced()
-    model.enc.register_forward_hook(lambda module, args, out: out * 2)
+    seen: list[int] = []
+    model.enc.register_forward_hook(lambda module, args, out: seen.append(len(out)) or out * 2)
+    model.enc.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 0,))
     reference = copy.deepcopy(model)
     chain = autopipe.chain(model, granularity="finer")
-    assert [layer.name for layer in chain] == ["inp", "enc.l1", "enc.l2", "out"]  # enc traced through
-    pipe = autopipe.Pipeline(chain, balance=[2, len(chain) - 2], chunks=2)
-    _assert_trains_like(pipe, reference, torch.randn(6, 8))
-    handle = model.enc.register_forward_pre_hook(lambda module, args: (args[0] * 0,))
-    with pytest.raises(ChainError, match=r"hooks on the model's 'enc' \(Block\) changed since the model was captured"):
+    assert [layer.name for layer in chain] == ["inp", "enc", "out"]
+    pipe = autopipe.Pipeline(chain, balance=[2, 1], chunks=2)
+    seen.clear()
+    _assert_trains_like(pipe, reference, torch.randn(6, 8))  # the backward hook zeroes inp's gradients
+    assert seen[:3] == [3, 3, 6]  # the pipeline's: once per micro-batch, as hooks on a layer are; the plain model's
+    pipe.close()
+    plain = Traced()
+    chain = autopipe.chain(plain, granularity="finer")
+    assert [layer.name for layer in chain] == ["inp", "enc.l1", "enc.l2", "out"]  # traced through
+    pipe = autopipe.Pipeline(chain, balance=[2, 2], chunks=2)
+    handle = plain.enc.register_forward_pre_hook(lambda module, args: (args[0] * 0,))
+    with pytest.raises(ChainError, match=r"the model's 'enc' \(Block\) has hooks .* before the model is read"):
         pipe(torch.randn(6, 8))
     handle.remove()
     assert pipe(torch.randn(6, 8)).shape == (6, 4)
@@ -248,4 +257,19 @@ def test_an_exported_model_refuses_hooks_added_before_building_and_modules_repla
     model.head = nn.Linear(16, 4)
     with pytest.raises(ChainError, match="the model's module at 'head' is a new Linear"):
         pipe(x)
+    pipe.close()
+
+
+@pytest.mark.timeout(60)
+def test_replicas_running_copies_refuse_a_module_swapped_inside_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas on CUDA run copies of the layers: a module swapped inside one (an activation) ran in
+    the first replica only.  Copies are forced here on CPU, as CUDA devices would make them."""
+    from autopipe.runtime import pipeline
+
+    monkeypatch.setattr(pipeline, "shares_parameters", lambda groups: False)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 4))
+    pipe = autopipe.Pipeline(model, balance=[1, 1], devices=["cpu"] * 4, chunks=1, replicas=2)
+    model[0][1] = nn.Tanh()
+    with pytest.raises(ChainError, match=r"the model's module at '0.1' is a new Tanh, not the ReLU"):
+        pipe(torch.randn(4, 8))
     pipe.close()

@@ -199,8 +199,9 @@ class DistributedPipeline:
                 target are missing or differ in batch size, shape or dtype from the first step's;
                 at the first step, the ranks' batches differ in size (the replicas' shares, or the
                 inputs and the target); with replicas, a parameter's ``requires_grad`` changed since
-                construction; a module of the model's layers was replaced since construction, or
-                hooks the stages would not run were put above them (:mod:`autopipe.runtime._structure`).
+                construction; a layer of the model (or a container holding one) was replaced since
+                construction, or hooks the stages would not run were put above them
+                (:mod:`autopipe.runtime._structure`).
                 After the step (which ran with zeros in place of what was refused): a stage's value for
                 the next rank differs in form, shape or dtype from the first step's shape probe; the last
                 stage's output holds no tensor or hides tensors in an object's attributes; ``loss_fn``

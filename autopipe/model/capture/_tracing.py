@@ -89,9 +89,15 @@ class LeafRule:
     def is_extra(self, module: nn.Module, path: str) -> bool:
         return any(spec == path if isinstance(spec, str) else isinstance(module, spec) for spec in self.extra)
 
+    def _whole(self, module: nn.Module, path: str) -> bool:
+        """A user's extra leaf, or a module with hooks: a layer whose call runs them (traced
+        through, fx would keep a forward hook's effect on the tensors but neither a backward hook
+        nor what a hook does besides)."""
+        return self.is_extra(module, path) or any(call_hooks(module))
+
     def is_leaf(self, module: nn.Module, path: str) -> bool:
         """Layers and extra leaves are leaves; their ancestors are traced through; else fx's rule."""
-        if path in self.paths or self.is_extra(module, path):
+        if path in self.paths or self._whole(module, path):
             return True
         if path in self.ancestors:
             return False
@@ -102,7 +108,7 @@ class LeafRule:
         """Top-level children, those leading to a container opened down to its blocks."""
         paths: list[str] = []
         for name, child in self.model.named_children():
-            opened = self._leads_to_container(child) and not self.is_extra(child, name)
+            opened = self._leads_to_container(child) and not self._whole(child, name)
             paths.extend(self._open(child, name, deep=not isinstance(child, _CONTAINERS)) if opened else [name])
         return paths
 
@@ -117,7 +123,7 @@ class LeafRule:
         paths: list[str] = []
         for name, child in module.named_children():
             path = f"{prefix}.{name}"
-            if self.is_extra(child, path):
+            if self._whole(child, path):
                 paths.append(path)
             elif isinstance(child, _CONTAINERS):
                 paths.extend(self._open(child, path))
@@ -129,7 +135,7 @@ class LeafRule:
 
     def _finer(self, path: str) -> list[str]:
         module = self.model.get_submodule(path)
-        whole = module.__module__.startswith("torch.nn") or self.is_extra(module, path)
+        whole = module.__module__.startswith("torch.nn") or self._whole(module, path)
         return [path] if whole or not any(module.children()) else self._open(module, path)
 
 
@@ -251,12 +257,15 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
 
 
 def _with_hooks(traced: Traced, model: nn.Module) -> Traced:
-    """``traced`` with the hooks it ran into its graph: torch.export runs every module's call,
-    the model's own included; torch.fx calls the model's forward itself, and the calls of the
-    modules it traces through (a leaf module's call is a node, which runs its hooks each time)."""
-    exported = traced.mode is not None
+    """``traced`` with the forward hooks torch.export ran into its graph: it runs every module's
+    call, the model's own included, and keeps what a forward hook or pre-hook does to the tensors
+    (not what it does besides: a list it appends to fills at the capture only); a backward hook it
+    drops, so none is recorded (one there is then refused).  torch.fx traces through no module with
+    hooks (they are layers, :class:`LeafRule`): nothing is recorded."""
+    if traced.mode is None:
+        return traced
     modules = model.named_modules(remove_duplicate=False)
-    return replace(traced, hooks={path: call_hooks(module) for path, module in modules if path or exported})
+    return replace(traced, hooks={path: call_hooks(module)[:2] + ((), ()) for path, module in modules})
 
 
 def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: str) -> Traced:
