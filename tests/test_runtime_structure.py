@@ -5,6 +5,7 @@ after the pipeline was built are refused, where each ran silently without them."
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,16 @@ def _assert_trains_like(pipe: nn.Module, model: nn.Module, x: Tensor) -> None:
     ref.pow(2).sum().backward()
     for (name, p), q in zip(pipe.named_parameters(), model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _refused_until_removed(pipe: autopipe.Pipeline, handle: Any, refusal: str) -> None:
+    """A call of ``pipe`` (on 8 features) is refused, naming ``refusal``, until the hook of
+    ``handle`` is removed; the pipeline is then closed."""
+    with pytest.raises(ChainError, match=refusal):
+        pipe(torch.randn(4, 8))
+    handle.remove()
+    assert pipe(torch.randn(4, 8)).shape == (4, 4)
+    pipe.close()
 
 
 @pytest.mark.timeout(60)
@@ -119,11 +130,7 @@ def test_a_hook_added_later_on_a_flattened_container_is_refused() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4))
     pipe = autopipe.Pipeline(autopipe.layer_chain(model), balance=[2, 2], chunks=2)
     handle = model[1].register_full_backward_hook(lambda module, grad_in, grad_out: None)
-    with pytest.raises(ChainError, match=r"the model's '1' \(Sequential\) has hooks.*leaf_modules=\['1'\]"):
-        pipe(torch.randn(4, 8))
-    handle.remove()
-    assert pipe(torch.randn(4, 8)).shape == (4, 4)
-    pipe.close()
+    _refused_until_removed(pipe, handle, r"the model's '1' \(Sequential\) has hooks.*leaf_modules=\['1'\]")
 
 
 @pytest.mark.timeout(60)
@@ -218,11 +225,7 @@ def test_a_module_with_hooks_is_one_layer_of_a_captured_model_and_one_added_late
     assert [layer.name for layer in chain] == ["inp", "enc.l1", "enc.l2", "out"]  # traced through
     pipe = autopipe.Pipeline(chain, balance=[2, 2], chunks=2)
     handle = plain.enc.register_forward_pre_hook(lambda module, args: (args[0] * 0,))
-    with pytest.raises(ChainError, match=r"the model's 'enc' \(Block\) has hooks .* before the model is read"):
-        pipe(torch.randn(6, 8))
-    handle.remove()
-    assert pipe(torch.randn(6, 8)).shape == (6, 4)
-    pipe.close()
+    _refused_until_removed(pipe, handle, r"the model's 'enc' \(Block\) has hooks .* before the model is read")
 
 
 @pytest.mark.timeout(60)
