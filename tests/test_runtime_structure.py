@@ -276,3 +276,33 @@ def test_replicas_running_copies_refuse_a_module_swapped_inside_a_layer(monkeypa
     with pytest.raises(ChainError, match=r"the model's module at '0.1' is a new Tanh, not the ReLU"):
         pipe(torch.randn(4, 8))
     pipe.close()
+
+
+class Stack(nn.Module):
+    """Blocks in a ModuleList, which the forward indexes and never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(8, 8), nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.timeout(60)
+def test_hooks_on_a_module_list_change_nothing() -> None:
+    """A ModuleList's hooks never run, on the plain model either ("hook every module" tools): they
+    made it one layer, its blocks traced through, and the pipeline refused them."""
+    torch.manual_seed(0)
+    model = Stack()
+    names = [layer.name for layer in autopipe.chain(model)]
+    model.blocks.register_forward_hook(lambda module, args, out: out * 0)
+    assert [layer.name for layer in autopipe.chain(model)] == names == ["inp", "blocks.0", "blocks.1", "blocks.2",
+                                                                         "out"]
+    reference = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(autopipe.chain(model), balance=[2, 3], chunks=2)
+    _assert_trains_like(pipe, reference, torch.randn(6, 8))
+    pipe.close()

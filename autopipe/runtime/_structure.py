@@ -61,14 +61,14 @@ class Structure:
         traced = captured[0].traced_hooks if captured else {}
         if any(layer.exported_mode is not None for layer in captured):
             modules = list(model.named_modules(remove_duplicate=False))
-            return Structure(edges + _edges(modules[1:], [("model", model)]), modules, traced)
+            return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced)
         run = {id(module) for layer in layers for module in run_modules(layer.module)}
         inside = (layer.path(name) for layer in layers
                   for name, _ in layer.module.named_modules(remove_duplicate=False))
         prefixes = dict.fromkeys(prefix for path in inside for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
-        return Structure(edges, above, traced)
+        return Structure(edges, _called(above), traced)
 
     def check(self) -> None:
         """Refuse a call if a layer the stages run was replaced (or a container holding it), in
@@ -102,6 +102,12 @@ class Structure:
 
 
 _NONE = call_hooks(nn.Module())
+
+
+def _called(modules: Paths) -> Paths:
+    """Those of ``modules`` a forward may call: not a ``ModuleList`` or ``ModuleDict``, which a
+    forward indexes (their hooks never run, on the plain model either)."""
+    return [(path, module) for path, module in modules if not isinstance(module, (nn.ModuleList, nn.ModuleDict))]
 
 
 def _prefixes(path: str) -> list[str]:
