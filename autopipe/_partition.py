@@ -81,7 +81,7 @@ def partition(
     # profiled in the modes it trains with
     with training_modes(model) if isinstance(model, nn.Module) else nullcontext():
         layers = layer_chain(model, sample_input)  # once: capturing a non-Sequential model traces it
-        Structure.of(None, [], layers, getattr(layers, "model", None)).check_hooks()  # refused now, not after profiling
+        Structure.of(None, [], layers).check_hooks()  # refused now, not after profiling
         inputs = sample_tensors(layers, sample_input)
         plan_options["batch_size"] = _sample_batch(inputs, plan_options.get("batch_size"))
         measured = _profile_for(layers, sample_input, inputs, resolved, profile, quiet)

@@ -108,7 +108,6 @@ class DistributedPipeline:
         replicas: int | None = None,
     ) -> None:
         self.layers = layer_chain(model)
-        source = model if isinstance(model, nn.Module) else getattr(model, "model", None)
         settings = RunSettings.resolve(self.layers, plan, balance, chunks, schedule, checkpoint, batch_size, replicas)
         self.balance, self.chunks, self.schedule_name = settings.balance, settings.chunks, settings.schedule
         self.batch_size = settings.batch_size
@@ -126,7 +125,7 @@ class DistributedPipeline:
         # hooks above them
         held = [(layer.path(name), module) for layer in self.layers
                 for name, module in layer.module.named_modules(remove_duplicate=False) if type(module) is not nn.Module]
-        self._structure = Structure.of(None, [(path, module) for path, module in held if path], self.layers, source)
+        self._structure = Structure.of(None, [(path, module) for path, module in held if path], self.layers)
         self._structure.check()
         spans = skip_spans(self.layers, stage_of_layer(self.balance))
         self.module = StageModule(self.stage_layers, self.rank, self.num_stages, spans,

@@ -41,6 +41,20 @@ def map_tensors(value: Value, fn: Callable[[Tensor], Any]) -> Value:
     return rebuilt(value, {key: map_tensors(item, fn) for key, item in items})
 
 
+def map_distinct(value: Value, fn: Callable[[Tensor], Any], key: Callable[[Tensor], Hashable] = id) -> Value:
+    """:func:`map_tensors` with ``fn`` applied once per ``key`` (default: per tensor object) and its
+    result given to every tensor of that key: tensors that are one stay one (``pipe(x, x)``)."""
+    made: dict[Hashable, Any] = {}
+
+    def once(tensor: Tensor) -> Any:
+        found = key(tensor)
+        if found not in made:
+            made[found] = fn(tensor)
+        return made[found]
+
+    return map_tensors(value, once)
+
+
 def tensors_of(value: Value) -> list[Tensor]:
     """The tensors in ``value``, in the order :func:`map_tensors` visits them."""
     if isinstance(value, Tensor):

@@ -16,9 +16,9 @@ from ..errors import ChainError
 from .skip import SkipKey, skip_keys
 
 __all__ = [
-    "Chain", "Hooks", "Layer", "ChainError", "Span", "attach", "call_hooks", "merge_shared_state", "run_modules",
-    "module_at", "runs_as_sequential", "sequential_forward", "sequential_layers", "sequential_units", "positions",
-    "resnet_layers", "is_torchvision_resnet", "training_flags", "training_modes",
+    "Chain", "Hooks", "Layer", "UNCALLED", "ChainError", "Span", "attach", "call_hooks", "merge_shared_state",
+    "run_modules", "module_at", "runs_as_sequential", "sequential_forward", "sequential_layers", "sequential_units",
+    "positions", "resnet_layers", "is_torchvision_resnet", "training_flags", "training_modes",
 ]
 
 #: The hook dicts a module's call runs around its forward (``register_forward_pre_hook``,
@@ -103,6 +103,9 @@ def positions(sequential: nn.Sequential) -> list[tuple[str, nn.Module]]:
     calls it at every position, so the chain must too (the positions share its parameters)."""
     return [(name, child) for name, child in sequential._modules.items() if child is not None]
 
+
+#: Containers a forward indexes but never calls: their hooks never run, on the plain model either.
+UNCALLED = (nn.ModuleList, nn.ModuleDict)
 
 #: The handles of a module's call hooks, by kind (:func:`call_hooks`).
 Hooks = tuple[tuple[int, ...], ...]

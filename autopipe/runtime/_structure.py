@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import ChainError
 from ..model.capture import CapturedLayer
-from ..model.layers import Hooks, Layer, call_hooks, run_modules
+from ..model.layers import UNCALLED, Hooks, Layer, call_hooks, run_modules
 
 __all__ = ["Structure", "submodule"]
 
@@ -46,11 +46,12 @@ class Structure:
     traced: dict[str, Hooks]
 
     @staticmethod
-    def of(pipe: nn.Module | None, held: Paths, layers: Sequence[Layer], model: nn.Module | None,
-           inside: bool = False) -> Structure:
+    def of(pipe: nn.Module | None, held: Paths, layers: Sequence[Layer], inside: bool = False) -> Structure:
         """What to check of ``pipe`` holding ``held`` (none: only the hooks) that runs ``layers``
-        of ``model``; ``inside``: the modules inside the layers too (replicas run copies).  A
-        layer torch.export captured runs no module of the model: every one is then checked."""
+        (of the model a :class:`~autopipe.model.layers.Chain` was read from, if any); ``inside``:
+        the modules inside the layers too (replicas run copies).  A layer torch.export captured
+        runs no module of the model: every one is then checked."""
+        model: nn.Module | None = getattr(layers, "model", None)
         paths = {path for path, _ in held}
         tops = held if inside else [(path, module) for path, module in held
                                     if not any(prefix in paths for prefix in _prefixes(path))]
@@ -63,9 +64,9 @@ class Structure:
             modules = list(model.named_modules(remove_duplicate=False))
             return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced)
         run = {id(module) for layer in layers for module in run_modules(layer.module)}
-        inside = (layer.path(name) for layer in layers
+        within = (layer.path(name) for layer in layers
                   for name, _ in layer.module.named_modules(remove_duplicate=False))
-        prefixes = dict.fromkeys(prefix for path in inside for prefix in _prefixes(path))
+        prefixes = dict.fromkeys(prefix for path in within for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
         return Structure(edges, _called(above), traced)
@@ -107,7 +108,7 @@ _NONE = call_hooks(nn.Module())
 def _called(modules: Paths) -> Paths:
     """Those of ``modules`` a forward may call: not a ``ModuleList`` or ``ModuleDict``, which a
     forward indexes (their hooks never run, on the plain model either)."""
-    return [(path, module) for path, module in modules if not isinstance(module, (nn.ModuleList, nn.ModuleDict))]
+    return [(path, module) for path, module in modules if not isinstance(module, UNCALLED)]
 
 
 def _prefixes(path: str) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from torch import Tensor
 
-from ..model._tensors import Value, map_tensors, tensors_of
+from ..model._tensors import Value, map_distinct, tensors_of
 
 __all__ = ["InputGuard", "aliased_copies"]
 
@@ -59,15 +59,12 @@ def aliased_copies(inputs: Value) -> Value:
     dtype, class, and a conjugate's or a negation's lazy flag: ``z.conj()`` shares ``z``'s
     memory, not its values).  Two views needing gradients may have their own autograd histories,
     so only the same object shares a clone (the stage's inputs make one leaf of one tensor)."""
-    made: dict[tuple[object, ...], Tensor] = {}
+    return map_distinct(inputs, Tensor.clone, _memory)
 
-    def copy(t: Tensor) -> Tensor:
-        pointer = t.untyped_storage().data_ptr()
-        key: tuple[object, ...] = ((id(t),) if t.requires_grad or not pointer else
-                                   (pointer, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                                    t.is_conj(), t.is_neg(), type(t)))
-        if key not in made:
-            made[key] = t.clone()
-        return made[key]
 
-    return map_tensors(inputs, copy)
+def _memory(t: Tensor) -> tuple[object, ...]:
+    """What :func:`aliased_copies` copies once: the tensor object, or its view of memory."""
+    pointer = t.untyped_storage().data_ptr()
+    if t.requires_grad or not pointer:
+        return (id(t),)
+    return pointer, t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg(), type(t)

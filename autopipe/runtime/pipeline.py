@@ -225,11 +225,10 @@ class Pipeline(nn.Module):
         self.plan, self.chunks, self.checkpoint, self.schedule = plan, chunks, checkpoint, schedule
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
-        source = model if isinstance(model, nn.Module) else getattr(model, "model", None)
-        held = self._register_modules(layers, source)
+        held = self._register_modules(layers, getattr(layers, "model", None))  # the model the chain was read from
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
-        self._structure = Structure.of(self, held, layers, source, inside=not shared and replicas > 1)  # copies
+        self._structure = Structure.of(self, held, layers, inside=not shared and replicas > 1)  # copies
         self._structure.check()
         chains = [layers if r == 0 or shared else copied_layers(layers) for r in range(replicas)]
         self._engines = [Engine(_build_stages(chain, self.balance, group, turns, r if replicas > 1 else None), schedule)

@@ -36,6 +36,7 @@ from .checkpoint import BufferSlot, RandomGuard, RngStates, buffer_slots, buffer
 from ..errors import RAISED_BY, ChainError, add_note
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
+from ..model._tensors import map_distinct
 from .microbatch import Value, map_tensors, tensors_of
 from ..model.skip import SkipKey, use_skip_tracker
 from ..timeline import Event
@@ -629,13 +630,4 @@ def _autocast(run: Run) -> contextlib.ExitStack:
 def _boundaries(value: Value) -> Value:
     """``value`` with each tensor needing a gradient behind a :class:`Boundary`, one for each
     tensor object (``pipe(h, h)``'s two arguments stay one tensor)."""
-    made: dict[int, Tensor] = {}
-
-    def wrapped(tensor: Tensor) -> Tensor:
-        if not tensor.requires_grad:
-            return tensor
-        if id(tensor) not in made:
-            made[id(tensor)] = Boundary.apply(tensor)
-        return made[id(tensor)]
-
-    return map_tensors(value, wrapped)
+    return map_distinct(value, lambda tensor: Boundary.apply(tensor) if tensor.requires_grad else tensor)

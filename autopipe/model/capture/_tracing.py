@@ -20,16 +20,14 @@ from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ...errors import RAISED_BY, add_note
-from ..layers import ChainError, Hooks, call_hooks, training_flags
+from ..layers import UNCALLED, ChainError, Hooks, call_hooks, training_flags
 
 __all__: list[str] = []
 
 Granularity = Literal["module", "finer"]
 LeafSpec = str | type[nn.Module]
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_CONTAINERS = (nn.Sequential, *UNCALLED)
 _FX_DIR = os.path.dirname(fx.__file__)
-#: Containers a forward indexes but never calls: their hooks never run, on the plain model either.
-_UNCALLED = (nn.ModuleList, nn.ModuleDict)
 
 
 #: Python's augmented assignments (``h += y``) as :mod:`operator` functions: on a tensor each writes in place.
@@ -95,7 +93,7 @@ class LeafRule:
         """A user's extra leaf, or a module with hooks: a layer whose call runs them (traced
         through, fx would keep a forward hook's effect on the tensors but neither a backward hook
         nor what a hook does besides)."""
-        return self.is_extra(module, path) or (any(call_hooks(module)) and not isinstance(module, _UNCALLED))
+        return self.is_extra(module, path) or (any(call_hooks(module)) and not isinstance(module, UNCALLED))
 
     def is_leaf(self, module: nn.Module, path: str) -> bool:
         """Layers and extra leaves are leaves; their ancestors are traced through; else fx's rule."""
