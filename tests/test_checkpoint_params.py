@@ -365,3 +365,52 @@ def test_replicas_sharing_a_model_that_writes_its_weights_train_as_the_plain_mod
     nn.functional.mse_loss(in_micro_batches(reference, x), y).backward()
     nn.functional.mse_loss(pipe(x), y).backward()
     assert_same_gradients(pipe, reference)
+
+
+class RunningCenter(nn.Module):
+    """Subtracts a running mean of its inputs that it updates in every forward, kept in a frozen
+    ``nn.Parameter`` or in a buffer: an update that moves the value each time it runs."""
+
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("center", torch.zeros(8, dtype=torch.float64))
+        else:
+            self.center = nn.Parameter(torch.zeros(8, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.center
+
+
+def centering(as_buffer: bool) -> nn.Sequential:
+    """Stage 1 of :func:`pipeline` (layers 2-4) starts with the running center."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), RunningCenter(as_buffer), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("kept_in", ["parameter", "buffer"])
+def test_state_a_forward_moves_each_time_is_replayed_in_a_buffer_and_refused_in_a_parameter(checkpoint: str,
+                                                                                             kept_in: str) -> None:
+    """A recomputation would apply such an update twice and compute from the value the forward
+    left, not the one it read (0.04 off in the output, 0.7 in the gradients).  A buffer is kept
+    and replayed as the forward found it, so the pipeline trains as the plain model; a parameter
+    is not, and the recomputation that moves it is refused, the value put back as the plain
+    model's forwards left it."""
+    reference, net = centering(kept_in == "buffer"), centering(kept_in == "buffer")
+    pipe = pipeline(net, checkpoint)
+    x = batch()
+    outputs = [in_micro_batches(reference, x), pipe(x.detach().requires_grad_())]
+    outputs[0].pow(2).sum().backward()
+    if checkpoint != "never" and kept_in == "parameter":
+        with pytest.raises(RuntimeError, match=r"stage 1 .*, checkpointed micro-batch \d, wrote into parameter\(s\) "
+                                               r"'2.center' .*register_buffer"):
+            outputs[1].pow(2).sum().backward()
+    else:
+        outputs[1].pow(2).sum().backward()
+        assert_close(outputs[1], outputs[0], "output")
+        assert_same_gradients(net, reference)
+    assert_close(net[2].center, reference[2].center, "the running center")

@@ -426,6 +426,25 @@ def first_inplace_model() -> nn.Sequential:
     return nn.Sequential(nn.LeakyReLU(0.1, inplace=True), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+class RunningCenter(nn.Module):
+    """A running mean of its inputs kept in a frozen ``nn.Parameter``, updated in every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.center = nn.Parameter(torch.zeros(8), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.center.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.center
+
+
+def centering_model() -> nn.Sequential:
+    """Balance [2, 3]: the second stage starts with the running center."""
+    torch.manual_seed(8)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), RunningCenter(), nn.Tanh(), nn.Linear(8, 4))
+
+
 class PairWrite(nn.Module):
     """Writes into the first of its pair, then reads the second: ``4x`` where both are ``x``."""
 
@@ -492,6 +511,7 @@ def _job_two(out: Path) -> dict[str, Any]:
     for mode in ("always", "except_last"):
         result[f"forwards_{mode}"] = _forwards_in_second_step(mode)
     result["spectral"] = _run(spectral_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always")["grads"]
+    result["moved_parameter"] = error_of(lambda: _run(centering_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always"))
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = error_of(lambda: runner.step(x, target=y))
@@ -910,6 +930,19 @@ def test_a_last_stage_output_without_a_tensor_is_refused_on_every_rank(two: list
         assert first[form].startswith("DistributedError: another rank refused a value of this step or its loss")
     expected = reference(switched_model(), 2, loss_fn=halves_loss)
     _assert_grads_equal(first["grads"] | last["grads"], expected)
+
+
+@pytest.mark.slow
+def test_a_recomputation_moving_a_parameter_its_forward_wrote_is_refused_on_every_rank(
+        two: list[dict[str, Any]]) -> None:
+    """A running mean kept in an nn.Parameter: the recomputation would update it again and compute
+    from the new value (the in-process runtime refuses it too, tests/test_checkpoint_params.py)."""
+    first, last = (result["moved_parameter"] for result in two)
+    assert last.startswith("DistributedError: stage 1, checkpointed micro-batch 0, wrote into parameter(s) "
+                           "'2.center' in its forward, and its recomputation moved them again")
+    assert "register_buffer" in last
+    assert first.startswith("DistributedError: another rank refused a value of this step or its loss, or a "
+                            "recomputation")
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from ..model.skip import SkipTracker, use_skip_tracker
 from ..runtime.aliases import Watch
 from ..runtime.inplace import aliased_copies
 from ..runtime.checkpoint import (buffer_slots, buffers_kept, buffers_replayed, buffers_restored, checkpointed,
-                                  is_recomputing, recomputing)
+                                  is_recomputing, recomputing, writes_undone)
 from ..runtime.skips import SkipSpan
 
 __all__ = ["StageModule", "zero_on"]
@@ -43,6 +43,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.layer_names = [layer.name for layer in layers]
+        self._path_of = [layer.path for layer in layers]  # each layer's paths in the model, for messages
         self.index = index
         self.is_last = index == num_stages - 1
         self.skips_in = [route.key for route in routes if route.crosses_into(index)]
@@ -140,9 +141,15 @@ class StageModule(nn.Module):
     def _checkpointed(self, *received: Tensor) -> Any:
         """Recompute the stage in backward on its buffers as the forward found them (the later
         micro-batches' forwards update them: a spectral norm's vectors), and put back what the
-        recomputation writes (``nn.BatchNorm`` does not ask :func:`is_recomputing`)."""
+        recomputation writes (``nn.BatchNorm`` does not ask :func:`is_recomputing`), refusing a
+        parameter the forward wrote into and the recomputation moved (:func:`writes_undone`) at the
+        step's end, on every rank."""
         buffers = buffer_slots([self])
         kept = buffers_kept(buffers)
+        named = [(path(name), param) for path, module in zip(self._path_of, self.layers)
+                 for name, param in module.named_parameters()]
+        versions = [param._version for _, param in named]
+        where = f"stage {self.index}, checkpointed micro-batch {self.micro_batch},"
         calls = 0
 
         def run(*args: Tensor) -> Any:
@@ -150,10 +157,15 @@ class StageModule(nn.Module):
             calls += 1
             if calls == 1:
                 return self._run(*args)
-            with recomputing(), buffers_replayed(buffers, kept):
+            written = [(name, param) for (name, param), then in zip(named, versions) if param._version != then]
+            with recomputing(), buffers_replayed(buffers, kept), writes_undone(written, where, self._refuse):
                 return self._run(*args)
 
         return checkpoint_fn(run, *received, use_reentrant=False)
+
+    def _refuse(self, why: str) -> None:
+        """Keep the step's first refusal, which every rank raises at its end."""
+        self.refusal = self.refusal or f"{why}. This step ran on the moved values"
 
     def take_output(self) -> Any:
         """The last stage's output in the micro-batch run last, as its layer returned it, let go here."""

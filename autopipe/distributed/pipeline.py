@@ -220,8 +220,8 @@ class DistributedPipeline:
             # the merged output is not needed, and merging refuses a 0-dim tensor (an auxiliary loss)
             self.schedule.step(*args, return_outputs=False, **kwargs)
             agree(self.module.refusal or self._loss.refusal, self.layout.job_group, self.device,
-                  "another rank refused a value of this step or its loss (that rank's error names the problem and the "
-                  "fix); the step ran with zeros in its place")
+                  "another rank refused a value of this step or its loss, or a recomputation (that rank's error names "
+                  "the problem and the fix); the step ran to its end, so its gradients are not the plain model's")
         average_buffers(self.module, self.layout)
         return torch.stack(losses).detach().sum() if self.is_last else None  # the shares' sum: their mean
 

@@ -9,7 +9,8 @@ A checkpointed micro-batch runs its forward without keeping activations and runs
 * it reads the buffers the forward read, which the forwards of later micro-batches may have
   updated since (a spectral norm's power-iteration vectors), and what it writes into them
   (batch norm statistics, counters: the forward wrote them already) is undone
-  (:func:`buffers_replayed`).
+  (:func:`buffers_replayed`); a parameter the forward writes into is left as the
+  recomputation found it, and refused where the recomputation moves it (:func:`writes_undone`).
 
 Random numbers come from process-global generators (one for the CPU, one per CUDA device),
 and stages run on concurrent threads.  Saving a generator's state before a forward and
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Container, Iterable, Iterator, Sequence
+from typing import Callable, Container, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ from torch import nn
 from ..planning.schedules import checkpointed
 
 __all__ = ["BufferSlot", "buffer_slots", "buffers_kept", "buffers_replayed", "buffers_restored", "checkpointed",
-           "is_recomputing", "put", "recomputing", "slot_tensor", "RandomGuard"]
+           "is_recomputing", "put", "recomputing", "slot_tensor", "writes_undone", "RandomGuard"]
 
 _local = threading.local()
 
@@ -119,6 +120,35 @@ def buffers_replayed(slots: Sequence[BufferSlot], values: Sequence[torch.Tensor]
         for slot, value in zip(slots, values):
             put(slot, value)
         yield
+
+
+@contextlib.contextmanager
+def writes_undone(written: Sequence[tuple[str, torch.Tensor]], where: str,
+                  refuse: Callable[[str], None]) -> Iterator[None]:
+    """Put back the parameters a forward wrote into (``written``, named) as its recomputation found
+    them, and pass ``refuse`` why the recomputation is refused (naming the stage and micro-batch,
+    ``where``) if it changed one: a write that gives the same values again (``max_norm``'s
+    renormalisation, a clamp) recomputes the forward, but one that moves them each time (a running
+    average kept in a frozen ``nn.Parameter``) would apply twice and recompute from other values
+    than the forward read.  Buffers, unlike parameters, are kept and replayed as the forward found
+    them.  Also where the recomputation ends early (``torch.utils.checkpoint`` stops it once it has
+    what the backward needs)."""
+    kept = [(name, param, param.detach().clone()) for name, param in written]
+    try:
+        yield
+    finally:
+        moved = []
+        with torch.no_grad():
+            for name, param, value in kept:
+                if not torch.equal(param, value):
+                    param.copy_(value)
+                    moved.append(repr(name))
+        if moved:
+            refuse(f"{where} wrote into parameter(s) {', '.join(moved)} in its forward, and its recomputation "
+                   "moved them again (a running statistic kept in an nn.Parameter?): it would apply the update "
+                   "twice and recompute from other values than its forward read, giving other gradients than the "
+                   "plain model. Fix: keep such state in a buffer (module.register_buffer(name, tensor)), which "
+                   "checkpointing keeps and replays as the forward found it, or use checkpoint='never'")
 
 
 def is_recomputing() -> bool:

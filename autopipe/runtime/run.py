@@ -126,7 +126,8 @@ class Saved:
     at ``versions`` (their version counters at the forward: a leaf may be the caller's batch,
     which the caller may write into before the backward), with the stage's ``params`` as the
     forward left them (:class:`ParamsAtForward`: an ``optimizer.step()`` or a freeze toggled
-    before the backward must not reach the recomputation).
+    before the backward must not reach the recomputation) and those its forward wrote into
+    (``written``, which the recomputation must leave as it found them).
     """
 
     args: tuple[Any, ...]
@@ -138,6 +139,7 @@ class Saved:
     modes: tuple[bool, ...] | None = None
     versions: list[int] | None = None
     params: ParamsAtForward | None = None
+    written: list[tuple[str, Tensor]] | None = None
 
 
 @dataclass(frozen=True)

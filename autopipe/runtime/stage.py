@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from .._vocab import EventKind, TaskKind
 from .batchnorm import DeferredBatchNorm, micro_batch_forward
-from .checkpoint import BufferSlot, RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed
+from .checkpoint import (BufferSlot, RandomGuard, RngStates, buffer_slots, buffers_kept, buffers_replayed,
+                         writes_undone)
 from ..errors import RAISED_BY, ChainError, add_note
 from ..device import DeviceOps, ops_for
 from ..model.layers import Layer
@@ -177,7 +178,7 @@ class Stage:
             begin = run.ms()
             with self._on_stream(), torch.set_grad_enabled(run.grad_enabled and not checkpointed):
                 kept = buffers_kept(self.replayed) if checkpointed else None
-                with self._random(run) as rng, micro_batch_forward(run.step), self._writes_counted():
+                with self._random(run) as rng, micro_batch_forward(run.step), self._writes_counted() as written:
                     output, leaving, watch = self._compute(run, j, args, skips,
                                                            wrap=run.grad_enabled and not checkpointed,
                                                            keep=checkpointed or self.index == 0,
@@ -187,7 +188,8 @@ class Stage:
         if run.grad_enabled:
             saved = Saved(args, skips, rng=rng, buffers=kept, modes=self._modes() if checkpointed else None,
                           versions=_versions((args, skips)) if checkpointed else None,
-                          params=self._params_at_forward() if checkpointed else None)
+                          params=self._params_at_forward() if checkpointed else None,
+                          written=written if checkpointed else None)
             if not checkpointed:
                 saved.output, saved.leaving = output, leaving
             run.saved[self.index][j] = saved
@@ -199,22 +201,25 @@ class Stage:
         return ParamsAtForward(tracked.named, tracked.foreign(), [p.requires_grad for p in tracked.params])
 
     @contextlib.contextmanager
-    def _writes_counted(self) -> Iterator[None]:
+    def _writes_counted(self) -> Iterator[list[tuple[str, Tensor]]]:
         """Count the writes the stage's own forward or recomputation makes into its parameters
         (an Embedding's ``max_norm`` renormalises its weight in place, a max-norm constraint
         clamps it), which the plain model makes too: a checkpointed micro-batch refuses only
-        the others'.  Nothing to count before the stage's first checkpointed forward."""
+        the others'.  Nothing to count before the stage's first checkpointed forward.  Yields
+        the list it fills, on leaving, with the parameters written (named)."""
+        written: list[tuple[str, Tensor]] = []
         if not self._counting:
-            yield
+            yield written
             return
         tracked = self._phase_params()
         before = tracked.versions()
         try:
-            yield
+            yield written
         finally:
             after = tracked.versions()
             if after != before:
                 tracked.own = [own + now - then for own, then, now in zip(tracked.own, before, after)]
+                written += [named for named, then, now in zip(tracked.named, before, after) if now != then]
 
     def _random(self, run: Run) -> contextlib.AbstractContextManager[RngStates | None]:
         if run.replays:
@@ -408,11 +413,15 @@ class Stage:
     def _recompute(self, run: Run, j: int, saved: Saved) -> tuple[Value, dict[SkipKey, Value]]:
         self._check_inputs_unchanged(j, saved)
         self._check_params_unchanged(j, saved)
-        with torch.enable_grad(), self.random.replay(saved.rng), self._writes_counted():
+        refused: list[str] = []
+        with torch.enable_grad(), self.random.replay(saved.rng), self._writes_counted(), \
+                writes_undone(saved.written or [], f"{self.name}, checkpointed micro-batch {j},", refused.append):
             # keep: a received tensor may be the sender's own saved input (a stage that passes its
             # input on, as output or skip), which the sender's recomputation reads after this one
             output, leaving, _ = self._compute(run, j, saved.args, saved.skips, wrap=True, keep=True)
-            return output, leaving
+        if refused:
+            raise RuntimeError(refused[0])
+        return output, leaving
 
     def _check_inputs_unchanged(self, j: int, saved: Saved) -> None:
         """Refuse to recompute micro-batch ``j`` from inputs written in place since its forward
@@ -490,7 +499,7 @@ class Stage:
         """This stage's buffers to itself among the replicas sharing them, in a call that
         replays them.  Taken after the turn and before the random generators' locks, in the
         forward as in the backward."""
-        held = self.replay_lock is not None and run.replays and bool(self.replayed)
+        held = self.replay_lock is not None and run.replays and (bool(self.replayed) or any(self._tracked.own))
         return self.replay_lock if held else contextlib.nullcontext()
 
     def _send_backward(self, run: Run, j: int, saved: Saved) -> None:
