@@ -13,7 +13,7 @@ from helpers import all_splits
 from synthetic import make_profile, random_profile
 
 from autopipe.planning import interleaved
-from autopipe.planning.cost import CostModel
+from autopipe.planning.cost import CostModel, replica_copies
 from autopipe.planning.placement import permuted
 from autopipe.planning.plans import Plan, placement
 from autopipe.planning.replicas import _reductions, plan, reduction_time
@@ -28,13 +28,15 @@ def brute_force(profile: Profile, devices: int, limit: float, families: Sequence
     """Least total time over every replica count (or ``counts``), plan of ``families`` (schedule
     and stages per device), split, micro-batch count and mode (``always`` too under 1F1B, as the
     planner's ``checkpoint="auto"``), and with ``speeds`` (of each replica's devices) every order
-    of the devices, with the reduction tail computed here from the simulator's timeline; and the
-    replicas and stages of that optimum."""
+    of the devices, with the reduction tail computed here from the simulator's timeline (each
+    replica's pipeline on the slowest of the replicas' links between the same positions); and
+    the replicas and stages of that optimum."""
     best = (math.inf, 0, 0)
     batch = profile.batch_size if batch is None else batch
     for replicas in counts or [r for r in range(1, devices + 1) if devices % r == 0]:
         per, share = devices // replicas, -(-batch // replicas)
-        model = CostModel(profile, ["cpu"] * per, speeds or [1.0] * per, share, 2.0, "local")
+        links = replica_copies(profile, [["cpu"] * per] * replicas)  # the slowest replica's, per pair
+        model = CostModel(profile, ["cpu"] * per, speeds or [1.0] * per, share, 2.0, "local", links)
         orders = itertools.permutations(range(per)) if speeds else [tuple(range(per))]
         for order, (schedule, interleave) in itertools.product(orders, families):
             moved = permuted(model, order)
@@ -142,6 +144,16 @@ def test_hybrid_plan_layout_prediction_and_file(tmp_path) -> None:
     saved = Plan.load(chosen.save(tmp_path / "plan.json"))
     assert saved.replicas == 2 and saved.replica_devices == chosen.replica_devices
     assert saved.predicted == chosen.predicted
+
+
+@pytest.mark.parametrize("limit", [math.inf, [math.inf, 1e9]])
+def test_an_infinite_memory_limit_is_saved_as_none(tmp_path, limit) -> None:
+    """No limit, as the pipeline planner records it: JSON holds no infinity (save() refused it)."""
+    profile = make_profile([1.0] * 4, devices=2, output_bytes=100, param_bytes=1000)
+    chosen = plan(profile, 2, memory_limit=limit, time_limit=None)
+    saved = Plan.load(chosen.save(tmp_path / "plan.json"))
+    assert saved.options["memory_limit"] == (None if limit == math.inf else [None, 1e9])
+    assert saved.to_json() == chosen.to_json()
 
 
 def test_old_files_load_as_one_replica_and_estimate_reduction(tmp_path) -> None:
@@ -302,3 +314,24 @@ def test_frozen_parameters_are_not_reduced():
     profile.layers[0].grad_param_bytes = 0  # layer 0 frozen: its stage has no gradient to reduce
     frozen = _reductions(profile, [0, 1, 2], 2, "local")
     assert trained[0] > 0 and frozen == [0.0, trained[1]]
+
+
+def test_every_replicas_links_are_priced_not_the_first_replicas_alone() -> None:
+    """Replica 1's devices are joined by a slow link (another node): a plan of two replicas pays
+    it, as the step waits for the slowest replica, so it is no faster than either replica's own
+    pipeline, and the planner keeps the one pipeline on the fast link (it chose two replicas at a
+    predicted 30 ms, gap 0, that would take 138)."""
+    names = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    copies = {(i, j): (0.01, 1e-6) for i in range(4) for j in range(4) if i != j}
+    copies[2, 3] = copies[3, 2] = (50.0, 1e-3)
+    profile = make_profile([4.0] * 4, devices=names, output_bytes=1000, param_bytes=100_000, copies=copies)
+    profile.reductions = [ReductionFit("local", 2, 0.0, 1e-6, [])]
+    limit = 0.8 * CostModel(profile, names[:1], [1.0], 8).evaluate((0, 4), 8, "always").peak_memory
+    two = plan(profile, names, memory_limit=limit, interleave=1, replicas=2, time_limit=None)
+    bounds = [stage.start for stage in two.stages] + [two.stages[-1].stop]
+    for group in two.replica_devices:
+        own = CostModel(profile, group, [1.0] * len(group), two.batch_size // 2).evaluate(bounds, two.chunks,
+                                                                                          two.checkpoint)
+        assert two.predicted.iteration_ms >= own.iteration_ms - 1e-9, group
+    chosen = plan(profile, names, memory_limit=limit, interleave=1, time_limit=None)
+    assert chosen.replicas == 1 and chosen.predicted.iteration_ms < two.predicted.iteration_ms

@@ -19,7 +19,7 @@ from ..profiling.profiles import Profile
 from .memory import optimizer_factor
 
 __all__ = ["Options", "candidate_chunks", "check_replica_share", "device_names", "device_speeds", "memory_limits",
-           "parse_bytes", "MAX_DEVICES"]
+           "parse_bytes", "recorded_limit", "MAX_DEVICES"]
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,15 @@ class Options:
 
     def record(self) -> dict[str, Any]:
         """The options as JSON for the plan file."""
-        limit = self.given["memory_limit"]
-        shown = [_finite(v) for v in limit] if isinstance(limit, (list, tuple)) else _finite(limit)
-        return {**self.given, "memory_limit": shown,
+        return {**self.given, "memory_limit": recorded_limit(self.given["memory_limit"]),
                 "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in self.limits]}
 
 
-def _finite(limit: Any) -> Any:
-    """A limit as JSON can hold it: an infinite one (no limit) as ``None``."""
+def recorded_limit(limit: Any) -> Any:
+    """The ``memory_limit`` asked for (one, or one per device) as a plan file holds it: an
+    infinite one (no limit) as ``None``, which JSON can hold."""
+    if isinstance(limit, (list, tuple)):
+        return [recorded_limit(v) for v in limit]
     return None if isinstance(limit, float) and math.isinf(limit) else limit
 
 

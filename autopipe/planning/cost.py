@@ -82,7 +82,7 @@ from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer
 from .schedules import in_flight, saved_sets
 from ..profiling.profiles import Profile
 
-__all__ = ["interpolate", "copy_matrix", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
+__all__ = ["interpolate", "copy_matrix", "replica_copies", "CostModel", "SizeCosts", "StageLanes", "Evaluation",
            "phase_makespan", "backward_makespan", "recomputations", "effective_mode"]
 
 
@@ -145,6 +145,19 @@ def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, n
             src, dst = missing[0]
             raise _unmeasured(profile, devices[src], devices[dst])
     return latency, per_byte
+
+
+def replica_copies(profile: Profile, groups: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+    """Latency and ms/byte between every ordered pair of positions in a replica's pipeline, where
+    replica ``r`` runs on devices ``groups[r]``: the largest of the replicas' latencies and of their
+    times per byte (:func:`copy_matrix` of all devices, position ``i`` of replica ``r`` at
+    ``r·k + i``).  The replicas run side by side and the step waits for the slowest, so a link
+    slower in one replica (another node, another interconnect) is what the plan pays; where the
+    slowest link in latency is not the slowest per byte, this prices above every replica."""
+    latency, per_byte = copy_matrix(profile, [device for group in groups for device in group])
+    per = len(groups[0])
+    at = np.arange(len(groups))[:, None] * per + np.arange(per)  # [replica, position]: index in all devices
+    return tuple(table[at[:, :, None], at[:, None, :]].max(axis=0) for table in (latency, per_byte))  # type: ignore[return-value]
 
 
 def _unmeasured(profile: Profile, src: str, dst: str) -> DeviceError:
@@ -213,7 +226,8 @@ class CostModel:
     """Costs of a profiled chain on given plan devices; see the module docstring for formulas."""
 
     def __init__(self, profile: Profile, devices: Sequence[str], speeds: Sequence[float],
-                 batch_size: int, optimizer_state: str | float = "momentum", engine: EngineName = "local") -> None:
+                 batch_size: int, optimizer_state: str | float = "momentum", engine: EngineName = "local",
+                 copies: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         check_choice(engine, "engine", ENGINES)
         self.profile = profile
         self.relayed = engine == "distributed"
@@ -224,7 +238,9 @@ class CostModel:
         self.optimizer_state_factor = optimizer_factor(optimizer_state)
         self.optimizer_step_factor = step_factor(optimizer_state)
         self.own_copies = not all(d.startswith("cpu") for d in self.devices)  # see planning.memory
-        self.latency, self.per_byte = copy_matrix(profile, devices)
+        # latency and ms/byte per pair of devices: the devices' own, or those a replica plan
+        # prices every replica's pipeline with (replica_copies)
+        self.latency, self.per_byte = copy_matrix(profile, devices) if copies is None else copies
         self._sizes: dict[int, SizeCosts] = {}
         self._per_size = _per_size(profile)
 

@@ -9,7 +9,10 @@ Cost of a plan (ms), per replica — they are identical and run at once:
 
 * the pipeline's own fill-drain time ``T`` at batch ``ceil(B / R)``, exactly as
   :mod:`autopipe.planning.cost` prices it, with the replica's memory (its stages' parameters,
-  gradients, optimizer state, and activations of its share of the batch);
+  gradients, optimizer state, and activations of its share of the batch), on the strictest of the
+  replicas' memory limits, the slowest of their speeds and the slowest of their links between
+  the same positions (:func:`~autopipe.planning.cost.replica_copies`: a replica whose devices
+  are joined by a slower link holds the others back);
 * plus the gradient reduction: stage ``s`` starts reducing its parameter bytes ``P_s`` across
   the replicas when its last backward micro-batch ends (``e_s``, from the simulator), on a
   lane of its own (as DDP overlaps buckets with the backward), so the iteration ends at
@@ -54,10 +57,10 @@ from ..profiling.profiles import Profile
 from ..timeline import Event
 from . import placement as placements
 from ._budget import Budget
-from .cost import CostModel
+from .cost import CostModel, replica_copies
 from .plans import Plan
 from .simulate import Simulation, simulate, simulate_plan
-from ._options import check_replica_share, device_speeds, plan_batch_size
+from ._options import check_replica_share, device_speeds, plan_batch_size, recorded_limit
 from .solver import PlanningError, build_plan, candidate_chunks, device_names, memory_limits, search_pipeline
 
 __all__ = ["plan", "replica_counts", "reduction_time", "with_reduction", "pure_data_parallel",
@@ -232,7 +235,7 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
     best.options.update({
         "devices": names, "batch_size": batch, "replicas": replicas, "replicas_searched": tried,
         "time_limit": time_limit,
-        "memory_limit": list(memory_limit) if isinstance(memory_limit, (list, tuple)) else memory_limit,
+        "memory_limit": recorded_limit(memory_limit),
         "memory_limit_bytes": [None if math.isinf(v) else int(v) for v in limits], "speeds": rates,
         "reduction": "measured" if measured else "estimated from copy fits",
     })
@@ -242,23 +245,26 @@ def plan(profile: Profile | str | os.PathLike[str], devices: Sequence[Any] | int
 def _replicated(profile: Profile, names: list[str], count: int, batch: int, limits: np.ndarray,
                 rates: list[float], engine: str, options: dict[str, Any], budget: Budget) -> Plan:
     """The best plan of ``count`` replicas: one replica's pipeline on the strictest of the
-    replicas' device limits and the slowest of their speeds, with its reduction tail."""
+    replicas' device limits, the slowest of their speeds and of their links between the same
+    positions (:func:`~autopipe.planning.cost.replica_copies`), with its reduction tail."""
     per = len(names) // count
     groups = [names[r * per:(r + 1) * per] for r in range(count)]
     limit = limits.reshape(count, per).min(axis=0)
     speed = np.asarray(rates).reshape(count, per).min(axis=0)
     share = -(-batch // count)
     check_replica_share(batch, count, profile.batch_sizes, equal=engine == "distributed")
+    copies = replica_copies(profile, groups)
     pipeline = search_pipeline(profile, groups[0], batch_size=share,
                              memory_limit=[None if math.isinf(v) else float(v) for v in limit],
-                             speeds=[float(v) for v in speed], engine=engine, budget=budget, **options)
+                             speeds=[float(v) for v in speed], engine=engine, budget=budget, copies=copies,
+                             **options)
     bound = pipeline.predicted.lower_bound_ms
     # exact: the total found is the least of the plans priced with their tails, or whose totals
     # follow from their pipeline times (without several replicas of several stages the least
     # pipeline time is the least total: no tail, or one stage's, after the pipeline's end)
     exact, others = pipeline.predicted.gap == 0, False
     if count > 1 and per > 1:
-        pipeline = _least_total(profile, pipeline, count, engine, budget)
+        pipeline = _least_total(profile, pipeline, count, engine, budget, copies)
         exact, others = pipeline.options["replica_split"] == "least total", not _fill_drain_only(pipeline.options)
     order = pipeline.options.get("device_order", list(range(per)))  # the pipeline's devices, as placed
     replica_devices = [[group[order[d]] for d in pipeline.placement] for group in groups]
@@ -291,16 +297,19 @@ def _floor(profile: Profile, pipeline: Plan, replicas: int, engine: str) -> floa
     return forward / max(options["speeds"]) + reduction_time(profile, engine, replicas, params / stages)[0]
 
 
-def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget) -> Plan:
+def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, budget: Budget,
+                 copies: tuple[np.ndarray, np.ndarray]) -> Plan:
     """The replica pipeline of least total time (pipeline + reduction tail), starting from
     ``pipeline``, the one of least pipeline time: every one-stage-per-device fill-drain
     ``(split, chunks, mode)``, on the devices in each order the pipeline search tried
     (:func:`_placements`), whose pipeline time is under the best total is priced, until
     ``budget`` runs out (the plan's options then say the search was cut).  Only where the
-    options allow such plans: a schedule or stages per device asked for stay as asked."""
+    options allow such plans: a schedule or stages per device asked for stay as asked.
+    ``copies``: the replicas' links, as the pipeline search priced them."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
-    model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine)
+    model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine,
+                      copies)
     layers = model.layers
     limits = np.asarray([math.inf if v is None else v for v in options["memory_limit_bytes"]], dtype=float)
     allowed = options["schedule"] in ("gpipe", "auto") and 1 in options["interleaves_searched"]

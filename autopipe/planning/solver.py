@@ -126,16 +126,17 @@ def search_pipeline(profile: Profile, devices: Sequence[Any] | int | None = None
                     schedule: Schedule | str = "gpipe", speeds: Sequence[float] | None = None,
                     chunks: int | None = None, engine: EngineName = "local", interleave: int | str = "auto",
                     time_limit: float | None = 1.0, placement: str = "given", budget: Budget,
-                    digest: str) -> Plan:
+                    digest: str, copies: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
     """:func:`plan` of a profile already validated, whose ``digest`` the caller has (the replica
     search validates it once for all its pipeline searches), within ``budget`` (``time_limit``
-    is what the plan records)."""
+    is what the plan records); ``copies``: latency and ms/byte per pair of ``devices`` in place of
+    theirs (a replica plan's, :func:`~autopipe.planning.cost.replica_copies`)."""
     check_choice(placement, "placement", placements.PLACEMENTS)
     names = device_names(profile, devices)
     options = Options.check(profile, names, batch_size, memory_limit, checkpoint,
                              optimizer_state, schedule, speeds, chunks, engine, interleave)
     model = CostModel(profile, names, options.speeds,
-                      options.batch_size, optimizer_state, engine)
+                      options.batch_size, optimizer_state, engine, copies)
     searched, complete = placements.orders(model, placement, options.limits)
     choice, lower, order, tried = None, math.inf, searched[0], 0
     for candidate_order in searched:  # each order only looks for plans faster than the best so far
