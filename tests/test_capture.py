@@ -646,6 +646,71 @@ def test_buffer_assigned_in_a_traced_forward_is_refused() -> None:
             assert type(model.body.calls) is Tensor and model.body.calls.item() == 0
 
 
+class _Tempered(nn.Module):
+    """Reads plain Python values in forwards fx traces through: the model's ``temperature`` and
+    its ``body``'s ``scale`` (``body`` holds two blocks, so it is opened into them); keeps a mask
+    as a plain tensor attribute; ``count`` makes it assign a counter, ``cache`` write into a
+    plain tensor attribute."""
+
+    def __init__(self, count: bool = False, cache: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.body = _ScaledBlocks()
+        self.temperature, self.calls, self.count, self.writes = 1.0, 0, count, cache
+        self.mask, self.cache = torch.ones(4), torch.ones(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.count:
+            self.calls += 1
+        if self.writes:
+            self.cache.mul_(1.5)
+        return self.head(self.body(self.stem(x)) * self.mask) / self.temperature
+
+
+class _ScaledBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.scale = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.blocks(x) * self.scale
+
+
+def test_plain_values_a_traced_forward_reads_are_refused_once_changed() -> None:
+    """torch.fx writes ``self.temperature`` and ``self.body.scale`` into the graph as constants: a
+    pipeline on the capture computed with them after the training loop changed them (0.42 off at
+    0.5), and a plain tensor attribute became a key of its state_dict.  A change is refused naming
+    the value and the fixes; a capture made after it computes with the new value."""
+    model = _Tempered()
+    x = torch.randn(6, 3)
+    pipe = autopipe.Pipeline(chain(model), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(x), model(x))
+    assert sorted(pipe.state_dict()) == sorted(model.state_dict())
+    for path, value in (("temperature", 0.5), ("body.scale", 3.0)):
+        owner = model.get_submodule(path.rpartition(".")[0])
+        before, _ = getattr(owner, path.rpartition(".")[2]), setattr(owner, path.rpartition(".")[2], value)
+        with pytest.raises(ChainError, match=rf"read model.{path} = {before!r} at the capture.*{value!r} now.*"
+                                             r"Capture the model again.*register_buffer"):
+            pipe(x)
+        again = autopipe.Pipeline(chain(model), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+        torch.testing.assert_close(again(x), model(x))
+        setattr(owner, path.rpartition(".")[2], before)
+    torch.testing.assert_close(pipe(x), model(x))  # the captured values back: runs again
+
+
+@pytest.mark.parametrize("kind", ["count", "cache"])
+def test_a_traced_forward_that_changes_its_python_state_is_refused_and_left_as_it_was(kind: str) -> None:
+    """A counter (``self.calls += 1``) or a plain tensor attribute written in place runs once, at the
+    capture (twice: both train/eval modes are traced), and never in the chain: refused naming it,
+    with the model's values as before the capture (the counter read 2, the tensor 2.25)."""
+    model = _Tempered(**{kind: True})
+    with pytest.raises(CaptureError, match=rf"assigns the attributes \['{'calls' if kind == 'count' else 'cache'}'\]"
+                                           r".*register_buffer"):
+        chain(model)
+    assert model.calls == 0 and torch.equal(model.cache, torch.ones(4))
+
+
 @pytest.mark.parametrize("exported", [False, True])
 def test_buffer_updated_by_augmented_assignment_trains_as_the_model(exported: bool) -> None:
     """fx's own proxies trace ``self.calls += 1`` as ``self.calls = self.calls + 1``; captured by

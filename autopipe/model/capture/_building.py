@@ -107,6 +107,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             batch_ranges=traced.batch_ranges if index == 0 else None,
             input_dtypes=traced.input_dtypes if index == 0 else None,
             traced_hooks=traced.hooks,
+            traced_reads=traced.reads,
         ).isolate(namespace)
         layers.append(Layer(names[index], module, module.stash_keys(), module.pop_keys(), prefix=""))
     return layers
@@ -131,7 +132,8 @@ def _skip_name(node: fx.Node, consumer: str) -> str:
 
 def _constants_not_saved(code: fx.GraphModule, state: frozenset[str]) -> None:
     """Tensors that export lifted out of the forward (``lifted_tensor_0``: a constant the forward
-    makes) are buffers of the layer but not state of the model: kept out of ``state_dict``."""
+    makes), or that fx found in a module's plain attribute (``self.mask = torch.ones(...)``, not a
+    buffer), are buffers of the layer but not state of the model: kept out of ``state_dict``."""
     for name, _ in list(code.named_buffers()):
         if name not in state:
             owner, _, leaf = name.rpartition(".")

@@ -83,9 +83,12 @@ class CapturedLayer(Skippable):
         positional_names: Sequence[str] = (),
         input_dtypes: Sequence[torch.dtype | None] | None = None,
         traced_hooks: Mapping[str, Hooks] | None = None,
+        traced_reads: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.traced_hooks = dict(traced_hooks or {})  # the model's hooks the trace ran into the graph, by path
+        # the plain attributes the traced forwards read, as the graph keeps them, by module path and name
+        self.traced_reads = {path: dict(names) for path, names in (traced_reads or {}).items()}
         self.input_dtypes = None if input_dtypes is None else tuple(input_dtypes)
         self.captured_autocast = autocast_state()
         self.captured_dtypes = {name: t.dtype for name, t in (*code.named_parameters(), *code.named_buffers())}
