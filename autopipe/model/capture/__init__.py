@@ -40,7 +40,11 @@ def chain(
     A traced forward that reads ``self.training`` keeps the capture's mode, and its layers refuse
     the other (modules such as ``nn.Dropout`` are calls, free of it).  fx's inputs are the forward's
     arguments, by position or name, except those with defaults that the sample does not give as
-    tensors, which are fixed (a call passing one, by name or position, is refused).  The
+    tensors, which are fixed (a call may pass one with its fixed value, or leave it out where that
+    is its default; another value is refused), as the numbers and flags of an export's sample are.
+    The plain values a traced forward reads from its modules (``self.temperature``) are constants
+    of the graph: a call after one changed is refused, and a forward that assigns an attribute or
+    writes into a tensor attribute that is no buffer is refused at the capture.  The
     nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
     input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made), but never
     above an operation that may write in place, which stays where it is; a value that the next

@@ -76,11 +76,13 @@ class CapturedLayer(Skippable):
         keywords: Sequence[str] = (),
         output_spec: TreeSpec | None = None,
         input_sizes: Sequence[tuple[int, ...] | None] | None = None,
+        input_constants: Sequence[tuple[int, Any]] = (),
         traced_mode: bool | None = None,
         argument_names: Sequence[str] = (),
         batch_sizes: Sequence[int | None] | None = None,
         batch_ranges: Sequence[tuple[int, int | None] | None] | None = None,
         positional_names: Sequence[str] = (),
+        fixed: Mapping[str, tuple[Any, Any]] | None = None,
         input_dtypes: Sequence[torch.dtype | None] | None = None,
         traced_hooks: Mapping[str, Hooks] | None = None,
         traced_reads: Mapping[str, Mapping[str, Any]] | None = None,
@@ -95,10 +97,12 @@ class CapturedLayer(Skippable):
         self.keywords = tuple(keywords)
         self.argument_names = tuple(argument_names)
         self.positional_names = tuple(positional_names)
+        self.fixed = dict(fixed or {})  # fx: an argument the capture fixed: its value in the graph, its default
         self.batch_sizes = None if batch_sizes is None else tuple(batch_sizes)
         self.batch_ranges = None if batch_ranges is None else tuple(batch_ranges)
         self.traced_mode = traced_mode
         self.input_sizes = None if input_sizes is None else tuple(input_sizes)
+        self.input_constants = tuple(input_constants)
         self.output_spec = output_spec
         self._modules.update(code._modules)
         self._parameters.update(code._parameters)
@@ -126,9 +130,12 @@ class CapturedLayer(Skippable):
             ValueError: an input's size other than the batch's differs from the sample's, which
                 the exported graph keeps (a sequence length).
             CapturedCallError: an input's dtype differs from the sample's, which the exported
-                graph keeps (a bool attention mask captured as int64).
+                graph keeps (a bool attention mask captured as int64), or an input that is no
+                tensor (a number, a flag) differs from the sample's, which it keeps too.
         """
         bound = self._keywords(args, kwargs)
+        if self.input_constants:
+            self._check_constants(bound)
         if self.input_sizes is not None:
             self._check_sizes(bound)
         if self.input_dtypes is not None:
@@ -164,8 +171,20 @@ class CapturedLayer(Skippable):
     def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """A traced forward's arguments bound as the forward binds them (by position in the order of
         its parameters, fixed ones too, then by name), in the graph's order.  An argument the
-        capture fixed is refused however it is given: the graph holds its value."""
+        capture fixed may be given with the value the graph holds, or left out where that is its
+        default; another value is refused."""
         given = {**dict(zip(self.positional_names, args)), **kwargs}
+        for name, (value, default) in self.fixed.items():
+            passed = given.pop(name, _LEFT_OUT)
+            if not _same(default if passed is _LEFT_OUT else passed, value):
+                shown = "a tensor" if isinstance(passed, Tensor) else repr(passed)
+                called = f"leaves it at its default {default!r}" if passed is _LEFT_OUT else f"passes {shown}"
+                raise CapturedCallError(
+                    f"the model's traced forward was captured with {name}={value!r}, which torch.fx fixed in its "
+                    f"graph (an argument with a default that the sample gives as no tensor), and this call {called}; "
+                    f"pass {name}={value!r}, or capture it again with the value it is called with "
+                    "(autopipe.chain(model, sample) then autopipe.Pipeline), or with a sample that passes it as a "
+                    "tensor")
         missing = [name for name in self.argument_names if name not in given]
         unexpected = [name for name in given if name not in self.argument_names] + [
             f"{name} (given twice)" for name in self.positional_names[:len(args)] if name in kwargs] + [
@@ -174,11 +193,23 @@ class CapturedLayer(Skippable):
             raise CapturedCallError(
                 f"the model's traced forward takes {list(self.argument_names)} and is called with {len(args)} "
                 f"positional (its parameters {list(self.positional_names)} in order) and the keyword arguments "
-                f"{list(kwargs)}: missing {missing}, unexpected {unexpected} (an argument with a default that the "
-                "sample did not pass as a tensor is fixed to the sample's value or the default: leave it out of "
-                "the call, or capture again with a sample that passes it as a tensor)"
+                f"{list(kwargs)}: missing {missing}, unexpected {unexpected}"
             )
         return tuple(given[name] for name in self.argument_names)
+
+    def _check_constants(self, inputs: tuple[Any, ...]) -> None:
+        """Refuse inputs that were no tensors in the sample (``k=2``, ``flag=True``) and now differ:
+        torch.export specialises its graph to those values (its own guard refuses others too)."""
+        leaves = tree_leaves(inputs)
+        for position, value in self.input_constants:
+            given = leaves[position] if position < len(leaves) else None
+            if not _same(given, value):
+                raise CapturedCallError(
+                    f"the model was captured with torch.export on a sample whose input {position + 1} (counting the "
+                    f"tensors and values of its arguments in order) was {value!r}, which its graph keeps: torch.export "
+                    f"fixes the numbers and flags of the sample. It is called with {given!r}; capture it again with "
+                    "the value it is called with (autopipe.chain(model, sample) then autopipe.Pipeline), or pass the "
+                    "value as a tensor")
 
     def _check_sizes(self, inputs: tuple[Any, ...]) -> None:
         assert self.input_sizes is not None
@@ -340,3 +371,16 @@ class CapturedLayer(Skippable):
 
 def _autocast_text(state: Autocast) -> str:
     return ", ".join(f"on for {kind} ({str(dtype).removeprefix('torch.')})" for kind, dtype in state) or "off"
+
+
+_LEFT_OUT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a call's value is the capture's: the same type and equal (or the same object)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose comparison fails or is no truth value differs
+        return False

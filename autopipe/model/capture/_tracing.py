@@ -365,9 +365,14 @@ class Traced:
     output_spec: TreeSpec | None = None  # exported: how the flat outputs make the model's output
     state: frozenset[str] | None = None  # the model's state-dict keys (other tensors the graph holds are not state)
     input_sizes: tuple[tuple[int, ...] | None, ...] | None = None  # exported: fixed non-batch sizes
+    # exported: the sample's values of its inputs that are no tensors (numbers, flags), which the
+    # graph keeps, by position among the inputs' leaves
+    input_constants: tuple[tuple[int, Any], ...] = ()
     traced_mode: bool | None = None  # fx: the capture's mode, if the graph reads the train/eval flag
     argument_names: tuple[str, ...] = ()  # fx: the forward's arguments in the graph, in order (none if variadic)
     positional_names: tuple[str, ...] = ()  # fx: the forward's parameters a call may pass by position, fixed too
+    # fx: the arguments fixed by the capture, each name's value in the graph and its default in the forward
+    fixed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     batch_sizes: tuple[int | None, ...] | None = None  # exported: first sizes the graph fixed, per tensor input
     # exported: per tensor input, the batch sizes its graph holds for ((least, most or None), None: any),
     # where the model's forward branches on the batch size; None where it does not
@@ -474,7 +479,8 @@ def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Tr
     positional = tuple(name for name, p in signature.parameters.items() if p.kind in _POSITIONAL)
     return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)},
                   traced_mode=mode, argument_names=names if named else (), positional_names=positional if named else (),
-                  state=frozenset(model.state_dict()), reads=reads.read)
+                  state=frozenset(model.state_dict()), reads=reads.read,
+                  fixed={name: (value, signature.parameters[name].default) for name, value in defaults.items()})
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -598,9 +604,10 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     leaves = tree_leaves((args, kwargs))
     sizes = tuple(tuple(t.shape[1:]) if isinstance(t, torch.Tensor) else None for t in leaves)
     dtypes = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
+    constants = tuple((i, value) for i, value in enumerate(leaves) if not isinstance(value, torch.Tensor))
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
                   frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes,
-                  batch_ranges=_batch_ranges(program))
+                  batch_ranges=_batch_ranges(program), input_constants=constants)
 
 
 @contextlib.contextmanager
