@@ -1086,6 +1086,47 @@ def test_traced_model_binds_positional_arguments_as_its_forward_and_holds_fixed_
         pipe.close()
 
 
+class _OptionalBias(nn.Module):
+    """Adds ``bias`` where it is a tensor: fx passes its inputs as proxies, which are no tensors."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.drop = nn.Linear(8, 8), nn.Linear(8, 3), nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        h = self.drop(self.a(x))
+        if isinstance(bias, torch.Tensor):
+            h = h + bias
+        return self.b(h)
+
+
+def test_a_traced_graph_unlike_the_model_on_the_sample_is_exported_instead() -> None:
+    """fx traced ``isinstance(bias, torch.Tensor)`` as false and left ``bias`` out of the graph (the
+    pipeline 1.0 off, no error): the chain is run against the model on the sample, and where they
+    differ torch.export captures it, which follows the branch the sample takes."""
+    model = _OptionalBias()
+    x, bias = torch.randn(6, 8), torch.randn(6, 8)
+    layers = chain(model, (x, bias))
+    assert layers[0].module.exported_mode is not None
+    pipe = _pipe(layers, chunks=3)
+    try:
+        torch.testing.assert_close(pipe(x, bias), model(x, bias))
+    finally:
+        pipe.close()
+
+
+def test_a_traced_graph_like_the_model_stays_traced_though_it_draws_random_numbers() -> None:
+    """Both runs of the check start from one seed, so dropout in training mode agrees; the model's
+    random state is as before the capture."""
+    model = _OptionalBias(dropout=0.5).train()
+    x = torch.randn(6, 8)
+    state = torch.random.get_rng_state()
+    layers = chain(model, (x,))
+    assert layers[0].module.exported_mode is None
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 class _Steps(nn.Module):
     """``range(k)`` and ``if flag:`` on arguments: fx cannot trace them, torch.export fixes them."""
 

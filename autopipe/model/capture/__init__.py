@@ -18,7 +18,8 @@ from ._building import build
 from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
 from ._layer import CapturedCallError, CapturedLayer, autocast_state
-from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, trace
+from ._checking import difference_on_sample
+from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, split_sample, trace
 
 __all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "autocast_state"]
 
@@ -44,7 +45,9 @@ def chain(
     is its default; another value is refused), as the numbers and flags of an export's sample are.
     The plain values a traced forward reads from its modules (``self.temperature``) are constants
     of the graph: a call after one changed is refused, and a forward that assigns an attribute or
-    writes into a tensor attribute that is no buffer is refused at the capture.  The
+    writes into a tensor attribute that is no buffer is refused at the capture.  Given a sample
+    the model runs on, an fx chain is run against the model on it, and exported instead where the
+    two differ (Python fx does not follow, such as ``isinstance(arg, torch.Tensor)`` on a proxy).  The
     nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
     input (so ``x + identity`` or ``torch.cat`` runs where its last operand is made), but never
     above an operation that may write in place, which stays where it is; a value that the next
@@ -83,8 +86,8 @@ def chain(
 
     Raises:
         CaptureError: neither fx nor export can capture the forward (the message names where and
-            the way out; a buffer assigned names the buffer), or a transformers model comes
-            without a sample batch.
+            the way out; a buffer assigned names the buffer), fx's graph differs from the model on
+            the sample and export fails, or a transformers model comes without a sample batch.
         ValueError: ``granularity`` is not one of the two.
         Exception: the model's own exception, as its own type, when neither fx nor export can capture
             it and the model itself fails on ``sample_input`` (a note says so).
@@ -103,7 +106,15 @@ def chain(
     leaves = LeafRule(model, granularity, tuple(leaf_modules))
     with caches_off(model) if hf else nullcontext():
         traced = trace(model, leaves, sample_input, fx_first=not hf)
-    groups = group(traced)
-    return Chain.of(model, build(traced, groups, Namespace(type(model).__name__)))
+    layers = build(traced, group(traced), Namespace(type(model).__name__))
+    difference = None if traced.mode is not None or sample_input is None else difference_on_sample(
+        model, layers, *split_sample(sample_input))
+    if difference is not None:  # fx did not follow the forward: torch.export runs it on the sample
+        why = (f"torch.fx's graph computes other values than the model on the sample ({difference}): the "
+               "forward has Python that fx does not follow (an isinstance test on an input, which fx passes as "
+               "a proxy; a value a hook stores), so ")
+        traced = trace(model, leaves, sample_input, fx_first=False, why=why)
+        layers = build(traced, group(traced), Namespace(type(model).__name__))
+    return Chain.of(model, layers)
 
 

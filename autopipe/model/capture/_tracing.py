@@ -385,13 +385,14 @@ class Traced:
     reads: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True) -> Traced:
+def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True, why: str = "") -> Traced:
     """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works.
 
-    ``fx_first=False`` exports straight away (models whose forward fx is known not to trace)."""
+    ``fx_first=False`` exports straight away (models whose forward fx is known not to trace, or
+    ``why`` not, which an export's failure then says first)."""
     if not fx_first:
         return _with_hooks(_exported(model, leaves, sample_input,
-                                     f"cannot capture {type(model).__name__}: torch.export failed"), model)
+                                     f"cannot capture {type(model).__name__}: {why}torch.export failed"), model)
     tracer = _Tracer(leaves)
     try:
         return _with_hooks(_symbolic(model, tracer, sample_input), model)
@@ -435,7 +436,7 @@ def _run_on_sample(model: nn.Module, sample_input: Any) -> None:
     """Run the model on the sample once, without grad, its buffers put back after: an exception
     it raises (a shape check of its own) is the model's, and reaches the caller as its own type
     rather than as the export's failure."""
-    args, kwargs = _split_sample(sample_input)
+    args, kwargs = split_sample(sample_input)
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     try:
         with torch.no_grad():
@@ -582,7 +583,7 @@ def _assignments(model: nn.Module) -> Iterator[list[str]]:
 def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     """The exported graph (ATen operations on the model's own parameters and buffers), each
     node assigned to the outermost layer module in its ``nn_module_stack``."""
-    args, kwargs = _unaliased(*_split_sample(sample_input))
+    args, kwargs = _unaliased(*split_sample(sample_input))
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dynamic = {name: tree_map(_batch_dynamic, value) for name, value in bound.items()}
     with _assignments(model) as assigned, _torch_output_held():
@@ -703,7 +704,7 @@ def _batch_dynamic(value: Any) -> dict[int, Any] | None:
     return {0: torch.export.Dim.AUTO} if isinstance(value, torch.Tensor) else None
 
 
-def _split_sample(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def split_sample(sample_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Positional and keyword arguments: a mapping (``{"input_ids": ids, ...}``, a tokenizer's
     batch) is keyword arguments, a tuple positional ones, anything else the one argument."""
     if isinstance(sample_input, Mapping):
