@@ -146,6 +146,18 @@ def test_hybrid_plan_layout_prediction_and_file(tmp_path) -> None:
     assert saved.predicted == chosen.predicted
 
 
+def test_replicas_need_no_copy_fit_between_them() -> None:
+    """Two machines profiled apart have no fits between them, and their replicas never copy
+    between them: planned (pricing every replica's links asked for every pair of devices)."""
+    names = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    profile = make_profile([4.0] * 4, devices=names, output_bytes=1000, param_bytes=100_000, copies=(0.05, 1e-6))
+    profile.copies = [fit for fit in profile.copies if fit.src // 2 == fit.dst // 2]
+    profile.reductions = [ReductionFit("local", 2, 0.0, 1e-6, [])]
+    for count in (2, 4):
+        chosen = plan(profile, names, replicas=count, memory_limit="16GiB", time_limit=None)
+        assert chosen.replicas == count and math.isfinite(chosen.predicted.iteration_ms)
+
+
 @pytest.mark.parametrize("limit", [math.inf, [math.inf, 1e9]])
 def test_an_infinite_memory_limit_is_saved_as_none(tmp_path, limit) -> None:
     """No limit, as the pipeline planner records it: JSON holds no infinity (save() refused it)."""

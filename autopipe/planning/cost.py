@@ -112,12 +112,14 @@ def interpolate(table: dict[int, float], b: int, what: str = "value") -> float:
     return float(table[lo]) * (1 - weight) + float(table[hi]) * weight
 
 
-def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def copy_matrix(profile: Profile, devices: Sequence[str],
+                needed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Latency and ms/byte for every ordered pair of plan devices.
 
     A pair uses the profile's fit for the same device indices when the profile's devices there
     have the same names, else any fit between devices of those names; two CPU devices without a
-    fit cost 0 (a CPU-to-CPU move is a reference).  Anything else is a :class:`DeviceError`.
+    fit cost 0 (a CPU-to-CPU move is a reference).  Anything else is a :class:`DeviceError`, for
+    the pairs ``needed`` marks (every pair by default; the others without a fit are ``nan``).
     Built per pair of names, then spread over the devices (a table of every pair is ``n²``).
     """
     known = profile.devices
@@ -140,7 +142,7 @@ def copy_matrix(profile: Profile, devices: Sequence[str]) -> tuple[np.ndarray, n
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(per_byte, 0.0)
     if np.isnan(by_name).any():  # else every pair has a cost: no search of the n² table
-        missing = np.argwhere(np.isnan(latency))
+        missing = np.argwhere(np.isnan(latency) & (True if needed is None else needed))
         if len(missing):
             src, dst = missing[0]
             raise _unmeasured(profile, devices[src], devices[dst])
@@ -153,11 +155,15 @@ def replica_copies(profile: Profile, groups: Sequence[Sequence[str]]) -> tuple[n
     times per byte (:func:`copy_matrix` of all devices, position ``i`` of replica ``r`` at
     ``r·k + i``).  The replicas run side by side and the step waits for the slowest, so a link
     slower in one replica (another node, another interconnect) is what the plan pays; where the
-    slowest link in latency is not the slowest per byte, this prices above every replica."""
-    latency, per_byte = copy_matrix(profile, [device for group in groups for device in group])
+    slowest link in latency is not the slowest per byte, this prices above every replica.  Only
+    the links within a replica need a fit (replicas on two machines profiled apart have none
+    between them)."""
     per = len(groups[0])
+    replica = np.repeat(np.arange(len(groups)), per)
+    latency, per_byte = copy_matrix(profile, [device for group in groups for device in group],
+                                    needed=replica[:, None] == replica[None, :])
     at = np.arange(len(groups))[:, None] * per + np.arange(per)  # [replica, position]: index in all devices
-    return tuple(table[at[:, :, None], at[:, None, :]].max(axis=0) for table in (latency, per_byte))  # type: ignore[return-value]
+    return (latency[at[:, :, None], at[:, None, :]].max(axis=0), per_byte[at[:, :, None], at[:, None, :]].max(axis=0))
 
 
 def _unmeasured(profile: Profile, src: str, dst: str) -> DeviceError:
