@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import re
 from typing import Any, Callable
 
 import pytest
@@ -646,18 +647,39 @@ def test_buffer_assigned_in_a_traced_forward_is_refused() -> None:
             assert type(model.body.calls) is Tensor and model.body.calls.item() == 0
 
 
-class _Tempered(nn.Module):
-    """Reads plain Python values in forwards fx traces through: the model's ``temperature`` and
-    its ``body``'s ``scale`` (``body`` holds two blocks, so it is opened into them); keeps a mask
-    as a plain tensor attribute; ``count`` makes it assign a counter, ``cache`` write into a
-    plain tensor attribute."""
+class _Settings:
+    """A config object: plain values a forward reads."""
 
-    def __init__(self, count: bool = False, cache: bool = False) -> None:
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+
+class _Scaled2(nn.Module):
+    """A leaf whose ``alpha`` its parent's forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.alpha = nn.Linear(4, 4), 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x)
+
+
+class _Tempered(nn.Module):
+    """Reads plain values in forwards the capture runs as Python: its ``temperature``, a class
+    attribute ``bias``, a list item, a config's ``shift``, its ``body``'s ``scale`` (``body`` holds
+    two blocks, so fx opens it), a leaf child's ``alpha``, a plain tensor attribute ``mask``;
+    ``exported`` makes fx fail on it (an item assignment), ``count`` makes it assign a counter,
+    ``cache`` write into a plain tensor attribute."""
+
+    bias = 0.0
+
+    def __init__(self, count: bool = False, cache: bool = False, exported: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.stem, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
-        self.body = _ScaledBlocks()
-        self.temperature, self.calls, self.count, self.writes = 1.0, 0, count, cache
+        self.stem, self.head, self.body, self.leaf = nn.Linear(3, 4), nn.Linear(4, 2), _ScaledBlocks(), _Scaled2()
+        self.temperature, self.weights, self.config = 1.0, [1.0, 1.0], _Settings()
+        self.calls, self.count, self.writes, self.exported = 0, count, cache, exported
         self.mask, self.cache = torch.ones(4), torch.ones(4)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -665,7 +687,11 @@ class _Tempered(nn.Module):
             self.calls += 1
         if self.writes:
             self.cache.mul_(1.5)
-        return self.head(self.body(self.stem(x)) * self.mask) / self.temperature
+        h = self.leaf(self.body(self.stem(x))) * self.mask * self.leaf.alpha * self.weights[1]
+        if self.exported:
+            h = h * 1.0
+            h[:, :1] = 0.0
+        return self.head(h + self.config.shift) / self.temperature + self.bias
 
 
 class _ScaledBlocks(nn.Module):
@@ -677,38 +703,102 @@ class _ScaledBlocks(nn.Module):
         return self.blocks(x) * self.scale
 
 
-def test_plain_values_a_traced_forward_reads_are_refused_once_changed() -> None:
-    """torch.fx writes ``self.temperature`` and ``self.body.scale`` into the graph as constants: a
-    pipeline on the capture computed with them after the training loop changed them (0.42 off at
-    0.5), and a plain tensor attribute became a key of its state_dict.  A change is refused naming
-    the value and the fixes; a capture made after it computes with the new value."""
-    model = _Tempered()
+#: Each value _Tempered's code reads, how a training loop changes it, and how it is named.
+_CHANGES: list[tuple[str, Callable[[_Tempered], None], Callable[[_Tempered], None]]] = [
+    ("model.temperature", lambda m: setattr(m, "temperature", 0.5), lambda m: setattr(m, "temperature", 1.0)),
+    ("model.body.scale", lambda m: setattr(m.body, "scale", 3.0), lambda m: setattr(m.body, "scale", 2.0)),
+    ("model.leaf.alpha", lambda m: setattr(m.leaf, "alpha", 3.0), lambda m: setattr(m.leaf, "alpha", 2.0)),
+    ("model.config.shift", lambda m: setattr(m.config, "shift", 1.0), lambda m: setattr(m.config, "shift", 0.0)),
+    ("model.weights", lambda m: m.weights.__setitem__(1, 2.0), lambda m: m.weights.__setitem__(1, 1.0)),
+    ("model.bias", lambda m: setattr(m, "bias", 1.0), lambda m: delattr(m, "bias")),
+    ("model.mask", lambda m: setattr(m, "mask", torch.full((4,), 2.0)), lambda m: None),
+]
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_plain_values_the_captured_code_reads_are_refused_once_changed(exported: bool) -> None:
+    """torch.fx and torch.export run a forward's Python once and keep the values it reads as
+    constants (an instance's or a class's, a list's, a config's, a child's; a tensor that is no
+    buffer): a pipeline on the capture computed with them after the training loop changed them
+    (0.42 off for a temperature of 0.5), and a plain tensor attribute became a key of its
+    state_dict.  A change is refused naming the value and the fixes; a capture made after it
+    computes with the new value; the value put back, the pipeline runs again."""
+    model = _Tempered(exported=exported)
     x = torch.randn(6, 3)
-    pipe = autopipe.Pipeline(chain(model), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+    pipe = autopipe.Pipeline(chain(model, x), balance=[2, 3], devices=["cpu", "cpu"], chunks=2)
+    assert (pipe[0].exported_mode is not None) == exported
     torch.testing.assert_close(pipe(x), model(x))
     assert sorted(pipe.state_dict()) == sorted(model.state_dict())
-    for path, value in (("temperature", 0.5), ("body.scale", 3.0)):
-        owner = model.get_submodule(path.rpartition(".")[0])
-        before, _ = getattr(owner, path.rpartition(".")[2]), setattr(owner, path.rpartition(".")[2], value)
-        with pytest.raises(ChainError, match=rf"read model.{path} = {before!r} at the capture.*{value!r} now.*"
+    mask = model.mask
+    for where, change, undo in _CHANGES:
+        change(model)
+        with pytest.raises(ChainError, match=rf"{re.escape(where)} was .* when the model was captured.* now.*"
                                              r"Capture the model again.*register_buffer"):
             pipe(x)
-        again = autopipe.Pipeline(chain(model), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+        again = autopipe.Pipeline(chain(model, x), balance=[2, 3], devices=["cpu", "cpu"], chunks=2)
         torch.testing.assert_close(again(x), model(x))
-        setattr(owner, path.rpartition(".")[2], before)
-    torch.testing.assert_close(pipe(x), model(x))  # the captured values back: runs again
+        undo(model)
+    model.mask = mask  # the very tensor read: the pipeline runs again
+    torch.testing.assert_close(pipe(x), model(x))
 
 
+@pytest.mark.parametrize("exported", [False, True])
 @pytest.mark.parametrize("kind", ["count", "cache"])
-def test_a_traced_forward_that_changes_its_python_state_is_refused_and_left_as_it_was(kind: str) -> None:
-    """A counter (``self.calls += 1``) or a plain tensor attribute written in place runs once, at the
-    capture (twice: both train/eval modes are traced), and never in the chain: refused naming it,
-    with the model's values as before the capture (the counter read 2, the tensor 2.25)."""
-    model = _Tempered(**{kind: True})
+def test_captured_code_that_changes_its_python_state_is_refused_and_left_as_it_was(kind: str, exported: bool) -> None:
+    """A counter (``self.calls += 1``) or a plain tensor attribute written in place runs at the
+    capture only (fx traces twice, for both modes), never in the chain: refused naming it, the
+    model's values as before the capture (the counter read 2, the tensor 2.25)."""
+    model = _Tempered(**{kind: True}, exported=exported)
     with pytest.raises(CaptureError, match=rf"assigns the attributes \['{'calls' if kind == 'count' else 'cache'}'\]"
                                            r".*register_buffer"):
-        chain(model)
+        chain(model, torch.randn(6, 3))
     assert model.calls == 0 and torch.equal(model.cache, torch.ones(4))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+class _Registered(nn.Module):
+    """Tests the exact type of a child it traces through, and registers its subclasses by name."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[cls.__name__] = cls
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk, self.head = _Block(), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blk(x)
+        if type(self.blk) is _Block and type(self) is _ExactlyTyped:
+            h = h * 3.0
+        return self.head(h)
+
+
+class _ExactlyTyped(_Registered):
+    pass
+
+
+def test_the_capture_leaves_the_model_s_classes_as_they_are() -> None:
+    """What the capture's code reads is found in that code, not by giving the modules other classes
+    while it runs: ``type(self.blk) is Block`` held in the model and not in the capture (its
+    output 101 off), and a class registry keyed by name held the capture's class afterwards."""
+    model = _ExactlyTyped()
+    x = torch.randn(6, 4)
+    for granularity in ("module", "finer"):
+        layers = chain(model, granularity=granularity)  # no sample: nothing checks the chain against the model
+        torch.testing.assert_close(_sequential(layers)(x), model(x))
+    assert _REGISTRY == {"_ExactlyTyped": _ExactlyTyped}
 
 
 @pytest.mark.parametrize("exported", [False, True])

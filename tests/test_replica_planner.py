@@ -208,7 +208,7 @@ def test_cli_plan_replicas_compare_and_show(tmp_path, capsys) -> None:
     assert main(["plan", str(path), "--compare", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     chosen = Plan.load(out)
-    assert chosen.replicas == 2 and "replicas:      2 (data parallel)" in text
+    assert chosen.replicas == 2 and "replicas:      2 (data parallel), on cpu | cpu, each with 4 of" in text
     assert "(cost measured)" in text
     rows = {line.split("  ")[0]: line for line in text.splitlines()
             if line.startswith(("ours", "pure data parallel", "best pipeline only"))}

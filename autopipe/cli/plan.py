@@ -145,8 +145,8 @@ def summary(chosen: Plan) -> str:
     predicted = chosen.predicted
     split = ", ".join(f"{name} (#{index})" for index, name in chosen.split_points) or "none (one stage)"
     reduction = chosen.options.get("reduction", "estimated from copy fits")
-    first = ", ".join(chosen.devices[:chosen.device_count])
-    replicas = ([f"replicas:      {chosen.replicas} (data parallel), each on {first} with "
+    groups = " | ".join(", ".join(group[:chosen.device_count]) for group in chosen.replica_devices)
+    replicas = ([f"replicas:      {chosen.replicas} (data parallel), on {groups}, each with "
                  f"{chosen.replica_batch_size} of the batch; gradient reduction adds "
                  f"{predicted.reduction_ms:.2f} ms (cost {reduction})"] if chosen.replicas > 1 else [])
     return "\n".join(replicas + [

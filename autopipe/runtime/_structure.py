@@ -14,19 +14,19 @@ torch.fx traced through.  A module with hooks is kept one layer when the chain i
 runs them), so hooks above the layers are the model's own and those added later: refused.
 torch.export traces every module's forward hooks into its graph as they were at the capture
 (what they do to the tensors, not what they do besides) and drops backward hooks: any change
-since, and any backward hook, is refused.  torch.fx writes the plain values a forward it traces
-reads from its modules (``self.temperature``, ``self.scale``) into the graph as constants: a
-change since is refused too.
+since, and any backward hook, is refused.  A capture keeps the plain values its code may read
+(``self.temperature``, a config's ``scale``) in the graph as constants: a change since is
+refused too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from torch import nn
 
 from ..errors import ChainError
-from ..model.capture import CapturedLayer
+from ..model.capture import CapturedLayer, Read, first_change
 from ..model.layers import UNCALLED, Hooks, Layer, call_hooks, run_modules
 
 __all__ = ["Structure", "submodule"]
@@ -35,8 +35,6 @@ Paths = list[tuple[str, nn.Module]]
 #: Where (``"model"`` or ``"pipeline"``), the path, and the parent module, name and child of one
 #: step down that path: the child must still be there.
 Edge = tuple[str, str, nn.Module, str, nn.Module]
-#: A module's path, the module, and the name and value of a plain attribute its traced forward read.
-Read = tuple[str, nn.Module, str, Any]
 
 
 @dataclass(frozen=True)
@@ -50,6 +48,7 @@ class Structure:
     above: Paths
     traced: dict[str, Hooks]
     reads: list[Read] = field(default_factory=list)
+    model: nn.Module | None = None  # the model the reads are of
 
     @staticmethod
     def of(pipe: nn.Module | None, held: Paths, layers: Sequence[Layer], inside: bool = False) -> Structure:
@@ -68,16 +67,15 @@ class Structure:
         traced = captured[0].traced_hooks if captured else {}
         if any(layer.exported_mode is not None for layer in captured):
             modules = list(model.named_modules(remove_duplicate=False))
-            return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced)
-        reads = [(path, module, name, value) for path, names in (captured[0].traced_reads if captured else {}).items()
-                 for module in [submodule(model, path)] if module is not None for name, value in names.items()]
+            return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced,
+                             captured[0].traced_reads, model)
         run = {id(module) for layer in layers for module in run_modules(layer.module)}
         within = (layer.path(name) for layer in layers
                   for name, _ in layer.module.named_modules(remove_duplicate=False))
         prefixes = dict.fromkeys(prefix for path in within for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
-        return Structure(edges, _called(above), traced, reads)
+        return Structure(edges, _called(above), traced, captured[0].traced_reads if captured else [], model)
 
     def check(self) -> None:
         """Refuse a call if a layer the stages run was replaced (or a container holding it), in
@@ -97,17 +95,17 @@ class Structure:
                     f"was built with: the stages run the modules they were built with, so it would never run nor "
                     f"train. Build the pipeline again from the model (autopipe.partition(model, ...) or "
                     f"autopipe.Pipeline(model, plan))")
-        for path, module, name, value in self.reads:
-            now = getattr(module, name, _GONE)
-            if not (type(now) is type(value) and (now == value or (now != now and value != value))):  # nan: itself
-                where = ".".join(filter(None, ("model", path, name)))
-                shown = "removed" if now is _GONE else f"{now!r} now"
-                raise ChainError(
-                    f"the model's forward read {where} = {value!r} at the capture, and torch.fx wrote it into the "
-                    f"captured graph as a constant; it is {shown}, and the pipeline would still compute with "
-                    f"{value!r}. Capture the model again after changing it (autopipe.partition(model, ...), or "
-                    f"autopipe.chain(model, ...) then autopipe.Pipeline), or keep the value in a buffer "
-                    f"(self.register_buffer('{name}', torch.tensor(...))), which the graph reads at every call")
+        change = first_change(self.model, self.reads) if self.model is not None and self.reads else None
+        if change is not None:
+            where, then, now = change
+            name = where.rpartition(".")[2]
+            raise ChainError(
+                f"{where} was {then} when the model was captured, and the captured graph holds that value "
+                f"as a constant (the capture ran the code that reads it once); it is {now} now, and the "
+                f"pipeline would still compute with the old one. Capture the model again after changing it "
+                f"(autopipe.partition(model, ...), or autopipe.chain(model, ...) then autopipe.Pipeline), or keep "
+                f"the value in a buffer (self.register_buffer('{name}', torch.tensor(...))), which the graph reads "
+                f"at every call")
         self.check_hooks()
 
     def check_hooks(self) -> None:
@@ -122,7 +120,6 @@ class Structure:
 
 
 _NONE = call_hooks(nn.Module())
-_GONE = object()
 
 
 def _called(modules: Paths) -> Paths:

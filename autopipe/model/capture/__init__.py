@@ -8,20 +8,22 @@ captured through torch.export with their sample's keyword arguments, caches off.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any, Iterable
 
 from torch import nn
 
-from ..layers import Chain
+from ..layers import Chain, Layer
 from ..skip import Namespace
 from ._building import build
 from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
 from ._layer import CapturedCallError, CapturedLayer, autocast_state
 from ._checking import difference_on_sample
-from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, split_sample, trace
+from ._state import Read, descendants, first_change, reads
+from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, Traced, split_sample, trace
 
-__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "autocast_state"]
+__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "Read", "autocast_state", "first_change"]
 
 
 def chain(
@@ -43,9 +45,10 @@ def chain(
     arguments, by position or name, except those with defaults that the sample does not give as
     tensors, which are fixed (a call may pass one with its fixed value, or leave it out where that
     is its default; another value is refused), as the numbers and flags of an export's sample are.
-    The plain values a traced forward reads from its modules (``self.temperature``) are constants
-    of the graph: a call after one changed is refused, and a forward that assigns an attribute or
-    writes into a tensor attribute that is no buffer is refused at the capture.  Given a sample
+    The plain values the captured code may read (``self.temperature``, a config's, a child's;
+    :mod:`~autopipe.model.capture._state`) are constants of the graph: a call after one changed
+    is refused, and code that assigns an attribute or writes into a tensor that is no buffer is
+    refused at the capture, the model left as it was.  Given a sample
     the model runs on, an fx chain is run against the model on it, and exported instead where the
     two differ (Python fx does not follow, such as ``isinstance(arg, torch.Tensor)`` on a proxy).  The
     nodes of a leaf module's call make one layer; functional glue joins the layer of its latest
@@ -106,15 +109,24 @@ def chain(
     leaves = LeafRule(model, granularity, tuple(leaf_modules))
     with caches_off(model) if hf else nullcontext():
         traced = trace(model, leaves, sample_input, fx_first=not hf)
-    layers = build(traced, group(traced), Namespace(type(model).__name__))
+    layers = _built(model, leaves, traced)
     difference = None if traced.mode is not None or sample_input is None else difference_on_sample(
         model, layers, *split_sample(sample_input))
     if difference is not None:  # fx did not follow the forward: torch.export runs it on the sample
         why = (f"torch.fx's graph computes other values than the model on the sample ({difference}): the "
                "forward has Python that fx does not follow (an isinstance test on an input, which fx passes as "
                "a proxy; a value a hook stores), so ")
-        traced = trace(model, leaves, sample_input, fx_first=False, why=why)
-        layers = build(traced, group(traced), Namespace(type(model).__name__))
+        layers = _built(model, leaves, trace(model, leaves, sample_input, fx_first=False, why=why))
     return Chain.of(model, layers)
+
+
+def _built(model: nn.Module, leaves: LeafRule, traced: Traced) -> list[Layer]:
+    """The layers of ``traced``, with the plain values its code may read as the model holds them
+    now (a transformers config's ``use_cache`` as the user set it, not as the capture had it):
+    the code of every module torch.export ran, of those torch.fx traced through (not its leaves,
+    whose code runs at every call)."""
+    exported = traced.mode is not None
+    ran = descendants(model, None if exported else lambda module, path: not leaves.is_leaf(module, path))
+    return build(replace(traced, reads=reads(ran)), group(traced), Namespace(type(model).__name__))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from .._tensors import tensors_of
 from ..layers import Layer
 from ..skip import SkipTracker, use_skip_tracker
+from ._state import Snapshot, descendants
 
 __all__: list[str] = []
 
@@ -58,13 +59,16 @@ def _run(layers: Sequence[Layer], args: tuple[Any, ...], kwargs: dict[str, Any])
 
 def _seeded(model: nn.Module, run: Callable[[], Any]) -> Any:
     """``run()`` without grad from seed 0 of the CPU generator (dropout draws the same masks in
-    both runs), the random state and the model's buffers as they were after."""
+    both runs), the random state, the model's buffers and its modules' attributes (a counter) as
+    they were after."""
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    snapshot = Snapshot(descendants(model))
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(0)
             return run()
     finally:
+        snapshot.put_back()
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

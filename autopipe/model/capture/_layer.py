@@ -19,6 +19,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from ..layers import ChainError, Hooks
 from ..skip import Skippable, pop, stash
+from ._state import Read, same_value
 
 __all__ = ["CapturedLayer", "CapturedCallError", "autocast_state", "fixed_dtype"]
 
@@ -85,12 +86,11 @@ class CapturedLayer(Skippable):
         fixed: Mapping[str, tuple[Any, Any]] | None = None,
         input_dtypes: Sequence[torch.dtype | None] | None = None,
         traced_hooks: Mapping[str, Hooks] | None = None,
-        traced_reads: Mapping[str, Mapping[str, Any]] | None = None,
+        traced_reads: Sequence[Read] = (),
     ) -> None:
         super().__init__()
         self.traced_hooks = dict(traced_hooks or {})  # the model's hooks the trace ran into the graph, by path
-        # the plain attributes the traced forwards read, as the graph keeps them, by module path and name
-        self.traced_reads = {path: dict(names) for path, names in (traced_reads or {}).items()}
+        self.traced_reads = list(traced_reads)  # the plain values the traced code may read, as the graph keeps them
         self.input_dtypes = None if input_dtypes is None else tuple(input_dtypes)
         self.captured_autocast = autocast_state()
         self.captured_dtypes = {name: t.dtype for name, t in (*code.named_parameters(), *code.named_buffers())}
@@ -176,9 +176,8 @@ class CapturedLayer(Skippable):
         given = {**dict(zip(self.positional_names, args)), **kwargs}
         for name, (value, default) in self.fixed.items():
             passed = given.pop(name, _LEFT_OUT)
-            if not _same(default if passed is _LEFT_OUT else passed, value):
-                shown = "a tensor" if isinstance(passed, Tensor) else repr(passed)
-                called = f"leaves it at its default {default!r}" if passed is _LEFT_OUT else f"passes {shown}"
+            if not same_value(default if passed is _LEFT_OUT else passed, value):
+                called = f"leaves it at its default {default!r}" if passed is _LEFT_OUT else f"passes {_shown(passed)}"
                 raise CapturedCallError(
                     f"the model's traced forward was captured with {name}={value!r}, which torch.fx fixed in its "
                     f"graph (an argument with a default that the sample gives as no tensor), and this call {called}; "
@@ -202,12 +201,13 @@ class CapturedLayer(Skippable):
         torch.export specialises its graph to those values (its own guard refuses others too)."""
         leaves = tree_leaves(inputs)
         for position, value in self.input_constants:
-            given = leaves[position] if position < len(leaves) else None
-            if not _same(given, value):
+            given = leaves[position] if position < len(leaves) else _LEFT_OUT
+            if not same_value(given, value):
+                given = "nothing" if given is _LEFT_OUT else _shown(given)
                 raise CapturedCallError(
                     f"the model was captured with torch.export on a sample whose input {position + 1} (counting the "
                     f"tensors and values of its arguments in order) was {value!r}, which its graph keeps: torch.export "
-                    f"fixes the numbers and flags of the sample. It is called with {given!r}; capture it again with "
+                    f"fixes the numbers and flags of the sample. It is called with {given}; capture it again with "
                     "the value it is called with (autopipe.chain(model, sample) then autopipe.Pipeline), or pass the "
                     "value as a tensor")
 
@@ -376,11 +376,6 @@ def _autocast_text(state: Autocast) -> str:
 _LEFT_OUT = object()
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether a call's value is the capture's: the same type and equal (or the same object)."""
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # noqa: BLE001 - a value whose comparison fails or is no truth value differs
-        return False
+def _shown(value: Any) -> str:
+    """A value a call passes, for a message: a tensor as such, not its numbers."""
+    return "a tensor" if isinstance(value, Tensor) else repr(value)

@@ -9,7 +9,6 @@ import logging
 import operator
 import os
 import sys
-import threading
 import traceback
 from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ...errors import RAISED_BY, add_note
 from ..layers import UNCALLED, ChainError, Hooks, call_hooks, training_flags
+from ._state import Read, Snapshot, descendants
 
 __all__: list[str] = []
 
@@ -158,135 +158,18 @@ for _target in AUGMENTED:
 
 
 class _AssignsAttributes(Exception):
-    """The traced forward assigns Python attributes of modules fx runs symbolically, or writes into
-    their plain tensor attributes."""
+    """The traced code assigns attributes of the model's modules, or writes into their tensors that
+    are no buffers."""
 
     def __init__(self, paths: list[str]) -> None:
         owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
         whole = f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
         super().__init__(
             f"its forward assigns the attributes {paths} (a counter, a stored value), or writes into them in place "
-            f"where they are tensors but not buffers: torch.fx runs the Python of a forward it traces once, at the "
-            f"capture, so the chain would never change them. Way out: keep such state in a buffer updated in place "
-            f"(`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`){whole}"
+            f"where they are tensors but not buffers: torch.fx and torch.export run the Python of the code they trace "
+            f"once, at the capture, so the chain would never change them. Way out: keep such state in a buffer "
+            f"updated in place (`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`){whole}"
         )
-
-
-#: Python values a forward may read from its modules' attributes, which fx writes into the graph
-#: as the constants they were at the capture.
-_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
-#: nn.Module's own attributes, which fx and the module machinery read: not the model's settings.
-_MODULE_OWN = frozenset(nn.Module().__dict__)
-
-
-def _plain(value: Any) -> bool:
-    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
-
-
-class _Reads:
-    """What the forwards fx runs symbolically read from their modules' plain attributes (by module
-    path, then name: the value first read), which attributes they assign (the values before) and
-    which plain tensor attributes they write into."""
-
-    def __init__(self) -> None:
-        self.read: dict[str, dict[str, Any]] = {}
-        self.assigned: dict[tuple[int, str], tuple[nn.Module, str, str, Any]] = {}
-        # plain tensor attributes (not buffers): path, tensor, its version and a copy before the capture
-        self.tensors: list[tuple[str, torch.Tensor, int, torch.Tensor]] = []
-
-    def keep_tensors(self, module: nn.Module, path: str) -> None:
-        """Note ``module``'s plain tensor attributes as they are, to find a forward writing into one."""
-        for name, value in object.__getattribute__(module, "__dict__").items():
-            if isinstance(value, torch.Tensor) and name not in _MODULE_OWN:
-                self.tensors.append((".".join(filter(None, (path, name))), value, value._version,
-                                     value.detach().clone()))
-
-    def note_read(self, module: nn.Module, path: str, name: str, value: Any) -> None:
-        if name not in _MODULE_OWN and _plain(value) and name in object.__getattribute__(module, "__dict__"):
-            self.read.setdefault(path, {}).setdefault(name, value)
-
-    def note_assign(self, module: nn.Module, path: str, name: str) -> None:
-        if getattr(_FX_OWN, "depth", 0):  # fx keeping a constant as an attribute of the model (_tensor_constant0)
-            return
-        own = object.__getattribute__(module, "__dict__")
-        if name not in _MODULE_OWN and (module_id := id(module), name) not in self.assigned:
-            before = own[name] if name in own else _ABSENT
-            if name in own or not any(name in own.get(table, ()) for table in ("_parameters", "_buffers", "_modules")):
-                self.assigned[module_id, name] = (module, path, name, before)
-
-    def put_back(self) -> None:
-        """Give every assigned attribute its value before the capture (deleting one it did not have),
-        and every plain tensor attribute written into its values."""
-        for module, _, name, before in self.assigned.values():
-            if before is _ABSENT:
-                object.__getattribute__(module, "__dict__").pop(name, None)
-            else:
-                object.__setattr__(module, name, before)
-        with torch.no_grad():
-            for _, tensor, version, copy in self.tensors:
-                if tensor._version != version:
-                    tensor.copy_(copy)
-
-    def changed(self) -> list[str]:
-        """The paths of the attributes assigned and of the plain tensor attributes written into."""
-        return ([".".join(filter(None, (path, name))) for _, path, name, _ in self.assigned.values()]
-                + [path for path, tensor, version, _ in self.tensors if tensor._version != version])
-
-
-_ABSENT = object()
-#: How deep this thread is in fx's own making of a graph argument (:meth:`_Tracer.create_arg`).
-_FX_OWN = threading.local()
-
-
-@contextlib.contextmanager
-def _reads_recorded(model: nn.Module, leaves: LeafRule) -> Iterator[_Reads]:
-    """While tracing, the plain attributes the forwards fx runs symbolically (the model's and its
-    modules' down to the layers) read and assign: each such module's class is a subclass that
-    notes them meanwhile (of the same name: ``isinstance`` holds, though ``type(m) is C`` would
-    not), and every attribute assigned gets its value back after."""
-    reads = _Reads()
-    swapped: list[tuple[nn.Module, type]] = []
-    for path, module in _traced_through(model, leaves):
-        cls = type(module)
-        if cls in _CONTAINERS:  # torch's containers hold no settings (and code may test their exact type)
-            continue
-
-        def getattribute(self: nn.Module, name: str, _path: str = path, _cls: type = cls) -> Any:
-            value = _cls.__getattribute__(self, name)
-            if not name.startswith("__"):
-                reads.note_read(self, _path, name, value)
-            return value
-
-        def setattr_(self: nn.Module, name: str, value: Any, _path: str = path, _cls: type = cls) -> None:
-            if not name.startswith("__"):
-                reads.note_assign(self, _path, name)
-            _cls.__setattr__(self, name, value)
-
-        reads.keep_tensors(module, path)
-        module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": getattribute, "__setattr__": setattr_,
-                                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        swapped.append((module, cls))
-    try:
-        yield reads
-    finally:
-        for module, cls in swapped:
-            object.__setattr__(module, "__class__", cls)
-        reads.put_back()
-
-
-def _traced_through(module: nn.Module, leaves: LeafRule, path: str = "",
-                    seen: set[int] | None = None) -> Iterator[tuple[str, nn.Module]]:
-    """``module`` and the modules in it whose forward fx runs symbolically (not the leaves, nor
-    what is in them), each once."""
-    seen = set() if seen is None else seen
-    if id(module) in seen:
-        return
-    seen.add(id(module))
-    yield path, module
-    for name, child in module.named_children():
-        inner = f"{path}.{name}" if path else name
-        if not leaves.is_leaf(child, inner):
-            yield from _traced_through(child, leaves, inner, seen)
 
 
 class _ChangesGradMode(Exception):
@@ -331,13 +214,6 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
-    def create_arg(self, a: Any) -> Any:
-        """fx's, which may keep a constant as an attribute of the model: not the forward's assignment."""
-        _FX_OWN.depth = getattr(_FX_OWN, "depth", 0) + 1
-        try:
-            return super().create_arg(a)
-        finally:
-            _FX_OWN.depth -= 1
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.leaves.is_leaf(m, module_qualified_name)
@@ -380,16 +256,32 @@ class Traced:
     input_dtypes: tuple[torch.dtype | None, ...] | None = None  # exported: the inputs' dtypes, which the graph keeps
     # the hooks of the model's modules the trace ran into its graph, by path (runtime/_structure.py)
     hooks: dict[str, Hooks] = field(default_factory=dict)
-    # fx: the plain attributes the forwards traced read, which the graph keeps as constants, by
-    # module path then name (runtime/_structure.py refuses a call once one changed)
-    reads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the plain values the traced code may read, which the graph keeps as constants (_state.reads;
+    # runtime/_structure.py refuses a call once one changed)
+    reads: list[Read] = field(default_factory=list)
 
 
 def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bool = True, why: str = "") -> Traced:
-    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works.
+    """torch.fx, else torch.export on ``sample_input``; one :class:`CaptureError` if neither works,
+    or if the code traced assigns the modules' attributes or writes into their tensors that are no
+    buffers (:class:`~autopipe.model.capture._state.Snapshot`: they change at the capture only, and
+    are put back as they were, as they are when the capture fails).
 
     ``fx_first=False`` exports straight away (models whose forward fx is known not to trace, or
     ``why`` not, which an export's failure then says first)."""
+    snapshot = Snapshot(descendants(model))
+    try:
+        traced = _traced(model, leaves, sample_input, fx_first, why)
+    finally:
+        changed = snapshot.changed()
+        snapshot.put_back()
+    if changed:
+        raise CaptureError(f"cannot capture {type(model).__name__}: {_AssignsAttributes(changed)}")
+    return traced
+
+
+def _traced(model: nn.Module, leaves: LeafRule, sample_input: Any, fx_first: bool, why: str) -> Traced:
+    """:func:`trace`'s capture."""
     if not fx_first:
         return _with_hooks(_exported(model, leaves, sample_input,
                                      f"cannot capture {type(model).__name__}: {why}torch.export failed"), model)
@@ -398,7 +290,7 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
         return _with_hooks(_symbolic(model, tracer, sample_input), model)
     except Exception as error:  # noqa: BLE001 - any failure of the user's forward under fx
         failure = _trace_failure(model, tracer.failed_in or "", error)
-        if isinstance(error, (_AssignsBuffers, _AssignsAttributes)):  # export would drop them: no way out there
+        if isinstance(error, _AssignsBuffers):  # export would drop the assignment: no way out there
             raise CaptureError(failure) from error
         if sample_input is None:
             way_out = "pass sample_input" if isinstance(error, _ChangesGradMode) else "or pass sample_input"
@@ -464,11 +356,8 @@ def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Tr
         if p.default is not inspect.Parameter.empty
         and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(passed.get(name)))
     }
-    with _reads_recorded(model, tracer.leaves) as reads:
-        graph = _graph(model, tracer, defaults)
-        mode = None if _same_in_both_modes(model, tracer.leaves, defaults, graph) else model.training
-    if reads.changed():
-        raise _AssignsAttributes(reads.changed())
+    graph = _graph(model, tracer, defaults)
+    mode = None if _same_in_both_modes(model, tracer.leaves, defaults, graph) else model.training
     inputs = _input_names(signature, defaults)
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.target not in inputs]:
         _erase_with_users(graph, node)  # a fixed argument's placeholders are named `mask_1`, `mask_2`...
@@ -480,7 +369,7 @@ def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Tr
     positional = tuple(name for name, p in signature.parameters.items() if p.kind in _POSITIONAL)
     return Traced(model, graph, {node: (str(node.target), index) for index, node in enumerate(calls)},
                   traced_mode=mode, argument_names=names if named else (), positional_names=positional if named else (),
-                  state=frozenset(model.state_dict()), reads=reads.read,
+                  state=frozenset(model.state_dict()),
                   fixed={name: (value, signature.parameters[name].default) for name, value in defaults.items()})
 
 
@@ -733,7 +622,7 @@ def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _trace_failure(model: nn.Module, path: str, error: Exception) -> str:
-    if isinstance(error, (_AssignsBuffers, _AssignsAttributes, _ChangesGradMode)):
+    if isinstance(error, (_AssignsBuffers, _ChangesGradMode)):
         return f"cannot capture {type(model).__name__}: {error}"
     module = model.get_submodule(path)
     where = f"module '{path}' ({type(module).__name__})" if path else f"{type(model).__name__}.forward"
