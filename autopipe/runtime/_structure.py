@@ -20,13 +20,13 @@ refused too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from torch import nn
 
 from ..errors import ChainError
-from ..model.capture import CapturedLayer, Read, first_change
+from ..model.capture import CapturedLayer, Watched
 from ..model.layers import UNCALLED, Hooks, Layer, call_hooks, run_modules
 
 __all__ = ["Structure", "submodule"]
@@ -47,8 +47,7 @@ class Structure:
     edges: list[Edge]
     above: Paths
     traced: dict[str, Hooks]
-    reads: list[Read] = field(default_factory=list)
-    model: nn.Module | None = None  # the model the reads are of
+    reads: Watched | None = None
 
     @staticmethod
     def of(pipe: nn.Module | None, held: Paths, layers: Sequence[Layer], inside: bool = False) -> Structure:
@@ -68,14 +67,14 @@ class Structure:
         if any(layer.exported_mode is not None for layer in captured):
             modules = list(model.named_modules(remove_duplicate=False))
             return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced,
-                             captured[0].traced_reads, model)
+                             Watched(model, captured[0].traced_reads))
         run = {id(module) for layer in layers for module in run_modules(layer.module)}
         within = (layer.path(name) for layer in layers
                   for name, _ in layer.module.named_modules(remove_duplicate=False))
         prefixes = dict.fromkeys(prefix for path in within for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
-        return Structure(edges, _called(above), traced, captured[0].traced_reads if captured else [], model)
+        return Structure(edges, _called(above), traced, Watched(model, captured[0].traced_reads) if captured else None)
 
     def check(self) -> None:
         """Refuse a call if a layer the stages run was replaced (or a container holding it), in
@@ -95,7 +94,7 @@ class Structure:
                     f"was built with: the stages run the modules they were built with, so it would never run nor "
                     f"train. Build the pipeline again from the model (autopipe.partition(model, ...) or "
                     f"autopipe.Pipeline(model, plan))")
-        change = first_change(self.model, self.reads) if self.model is not None and self.reads else None
+        change = None if self.reads is None else self.reads.first_change()
         if change is not None:
             where, then, now = change
             name = where.rpartition(".")[2]

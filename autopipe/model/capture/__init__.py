@@ -20,10 +20,10 @@ from ._hf import caches_off, check_sample, is_hf_model
 from ._grouping import group
 from ._layer import CapturedCallError, CapturedLayer, autocast_state
 from ._checking import difference_on_sample
-from ._state import Read, descendants, first_change, reads
+from ._state import Watched, descendants, reads
 from ._tracing import CaptureError, Granularity, LeafRule, LeafSpec, Traced, split_sample, trace
 
-__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "Read", "autocast_state", "first_change"]
+__all__ = ["chain", "CapturedLayer", "CaptureError", "CapturedCallError", "Watched", "autocast_state"]
 
 
 def chain(

@@ -4,7 +4,7 @@ torch.fx and torch.export run the Python of the forwards they trace once, at the
 plain value such code reads (``self.temperature``, ``self.config.scale``, a child's ``alpha``, a
 class attribute) becomes a constant of the graph, so a call after it changed would compute with
 the old one: :func:`reads` lists the values it may read, which the pipeline compares at every
-call (:func:`first_change`).  What the code assigns (``self.calls += 1``, ``self.cache.mul_(2)``
+call (:class:`Watched`).  What the code assigns (``self.calls += 1``, ``self.cache.mul_(2)``
 on a tensor that is no buffer) happens at the capture only: :class:`Snapshot` finds it, and puts
 the model back as it was.
 
@@ -17,7 +17,6 @@ refusal once it changes, never a silent answer); a value reached otherwise (thro
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 import types
 from typing import Any, Iterable, Iterator
@@ -25,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Read", "Snapshot", "first_change", "reads", "same_value"]
+__all__ = ["Read", "Snapshot", "Watched", "descendants", "reads", "same_value"]
 
 #: A value code may read: the path of a module, the attribute names from it, and the value (a
 #: plain value, or a tensor that is no parameter or buffer, compared by identity).
@@ -38,6 +37,10 @@ _MODULE_OWN = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__)
 #: Attributes fx sets on the model itself to hold a graph's constants (``_tensor_constant0``).
 _FX_CONSTANT = re.compile(r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d+|_\w+_constant_\d+")
 _ABSENT = object()
+#: Methods that build or show a module, which a forward does not run: the names they alone load
+#: (a layer's sizes, set once) are not read by the captured code.
+_BUILDING = frozenset({"__init__", "__repr__", "__str__", "__setstate__", "__getstate__", "extra_repr",
+                       "reset_parameters", "_init_weights", "_load_from_state_dict"})
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -63,24 +66,45 @@ def reads(modules: Iterable[tuple[str, nn.Module]]) -> list[Read]:
         owners += [((name,), held) for name, held in vars(module).items() if _holds_settings(held)]
         for chain, owner in owners:
             for name in names:
-                value = _static(owner, name)
+                value = _lookup(owner, name)
                 if _constant(value) and name not in _MODULE_OWN and not name.startswith("__"):
                     # a list as it is now (the model's own list may be changed in place)
                     found.setdefault((path, (*chain, name)), list(value) if isinstance(value, list) else value)
     return [(path, chain, value) for (path, chain), value in found.items()]
 
 
-def first_change(model: nn.Module, values: list[Read]) -> tuple[str, str, str] | None:
-    """The first of ``values`` no longer as read: its dotted path from ``model``, and what it was
-    and is, as a message says them."""
-    for path, chain, value in values:
-        owner: Any = model.get_submodule(path) if path else model
-        for name in chain:
-            children = owner._modules if isinstance(owner, nn.Module) else {}
-            owner = children[name] if name in children else _static(owner, name)
-        if not same_value(owner, value):
-            return ".".join(filter(None, ("model", path, *chain))), _described(value), _described(owner)
-    return None
+class Watched:
+    """``values`` of ``model`` to compare at every call (:meth:`first_change`), each module found
+    once (one replaced is refused before, by the pipeline's structure check)."""
+
+    def __init__(self, model: nn.Module, values: list[Read]) -> None:
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.values = [(modules[path], chain, value, path) for path, chain, value in values if path in modules]
+
+    def first_change(self) -> tuple[str, str, str] | None:
+        """The first value no longer as read: its dotted path from the model, and what it was
+        and is, as a message says them (a few microseconds per hundred values)."""
+        for owner, chain, value, path in self.values:
+            for name in chain:
+                owner = _lookup(owner, name)
+            if owner is not value and not same_value(owner, value):
+                return ".".join(filter(None, ("model", path, *chain))), _described(value), _described(owner)
+        return None
+
+
+def _lookup(owner: Any, name: str) -> Any:
+    """``owner.name`` as stored: a module's child, an instance's attribute, else its class's (a
+    property or ``__getattr__`` not run); dictionary lookups, as every call checks hundreds."""
+    attributes = getattr(owner, "__dict__", {})
+    children = attributes.get("_modules") if isinstance(owner, nn.Module) else None
+    if children is not None and name in children:
+        return children[name]
+    if name in attributes:
+        return attributes[name]
+    for klass in type(owner).__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return _ABSENT
 
 
 def _described(value: Any) -> str:
@@ -151,14 +175,16 @@ def descendants(module: nn.Module, keep: Any = None, path: str = "") -> Iterator
 @functools.cache
 def _loaded_names(cls: type) -> frozenset[str]:
     """The names the functions of ``cls`` and its bases load (attributes, globals), but
-    ``nn.Module``'s and ``object``'s: what their code may read off a module."""
+    ``nn.Module``'s and ``object``'s and those that only build or show it (:data:`_BUILDING`):
+    what their code may read off a module."""
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass in (object, nn.Module):
             continue
-        for member in vars(klass).values():
-            for function in _functions(member):
-                names |= _code_names(function.__code__)
+        for key, member in vars(klass).items():
+            if key not in _BUILDING:
+                for function in _functions(member):
+                    names |= _code_names(function.__code__)
     return frozenset(names)
 
 
@@ -177,14 +203,6 @@ def _code_names(code: types.CodeType) -> set[str]:
         if isinstance(constant, types.CodeType):
             names |= _code_names(constant)
     return names
-
-
-def _static(owner: Any, name: str) -> Any:
-    """``owner.name`` as stored, without running a property or ``__getattr__`` (``_ABSENT`` if none)."""
-    try:
-        return inspect.getattr_static(owner, name)
-    except AttributeError:
-        return _ABSENT
 
 
 def _constant(value: Any) -> bool:
