@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass, fields
@@ -25,7 +26,7 @@ from .planning import build_plan
 from .timeline import Event
 
 __all__ = [
-    "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
+    "random_batch", "synthetic_batch", "regression_loss", "StepTime", "Trainer", "round_robin", "medians",
     "Times", "stage_times", "Row", "BenchResult", "bench_plan", "format_bench", "plan_of",
     "make_optimizer", "plan_optimizer", "measure_memory", "plan_devices", "check_local", "describe_plan",
 ]
@@ -35,6 +36,20 @@ __all__ = [
 ERROR_FLOOR = 0.01
 
 T = TypeVar("T")
+
+
+def random_batch(batch_size: int, shape: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
+    """A batch of standard normal samples of ``shape``; one ``ValueError`` naming the sizes where
+    it does not fit in memory (a mistyped ``--input-shape 99999,99999`` asked for 160 GB)."""
+    try:
+        return torch.randn(batch_size, *shape, generator=generator)
+    except RuntimeError as error:  # torch's "can't allocate memory" (OutOfMemoryError on CUDA is one)
+        if "alloc" not in str(error).lower() and not isinstance(error, torch.OutOfMemoryError):
+            raise
+        size = 4 * batch_size * math.prod(shape)
+        raise ValueError(f"a random batch of {batch_size} samples of shape {list(shape)} takes "
+                         f"{size / 2**30:.1f} GiB, which this machine cannot allocate; give a smaller --batch-size "
+                         "or --input-shape") from None
 
 
 def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
@@ -50,7 +65,7 @@ def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,
     deep inside the model; so is an output with no floating-point tensor, which no loss can train.
     """
     generator = torch.Generator().manual_seed(seed)
-    batch = torch.randn(batch_size, *shape, generator=generator)
+    batch = random_batch(batch_size, shape, generator)
     try:
         with torch.no_grad():
             output = model(batch)

@@ -97,6 +97,23 @@ def test_a_failing_model_factory_is_one_error(capsys) -> None:
     _error(capsys, ["demo", "--model", "test_cli_errors:boom", "--devices", "cpu,cpu"], expected)
 
 
+def test_a_model_module_failing_as_it_is_imported_is_one_error(tmp_path, monkeypatch, capsys) -> None:
+    """A syntax error or a typo in the user's model file (a traceback before: only ImportError was caught)."""
+    (tmp_path / "broken_syntax.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "broken_name.py").write_text("x = undefined_name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module, kind in (("broken_syntax", "SyntaxError"), ("broken_name", "NameError")):
+        _error(capsys, ["profile", f"{module}:f", "--input-shape", "16", "--quiet"],
+               f"importing '{module}' for MODEL '{module}:f' failed: {kind}")
+
+
+def test_a_batch_that_cannot_be_allocated_is_one_error(capsys) -> None:
+    """``--input-shape 99999,99999,99`` asks for 236,030 GiB: torch's allocation error came with a traceback."""
+    _error(capsys, ["profile", SPEC, "--input-shape", "99999,99999,99", "--batch-size", "64", "--quiet"],
+           "a random batch of 64 samples of shape [99999, 99999, 99] takes 236029.7 GiB, which this machine cannot "
+           "allocate; give a smaller --batch-size or --input-shape")
+
+
 def test_no_output_replaces_an_input(saved, tmp_path, capsys) -> None:
     profile_path, plan_path = saved
     copy = tmp_path / "copy.json"

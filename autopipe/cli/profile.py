@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..bench import random_batch
 from ..profiling.profiler import profile
 from ..profiling.profiles import LayerProfile, Profile
 from ._arguments import at_least, device_names, fill_defaults, given, output_path
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     devices = device_names(args.devices)
     torch.manual_seed(0)
     model = load_model(args.model)
-    sample = torch.randn(args.batch_size, *shape)
+    sample = random_batch(args.batch_size, shape)
     measured = profile(model, sample, devices, sizes, warmup=args.warmup, repeats=args.repeats,
                        quiet=args.quiet, under_load=False if args.alone else None)
     measured.model.update(spec=args.model, input_shape=shape)  # lets bench rebuild it from a plan
@@ -146,6 +147,8 @@ def load_model(spec: str) -> nn.Module:
     except ImportError as error:
         raise ValueError(f"cannot import '{source}' for MODEL '{spec}': {error}; check the module "
                          "path (run from the directory that contains the package)") from None
+    except Exception as error:  # the user's module failed as it ran (a syntax error, a typo): theirs to read
+        raise ValueError(f"importing '{source}' for MODEL '{spec}' failed: {type(error).__name__}: {error}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"'{source}' has no callable '{name}' (MODEL '{spec}'); name a function or "
