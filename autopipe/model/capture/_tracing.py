@@ -45,12 +45,10 @@ class _AssignsBuffers(Exception):
     """The traced forward assigns buffers, which neither torch.fx nor torch.export records."""
 
     def __init__(self, paths: list[str]) -> None:
-        owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
-        whole = f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
         super().__init__(
             f"its forward assigns the buffers {paths} (`self.count = self.count + 1` makes a new tensor, "
             f"which neither torch.fx nor torch.export records: the chain would never update the buffer). "
-            f"Way out: update them in place (`self.count += 1`, `self.mean.copy_(new)`){whole}"
+            f"Way out: update them in place (`self.count += 1`, `self.mean.copy_(new)`){_kept_whole(paths)}"
         )
 
 
@@ -157,18 +155,24 @@ for _target in AUGMENTED:
     setattr(_Proxy, f"__{_target.__name__}__", _in_place(_target))
 
 
+def _kept_whole(paths: list[str]) -> str:
+    """The other way out for assignments at ``paths``: keeping the modules that make them whole
+    (one layer: their code then runs at every call)."""
+    owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
+    return f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
+
+
 class _AssignsAttributes(Exception):
     """The traced code assigns attributes of the model's modules, or writes into their tensors that
     are no buffers."""
 
     def __init__(self, paths: list[str]) -> None:
-        owners = sorted({path.rpartition(".")[0] for path in paths} - {""})
-        whole = f", or keep {' and '.join(map(repr, owners))} whole with leaf_modules={owners}" if owners else ""
         super().__init__(
             f"its forward assigns the attributes {paths} (a counter, a stored value), or writes into them in place "
             f"where they are tensors but not buffers: torch.fx and torch.export run the Python of the code they trace "
             f"once, at the capture, so the chain would never change them. Way out: keep such state in a buffer "
-            f"updated in place (`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`){whole}"
+            f"updated in place (`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`)"
+            f"{_kept_whole(paths)}"
         )
 
 
