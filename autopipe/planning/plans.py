@@ -72,8 +72,7 @@ class StagePlan:
             copy_grad_ms=f.float("copy_grad_ms", 0.0),
             memory_bytes=f.int("memory_bytes", 0),
             reduce_ms=f.float("reduce_ms", 0.0) if f.has("reduce_ms") else 0.0,
-            memory_terms=({k: f.get("memory_terms").int(k) for k in f.get("memory_terms").keys()}
-                          if f.has("memory_terms") else {}),
+            memory_terms=_terms(f) if f.has("memory_terms") else {},
         )
 
 
@@ -109,11 +108,23 @@ class Prediction:
 
     @staticmethod
     def from_json(f: Fields) -> Prediction:
+        if f.float("bubble_fraction", 0.0) > 1:
+            raise f.get("bubble_fraction").error("must be at most 1 (a share of the devices' time)")
         return Prediction(f.float("iteration_ms", 0.0), f.float("forward_ms", 0.0),
                           f.float("backward_ms", 0.0), f.float("bubble_fraction", 0.0),
                           f.float("reduction_ms", 0.0) if f.has("reduction_ms") else 0.0,
                           f.float("lower_bound_ms", 0.0) if f.has("lower_bound_ms")
                           and f.get("lower_bound_ms").value is not None else None)
+
+
+def _terms(f: Fields) -> dict[str, int]:
+    """A stage's memory by term: byte counts, none above the stage's whole."""
+    terms, whole = f.get("memory_terms"), f.int("memory_bytes", 0)
+    read = {name: terms.int(name, 0) for name in terms.keys()}
+    for name, count in read.items():
+        if count > whole:
+            raise terms.get(name).error(f"must be at most the stage's memory_bytes, {whole}")
+    return read
 
 
 @dataclass
