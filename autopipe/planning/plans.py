@@ -118,12 +118,12 @@ class Prediction:
 
 
 def _terms(f: Fields) -> dict[str, int]:
-    """A stage's memory by term: byte counts, none above the stage's whole."""
+    """A stage's memory by term: byte counts (a transient one may be negative) adding up to its
+    ``memory_bytes``, as the planner writes them."""
     terms, whole = f.get("memory_terms"), f.int("memory_bytes", 0)
-    read = {name: terms.int(name, 0) for name in terms.keys()}
-    for name, count in read.items():
-        if count > whole:
-            raise terms.get(name).error(f"must be at most the stage's memory_bytes, {whole}")
+    read = {name: terms.int(name) for name in terms.keys()}
+    if read and sum(read.values()) != whole:
+        raise terms.error(f"must add up to the stage's memory_bytes, {whole}, found {sum(read.values())}")
     return read
 
 
