@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
+from autopipe.errors import ChainError
 from autopipe.model.capture import CaptureError, CapturedCallError
 
 transformers = pytest.importorskip("transformers")
@@ -241,6 +242,27 @@ def test_caches_off_while_capturing_and_restored() -> None:
         layers = autopipe.chain(model, _lm_batch(torch.Generator().manual_seed(1)))
     assert [config.use_cache for config in configs] == before
     assert layers
+
+
+def test_saving_and_cache_settings_after_the_capture_keep_the_pipeline_running(tmp_path) -> None:
+    """``save_pretrained`` writes the config (its ``dtype``, ``architectures``) and ``use_cache``
+    does not change a graph captured with caches off: neither is read by the forward (every step
+    after a mid-training save was refused, reading the names of every method of the model), while
+    ``output_hidden_states``, which the graph does not return, is refused."""
+    model = _gpt2()
+    batch = _lm_batch(torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        pipe = autopipe.Pipeline(autopipe.chain(model, batch), balance=[3, 4], devices=["cpu", "cpu"], chunks=2)
+    try:
+        pipe(**batch).loss.backward()
+        model.save_pretrained(tmp_path)
+        model.config.use_cache = not model.config.use_cache
+        pipe(**batch).loss.backward()
+        model.config.output_hidden_states = True
+        with pytest.raises(ChainError, match="output_hidden_states was False when the model was captured"):
+            pipe(**batch)
+    finally:
+        pipe.close()
 
 
 def test_keyword_arguments_must_match_the_capture() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from ..layers import Chain, Layer
 from ..skip import Namespace
 from ._building import build
-from ._hf import caches_off, check_sample, is_hf_model
+from ._hf import HF_OUTPUT_FLAGS, caches_off, check_sample, is_hf_model
 from ._grouping import group
 from ._layer import CapturedCallError, CapturedLayer, autocast_state
 from ._checking import difference_on_sample
@@ -56,11 +56,12 @@ def chain(
     above an operation that may write in place, which stays where it is; a value that the next
     layer reads is part of the main value (a tensor or a tuple) and one that a later layer reads
     is a stash/pop skip.  A buffer the forward reads or updates (``self.center.mul_(0.9)``) is
-    part of the graph, updated at every call, and the layers reading it become one; fx cannot
-    record a buffer assigned (``self.count += 1``): update it in place (``self.count.add_(1)``)
-    or give a ``sample_input`` for torch.export.  Each layer is a :class:`CapturedLayer` holding
-    the original modules (fx) or the original parameters and buffers (export) at their original
-    paths, so state-dict keys are the model's own (``Layer.prefix == ""``) and nothing is copied.
+    part of the graph, updated at every call, and the layers reading it become one; a buffer
+    assigned anew (``self.count = self.count + 1``), which neither fx nor torch.export records, is
+    refused: update it in place (``self.count += 1``, ``self.count.add_(1)``).  Each layer is a
+    :class:`CapturedLayer` holding the original modules (fx) or the original parameters and buffers
+    (export) at their original paths, so state-dict keys are the model's own (``Layer.prefix ==
+    ""``) and nothing is copied.
     A parameter used by two layers far apart (tied embedding and output weights) lives in the
     first and travels to the other as a skip, so its gradients from both add up.
 
@@ -109,24 +110,29 @@ def chain(
     leaves = LeafRule(model, granularity, tuple(leaf_modules))
     with caches_off(model) if hf else nullcontext():
         traced = trace(model, leaves, sample_input, fx_first=not hf)
-    layers = _built(model, leaves, traced)
+    layers = _built(model, leaves, traced, hf)
     difference = None if traced.mode is not None or sample_input is None else difference_on_sample(
         model, layers, *split_sample(sample_input))
     if difference is not None:  # fx did not follow the forward: torch.export runs it on the sample
         why = (f"torch.fx's graph computes other values than the model on the sample ({difference}): the "
                "forward has Python that fx does not follow (an isinstance test on an input, which fx passes as "
                "a proxy; a value a hook stores), so ")
-        layers = _built(model, leaves, trace(model, leaves, sample_input, fx_first=False, why=why))
+        layers = _built(model, leaves, trace(model, leaves, sample_input, fx_first=False, why=why), hf)
     return Chain.of(model, layers)
 
 
-def _built(model: nn.Module, leaves: LeafRule, traced: Traced) -> list[Layer]:
+def _built(model: nn.Module, leaves: LeafRule, traced: Traced, hf: bool) -> list[Layer]:
     """The layers of ``traced``, with the plain values its code may read as the model holds them
-    now (a transformers config's ``use_cache`` as the user set it, not as the capture had it):
-    the code of every module torch.export ran, of those torch.fx traced through (not its leaves,
-    whose code runs at every call)."""
+    now: the code of every module torch.export ran, of those torch.fx traced through (not its
+    leaves, whose code runs at every call); a transformers model's ``use_cache`` aside (captured
+    off, whatever the config says)."""
     exported = traced.mode is not None
-    ran = descendants(model, None if exported else lambda module, path: not leaves.is_leaf(module, path))
-    return build(replace(traced, reads=reads(ran)), group(traced), Namespace(type(model).__name__))
+    ran = list(descendants(model, None if exported else lambda module, path: not leaves.is_leaf(module, path)))
+    watched = [read for read in reads(ran) if not (hf and read[1][-1] == "use_cache")]
+    if hf:  # what transformers reads by name (getattr), which no code names: the outputs it returns
+        watched += [(path, ("config", flag), vars(module.config)[flag]) for path, module in ran
+                    if hasattr(module.__dict__.get("config"), "__dict__")
+                    for flag in HF_OUTPUT_FLAGS if flag in vars(module.config)]
+    return build(replace(traced, reads=watched), group(traced), Namespace(type(model).__name__))
 
 

@@ -57,10 +57,23 @@ def _run(layers: Sequence[Layer], args: tuple[Any, ...], kwargs: dict[str, Any])
     return last.structure(value)
 
 
-def _seeded(model: nn.Module, run: Callable[[], Any]) -> Any:
+def assignments_on_sample(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The attributes the model's forward assigns (and the tensors that are no buffers it writes
+    into) when it runs on the sample, put back after: torch.export puts back what its tracing
+    assigns, so its capture alone does not show a counter it drops.  None where the model fails
+    on the sample (its capture would not have worked)."""
+    changed: list[str] = []
+    try:
+        _seeded(model, lambda: model(*args, **kwargs), changed)
+    except Exception:  # noqa: BLE001 - the model's own failure: nothing to tell from it
+        return []
+    return changed
+
+
+def _seeded(model: nn.Module, run: Callable[[], Any], changed: list[str] | None = None) -> Any:
     """``run()`` without grad from seed 0 of the CPU generator (dropout draws the same masks in
     both runs), the random state, the model's buffers and its modules' attributes (a counter) as
-    they were after."""
+    they were after; ``changed`` gets the paths of the attributes the run changed."""
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     snapshot = Snapshot(descendants(model))
     try:
@@ -68,6 +81,8 @@ def _seeded(model: nn.Module, run: Callable[[], Any]) -> Any:
             torch.manual_seed(0)
             return run()
     finally:
+        if changed is not None:
+            changed += snapshot.changed()
         snapshot.put_back()
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -21,6 +21,11 @@ from ._tracing import CaptureError
 
 __all__: list[str] = []
 
+#: Config flags that choose what a transformers model returns, which its forward reads by name
+#: (``getattr``): the captured graph returns what they were at the capture.
+#: (``output_attentions`` is a property over ``_output_attentions``: the value is watched.)
+HF_OUTPUT_FLAGS = ("_output_attentions", "output_attentions", "output_hidden_states", "return_dict")
+
 
 def is_hf_model(model: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")

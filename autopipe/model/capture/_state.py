@@ -9,13 +9,15 @@ on a tensor that is no buffer) happens at the capture only: :class:`Snapshot` fi
 the model back as it was.
 
 Which values code may read is read off the code, not watched while it runs: the attribute names
-its class's functions load (``co_names``), looked up on the module, its children and the plain
-objects it holds.  A name loaded for something else finds a value that need not be read (a false
-refusal once it changes, never a silent answer); a value reached otherwise (through a dict, or
-``getattr(self, name)``) is not seen.
+a module's ``forward`` loads (``co_names``) and those of the methods it reaches by name, looked up
+on the module, its children and the plain objects it holds.  A name loaded for something else
+finds a value that need not be read (a false refusal once it changes, never a silent answer); a
+value reached otherwise (through a dict, a global, a container's blocks, ``getattr(self, name)``)
+is not seen.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import types
@@ -37,10 +39,6 @@ _MODULE_OWN = frozenset(dir(nn.Module)) | frozenset(nn.Module().__dict__)
 #: Attributes fx sets on the model itself to hold a graph's constants (``_tensor_constant0``).
 _FX_CONSTANT = re.compile(r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d+|_\w+_constant_\d+")
 _ABSENT = object()
-#: Methods that build or show a module, which a forward does not run: the names they alone load
-#: (a layer's sizes, set once) are not read by the captured code.
-_BUILDING = frozenset({"__init__", "__repr__", "__str__", "__setstate__", "__getstate__", "extra_repr",
-                       "reset_parameters", "_init_weights", "_load_from_state_dict"})
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -116,42 +114,66 @@ def _described(value: Any) -> str:
 
 
 class Snapshot:
-    """The attributes of some modules as they were (tensors that are no buffers with a copy), to
-    find what a capture's run of their code changed and put them back."""
+    """The attributes of some modules as they were (tensors that are no buffers with a copy, lists,
+    dicts and sets with their items), to find what a capture's run of their code changed and put
+    them back.  A module whose class changed meanwhile (a lazy module materialised on the sample)
+    is left as it is: that cannot be undone."""
 
     def __init__(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
-        self.kept = [(path, module, dict(vars(module))) for path, module in modules]
-        self.tensors = [(value, value._version, value.detach().clone()) for _, _, attributes in self.kept
+        self.kept = [(path, module, type(module), dict(vars(module))) for path, module in modules]
+        self.tensors = [(value, value._version, value.detach().clone()) for *_, attributes in self.kept
                         for value in attributes.values() if isinstance(value, torch.Tensor)]
+        self.items = [(value, copy.copy(value)) for *_, attributes in self.kept for name, value in attributes.items()
+                      if isinstance(value, (list, dict, set)) and name not in _MODULE_OWN]
 
     def changed(self) -> list[str]:
-        """The paths of the attributes assigned, added or removed, and of the tensors written into."""
+        """The paths of the attributes assigned, added or removed, of the tensors written into and
+        of the lists, dicts and sets whose items changed."""
         paths = []
-        for path, module, before in self.kept:
+        for path, module, kind, before in self.kept:
             now = vars(module)
-            for name in sorted(before.keys() | now.keys()):
+            for name in sorted(before.keys() | now.keys()) if type(module) is kind else ():
                 if name in _MODULE_OWN or _FX_CONSTANT.fullmatch(name):
                     continue
                 was, value = before.get(name, _ABSENT), now.get(name, _ABSENT)
-                written = isinstance(was, torch.Tensor) and was is value and self._written(was)
+                written = was is value and self._written(was)
                 if written or not same_value(was, value):  # an equal value assigned again changes nothing
                     paths.append(".".join(filter(None, (path, name))))
         return paths
 
     def put_back(self) -> None:
-        """Every attribute as it was (those added removed), every tensor with its values."""
-        for _, module, before in self.kept:
+        """Every attribute as it was (those added removed), every tensor and container with its values."""
+        for _, module, kind, before in self.kept:
+            if type(module) is not kind:
+                continue
             attributes = vars(module)
             for name in [name for name in attributes if name not in before and not _FX_CONSTANT.fullmatch(name)]:
                 del attributes[name]
             attributes.update(before)
         with torch.no_grad():
-            for tensor, version, copy in self.tensors:
+            for tensor, version, copied in self.tensors:
                 if tensor._version != version:
-                    tensor.copy_(copy)
+                    tensor.copy_(copied)
+        for container, copied in self.items:
+            if _differ(container, copied):
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(copied)
+                else:
+                    container.update(copied)
 
-    def _written(self, tensor: torch.Tensor) -> bool:
-        return any(kept is tensor and kept._version != version for kept, version, _ in self.tensors)
+    def _written(self, value: Any) -> bool:
+        """Whether a tensor was written into, or a container's items changed."""
+        if isinstance(value, torch.Tensor):
+            return any(kept is value and kept._version != version for kept, version, _ in self.tensors)
+        return any(kept is value and _differ(kept, copied) for kept, copied in self.items)
+
+
+def _differ(container: Any, copied: Any) -> bool:
+    try:
+        return bool(container != copied)
+    except Exception:  # noqa: BLE001 - items that cannot be compared (tensors): changed where not the same
+        return len(container) != len(copied) or any(a is not b for a, b in zip(container, copied))
 
 
 def descendants(module: nn.Module, keep: Any = None, path: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -174,17 +196,20 @@ def descendants(module: nn.Module, keep: Any = None, path: str = "") -> Iterator
 
 @functools.cache
 def _loaded_names(cls: type) -> frozenset[str]:
-    """The names the functions of ``cls`` and its bases load (attributes, globals), but
-    ``nn.Module``'s and ``object``'s and those that only build or show it (:data:`_BUILDING`):
-    what their code may read off a module."""
+    """The names ``cls.forward`` loads (attributes, globals), and those of the methods of ``cls``
+    it reaches by name (``self.attend(...)``, a property), transitively: what a forward may read
+    off a module.  Not the other methods (a transformers model's ``save_pretrained`` and
+    ``generate`` load a hundred names no forward reads)."""
+    members = {name: member for klass in reversed(cls.__mro__) if klass not in (object, nn.Module)
+               for name, member in vars(klass).items()}
     names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass in (object, nn.Module):
-            continue
-        for key, member in vars(klass).items():
-            if key not in _BUILDING:
-                for function in _functions(member):
-                    names |= _code_names(function.__code__)
+    waiting = ["forward"]
+    while waiting:
+        member = members.get(waiting.pop())
+        for function in _functions(member):
+            found = _code_names(function.__code__) - names
+            names |= found
+            waiting += [name for name in found if name in members]
     return frozenset(names)
 
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ...errors import RAISED_BY, add_note
 from ..layers import UNCALLED, ChainError, Hooks, call_hooks, training_flags
+from ._checking import assignments_on_sample
 from ._state import Read, Snapshot, descendants
 
 __all__: list[str] = []
@@ -168,10 +169,10 @@ class _AssignsAttributes(Exception):
 
     def __init__(self, paths: list[str]) -> None:
         super().__init__(
-            f"its forward assigns the attributes {paths} (a counter, a stored value), or writes into them in place "
-            f"where they are tensors but not buffers: torch.fx and torch.export run the Python of the code they trace "
-            f"once, at the capture, so the chain would never change them. Way out: keep such state in a buffer "
-            f"updated in place (`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`)"
+            f"its forward assigns the attributes {paths} (a counter, a stored value) or changes them in place (a "
+            f"tensor that is no buffer, a list it appends to): torch.fx and torch.export run the Python of the code "
+            f"they trace once, at the capture, so the chain would never change them. Way out: keep such state in a "
+            f"buffer updated in place (`self.register_buffer('count', torch.zeros(()))`, then `self.count += 1`)"
             f"{_kept_whole(paths)}"
         )
 
@@ -279,6 +280,8 @@ def trace(model: nn.Module, leaves: LeafRule, sample_input: Any, *, fx_first: bo
     finally:
         changed = snapshot.changed()
         snapshot.put_back()
+    if not changed and traced.mode is not None:  # torch.export put back what it assigned: run the model
+        changed = assignments_on_sample(model, *split_sample(sample_input))
     if changed:
         raise CaptureError(f"cannot capture {type(model).__name__}: {_AssignsAttributes(changed)}")
     return traced
