@@ -159,8 +159,11 @@ def test_invalid_or_overridden_counts_are_refused(argv, expected, capsys) -> Non
 
 def test_bytes_of_refuses_what_it_would_ignore(saved, capsys) -> None:
     profile_path, _ = saved
+    # the profile's model is no torchvision one: the fix is to name it (it said "drop MODEL", then
+    # refused the command without it, asking for MODEL)
     _error(capsys, ["profile", "test_cli_errors:narrow_model", "--bytes-of", str(profile_path), "--quiet"],
-           f"MODEL would be ignored: --bytes-of measures the profile's own model ({SPEC})")
+           f"MODEL test_cli_errors:narrow_model is not the model of {profile_path}: --bytes-of measures the "
+           f"profile's own model, {SPEC}; give {SPEC}")
     _error(capsys, ["profile", "--bytes-of", str(profile_path), "--input-shape", "3,32,32", "--batch-size", "4"],
            "--input-shape, --batch-size would be ignored")
 

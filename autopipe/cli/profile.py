@@ -95,8 +95,12 @@ def _bytes_of_model(args: argparse.Namespace, saved: Profile) -> str:
     """The model spec to measure for ``--bytes-of``, after refusing every measuring option it
     would ignore: the profile fixes the shape, batch, sizes and device, and times nothing."""
     spec = saved.model.get("spec")
+    if spec not in (None, args.model) and args.model is not None:
+        own = not spec.startswith("torchvision:")  # a file's module is imported only when named on the command line
+        raise ValueError(f"MODEL {args.model} is not the model of {args.bytes_of}: --bytes-of measures the "
+                         f"profile's own model, {spec}; give {spec if own else 'no MODEL'}")
     ignored = given(args, ["--input-shape", "--batch-size", "--batch-sizes", "--devices", "--warmup",
-                           "--repeats", "--alone"] + (["MODEL"] if spec not in (None, args.model) else []))
+                           "--repeats", "--alone"])
     if ignored:
         named = f" ({spec})" if spec is not None else ""
         raise ValueError(f"{', '.join(ignored)} would be ignored: --bytes-of measures the profile's own "
