@@ -9,7 +9,8 @@ two disagree.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -71,15 +72,23 @@ def assignments_on_sample(model: nn.Module, args: tuple[Any, ...], kwargs: dict[
 
 
 def _seeded(model: nn.Module, run: Callable[[], Any], changed: list[str] | None = None) -> Any:
-    """``run()`` without grad from seed 0 of the CPU generator (dropout draws the same masks in
-    both runs), the random state, the model's buffers and its modules' attributes (a counter) as
-    they were after; ``changed`` gets the paths of the attributes the run changed."""
+    """``run()`` from seed 0 of the CPU generator (dropout draws the same masks in both runs),
+    the random state as it was after, and the model :func:`left_as_is`."""
+    with left_as_is(model, changed), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return run()
+
+
+@contextlib.contextmanager
+def left_as_is(model: nn.Module, changed: list[str] | None = None) -> Iterator[None]:
+    """The block without grad, the model's buffers and its modules' attributes (a counter) put back
+    as they were after it, even where it fails; ``changed`` gets the paths of the attributes it
+    changed."""
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     snapshot = Snapshot(descendants(model))
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(0)
-            return run()
+        with torch.no_grad():
+            yield
     finally:
         if changed is not None:
             changed += snapshot.changed()

@@ -21,7 +21,7 @@ from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from ...errors import RAISED_BY, add_note
 from ..layers import UNCALLED, ChainError, Hooks, call_hooks, training_flags
-from ._checking import assignments_on_sample
+from ._checking import assignments_on_sample, left_as_is
 from ._state import Read, Snapshot, descendants
 
 __all__: list[str] = []
@@ -332,22 +332,17 @@ def _exported(model: nn.Module, leaves: LeafRule, sample_input: Any, failure: st
 
 
 def _run_on_sample(model: nn.Module, sample_input: Any) -> None:
-    """Run the model on the sample once, without grad, its buffers put back after: an exception
-    it raises (a shape check of its own) is the model's, and reaches the caller as its own type
-    rather than as the export's failure."""
+    """Run the model on the sample once, without grad, its buffers and attributes put back after
+    (:func:`left_as_is`): an exception it raises (a shape check of its own) is the model's, and
+    reaches the caller as its own type rather than as the export's failure."""
     args, kwargs = split_sample(sample_input)
-    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     try:
-        with torch.no_grad():
+        with left_as_is(model):
             model(*args, **kwargs)
     except Exception as error:
         add_note(error, f"{RAISED_BY}{type(model).__name__} run on the sample while capturing it "
                         "(torch.export failed, and the model itself fails on this sample)")
         raise
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 def _symbolic(model: nn.Module, tracer: _Tracer, sample_input: Any = None) -> Traced:
