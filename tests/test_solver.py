@@ -349,6 +349,27 @@ def test_range_minima_against_slicing():
         assert RangeMin(row, lo, hi, (rows, count + 1)).of(values, np.zeros_like(values)).tolist() == expected
 
 
+def test_range_minima_within_columns_read_only_those():
+    """Queries within some columns, answered after the table was filled for other values:
+    what lies outside the columns is stale and must not be read (the completions' DP fills
+    only the stops of the starts a device can have)."""
+    from autopipe.planning._arrays import RangeMin
+
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        rows, count, queries = rng.integers(1, 5), rng.integers(2, 40), rng.integers(1, 60)
+        first = int(rng.integers(0, count))
+        last = int(rng.integers(first, count + 1))
+        row = rng.integers(0, rows, queries)
+        lo = rng.integers(first, last + 1, queries)
+        hi = np.clip(lo - 1 + rng.integers(-1, 12, queries), lo - 1, last)
+        ranges = RangeMin(row, lo, hi, (rows, count + 1))
+        ranges.of(rng.normal(size=(rows, count + 1)), 0.0)  # other values everywhere
+        values, plus = rng.normal(size=(rows, count + 1)), rng.normal(size=(rows, count + 1))
+        expected = [(values + plus)[r, a: b + 1].min(initial=math.inf) for r, a, b in zip(row, lo, hi)]
+        assert ranges.of(values, plus, columns=(first, last)).tolist() == expected
+
+
 def test_skip_charges_by_hand():
     """Layers 0..3 on 2 devices, one skip stashed by layer 0 and popped by layer 2: a second
     stage starting at 1 or 2 pops it (and pays to receive it), one starting at 3 does not."""

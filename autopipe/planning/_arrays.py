@@ -99,13 +99,24 @@ class RangeMin:
         # per span length 2^k, its minima from each column (inf where the span would run past the end)
         self.spans = np.full((int(level.max(initial=0)) + 1, shape[0], width), math.inf)
 
-    def of(self, values: np.ndarray, plus: np.ndarray, queries: np.ndarray | None = None) -> np.ndarray:
-        """Each query's minimum of ``values + plus`` (of the ``queries`` given, else all)."""
+    def of(self, values: np.ndarray, plus: np.ndarray, queries: np.ndarray | None = None,
+           columns: tuple[int, int] | None = None) -> np.ndarray:
+        """Each query's minimum of ``values + plus`` (of the ``queries`` given, else all); given
+        ``columns`` (first, last), the queries lie within them and only those are read."""
         spans = self.spans
-        np.add(values, plus, out=spans[0, :, :-1])
+        if columns is None:
+            lo, hi = 0, spans.shape[2] - 2
+            np.add(values, plus, out=spans[0, :, :-1])
+        else:
+            lo, hi = columns
+            np.add(values[:, lo:hi + 1], plus[:, lo:hi + 1], out=spans[0, :, lo:hi + 1])
         for level in range(1, len(spans)):
             half = 1 << (level - 1)
-            np.minimum(spans[level - 1, :, : -half - 1], spans[level - 1, :, half:-1], out=spans[level, :, : -half - 1])
+            end = hi - 2 * half + 2  # one past the last span of this length within the columns
+            if end <= lo:
+                break  # no query within the columns is that long
+            below = spans[level - 1]
+            np.minimum(below[:, lo:end], below[:, lo + half:end + half], out=spans[level, :, lo:end])
         flat = spans.reshape(-1)
         if queries is None:
             return np.minimum(flat[self.left], flat[self.right])

@@ -32,6 +32,7 @@ potentials as it refines.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -123,12 +124,17 @@ class Completions:
         rest[:, :, layers] = 0.0
         for device in range(devices - 1, -1, -1):
             speed = float(self.speeds[device])
-            charge = None if self.sources is None else self.sources.charges(device)
+            window = self._window(speed)
+            band = self._band(device) if self.skips else None
+            extent = window.extent(band)
+            if extent is None:  # no plan of any cell starts a stage on this device
+                rest[device, :, :layers] = math.inf
+                continue
+            charge = None if self.sources is None else self.sources.charges(device, extent.entries)
             stage, start = self._stage(device), self.work[:layers] / speed
             if self.held is not None:
                 stage, start = stage + self.held[device], start + self.held[device, :layers]
-            band = self._band(device) if self.skips else None
-            np.subtract(self._window(speed).least(stage, rest[device + 1], charge, band), start,
+            np.subtract(window.least(stage, rest[device + 1], charge, band, extent), start,
                         out=rest[device, :, :layers])
         return rest
 
@@ -375,21 +381,22 @@ class _Sources:
         # at one speed, s … d-1 hold that work when there are at least this many of them
         self.count = np.ceil(self.span / speeds[0] - 1e-9).astype(np.intp) if np.ptp(speeds) == 0 else None
 
-    def charges(self, device: int) -> np.ndarray:
-        """Per cell (or one row for all) and entry: the least copy of the entry's skip to
-        ``device`` from a source in its range less the source's potential, plus ``device``'s
-        own (``inf`` where no source is).  Any potentials keep the bound: the stage holding
-        the stash pays its device's (:meth:`Completions._held`), and that plus what the pop is
-        charged is at most the copy (the module docstring)."""
-        low, high = self._range(device, slice(None), slice(None))
+    def charges(self, device: int, entries: slice) -> np.ndarray:
+        """Per cell (or one row for all) and entry of ``entries``: the least copy of the entry's
+        skip to ``device`` from a source in its range less the source's potential, plus
+        ``device``'s own (``inf`` where no source is).  Any potentials keep the bound: the stage
+        holding the stash pays its device's (:meth:`Completions._held`), and that plus what the
+        pop is charged is at most the copy (the module docstring)."""
+        low, high = self._range(device, slice(None), entries)
         empty = high < low
         level = self.log2[np.maximum(high - low + 1, 1) - 1]
         _, devices, skips, sources = self.table.shape
-        rows = ((level * devices + device) * skips + self.skip) * sources
+        skip = self.skip[entries]
+        rows = ((level * devices + device) * skips + skip) * sources
         flat = self.table.ravel()
         least = np.minimum(flat.take(rows + np.where(empty, 0, low)),
                            flat.take(rows + np.where(empty, 0, high - (1 << level) + 1)))
-        return np.where(empty, math.inf, least + self.potentials[self.skip, device])
+        return np.where(empty, math.inf, least + self.potentials[skip, device])
 
     def pick(self, device: int, cell: int, entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`charges` of some ``entries`` in one ``cell``, and the source each is charged from."""
@@ -412,6 +419,15 @@ class _Sources:
         return np.maximum(self.low[row, entries], device - (self.at[entries] - stash)), high
 
 
+@dataclass(frozen=True)
+class _Extent:
+    """What the DP of one device reads (:meth:`_Windows.extent`): the first and last stop of its
+    stages' windows, and the entries (:func:`_entries`) of skips open at their starts."""
+
+    columns: tuple[int, int]
+    entries: slice
+
+
 class _Windows:
     """For every cell and start ``p``, the least over stops ``q`` in ``(p, hi[cell, p]]`` of a
     table's ``[cell, q]`` — plus, given the ``entries`` of skips to charge (:func:`_entries`),
@@ -426,10 +442,12 @@ class _Windows:
         cells, starts = hi.shape
         cell, start = np.divmod(np.arange(hi.size), starts)
         self.skips = None
+        self.at: np.ndarray | None = None  # the start of each entry, where skips are charged
         if entries is None or not len(entries[0]):
             self.ranges = RangeMin(cell, start + 1, hi.ravel(), (cells, starts + 1))
             return
         skip, at = entries
+        self.at = at
         steps = candidate.skip_pop[skip] + 1  # where the charge of each steps up: the first stop past its pop
         first = np.searchsorted(at, np.arange(starts + 1))
         # per (cell, p): the steps inside its window, and one range more than steps
@@ -445,15 +463,35 @@ class _Windows:
         ends = np.concatenate(([0], np.cumsum(count)))  # each (cell, p)'s first range, and one past the last
         self.skips = (np.repeat(cell, count), np.repeat(first[start], count), which, ends[:-1], ends)
 
+    def extent(self, band: tuple[np.ndarray, np.ndarray] | None) -> _Extent | None:
+        """What the starts in ``band`` (per cell: first, last; every start without) read: the
+        stops of their windows and the entries open at them; ``None`` if no cell has a start."""
+        cells, starts = self.hi.shape
+        if band is None:
+            return _Extent((0, starts), slice(None))
+        first, last = np.maximum(band[0], 0), np.minimum(band[1], starts - 1)
+        some = first <= last
+        if not np.any(some):
+            return None
+        lo, hi = int(np.min(first[some])), int(np.max(last[some]))
+        top = int(np.max(self.hi[:, lo:hi + 1]))
+        if self.at is None:
+            return _Extent((lo + 1, max(top, lo + 1)), slice(0, 0))
+        begin, end = np.searchsorted(self.at, [lo, hi + 1])
+        return _Extent((lo + 1, max(top, lo + 1)), slice(int(begin), int(end)))
+
     def least(self, values: np.ndarray, plus: np.ndarray, charge: np.ndarray | None,
-              band: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              band: tuple[np.ndarray, np.ndarray] | None = None, extent: _Extent | None = None) -> np.ndarray:
         """Per ``(cell, p)``: the least over its window of ``values + plus`` and, given the
-        ``charge`` of each cell and entry (:class:`_Sources`), what its skips cost; only for
-        the starts ``p`` in each cell's ``band`` (first, last; all without), ``inf`` elsewhere."""
+        ``charge`` of each cell and entry of ``extent`` (:class:`_Sources`, :meth:`extent` of
+        ``band``), what its skips cost; only for the starts ``p`` in each cell's ``band``
+        (first, last; all without), ``inf`` elsewhere."""
         groups, queries, ends = self._within(band)
-        least = self.ranges.of(values, plus, queries)
+        least = self.ranges.of(values, plus, queries, None if extent is None else extent.columns)
         if self.skips is not None and charge is not None:
             cell, begin, which = (part if queries is None else part[queries] for part in self.skips[:3])
+            offset = 0 if extent is None else extent.entries.start or 0
+            begin, which = begin - offset, which - offset
             zeros = np.zeros((len(charge), 1))
             paid = np.concatenate((zeros, np.cumsum(np.where(np.isinf(charge), 0.0, charge), axis=1)), axis=1)
             blocked = np.concatenate((zeros, np.cumsum(np.isinf(charge), axis=1)), axis=1)  # no source can send it

@@ -78,7 +78,7 @@ from .._checks import check_choice
 from ..errors import DeviceError
 from .graph import build_graph, chain_of
 from .memory import (BackwardTables, MemoryTerms, estimated_workspace, optimizer_factor, output_saved_flags,
-                     stage_memory, step_factor)
+                     producers, stage_memory, step_factor)
 from .schedules import in_flight, saved_sets
 from ..profiling.profiles import Profile
 
@@ -249,6 +249,7 @@ class CostModel:
         self.latency, self.per_byte = copy_matrix(profile, devices) if copies is None else copies
         self._sizes: dict[int, SizeCosts] = {}
         self._per_size = _per_size(profile)
+        self._per_layer = _PerLayer.of(profile, self.chain.skips)
 
     @property
     def layers(self) -> int:
@@ -264,25 +265,19 @@ class CostModel:
         return self._sizes[b]
 
     def _build(self, b: int) -> SizeCosts:
-        layers = self.profile.layers
         # interpolation is linear in the table's values: one weight per profiled size for all layers
         sizes = self.profile.batch_sizes
         weights = np.asarray([interpolate({s: float(s == size) for s in sizes}, b, "every layer's tables")
                               for size in sizes])
         forward, backward, saved, workspace = (table @ weights for table in self._per_size)
-        outputs = np.asarray([layer.output_bytes * b + layer.output_fixed_bytes for layer in layers], dtype=float)
+        fixed = self._per_layer
+        outputs = fixed.output_bytes * b + fixed.output_fixed_bytes
         inputs = np.concatenate(([self.profile.input_bytes * b], outputs[:-1]))
-        for index, layer in enumerate(layers):
-            if not layer.workspace_bytes:
-                workspace[index] = estimated_workspace(layer, inputs[index])
-        grads = _prefix([layer.trainable_bytes for layer in layers])
-        tables = BackwardTables.build(_prefix(saved), grads, workspace, outputs, output_saved_flags(layers),
-                                      [bool(layer.aliases_input) for layer in layers], self.own_copies)
-        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved),
-                         _prefix([layer.param_bytes for layer in layers]), grads,
-                         _prefix([layer.buffer_bytes for layer in layers]), inputs, outputs,
-                         np.asarray([s.bytes_per_sample * b + s.fixed_bytes for s in self.chain.skips], dtype=float),
-                         tables)
+        workspace = np.where(fixed.measured_workspace, workspace, estimated_workspace(fixed.trainable_bytes, inputs))
+        tables = BackwardTables.build(_prefix(saved), fixed.grads, workspace, outputs, fixed.output_saved,
+                                      fixed.producer, self.own_copies)
+        return SizeCosts(b, _prefix(forward), _prefix(backward), _prefix(saved), fixed.params, fixed.grads,
+                         fixed.buffers, inputs, outputs, fixed.skip_bytes * b + fixed.skip_fixed_bytes, tables)
 
     def copy_ms(self, src: int, dst: int, nbytes: float) -> float:
         """One tensor's copy from plan device ``src`` to ``dst`` (0 on the same index or 0 bytes)."""
@@ -416,6 +411,37 @@ def _per_size(profile: Profile) -> tuple[np.ndarray, ...]:
     saved = [[layer.saved_bytes[s] for s in sizes] for layer in layers]
     workspace = [[layer.workspace_bytes.get(s, 0) for s in sizes] for layer in layers]
     return tuple(np.asarray(table, dtype=float) for table in (forward, backward, saved, workspace))
+
+
+@dataclass(frozen=True)
+class _PerLayer:
+    """What the costs at every micro-batch size read of each layer and skip, as arrays, read
+    off the profile once (a chain of 1,000 layers is costed at 15 sizes)."""
+
+    output_bytes: np.ndarray  # per sample
+    output_fixed_bytes: np.ndarray
+    measured_workspace: np.ndarray  # whether the profile has the layer's workspace
+    trainable_bytes: np.ndarray
+    output_saved: np.ndarray  # output_saved_flags
+    producer: np.ndarray  # producers
+    params: np.ndarray  # prefix sums of parameter, gradient and buffer bytes
+    grads: np.ndarray
+    buffers: np.ndarray
+    skip_bytes: np.ndarray  # per sample, per skip
+    skip_fixed_bytes: np.ndarray
+
+    @staticmethod
+    def of(profile: Profile, skips: Sequence[Any]) -> _PerLayer:
+        layers = profile.layers
+        column = lambda read: np.asarray([read(layer) for layer in layers], dtype=float)  # noqa: E731
+        trainable = column(lambda layer: layer.trainable_bytes)
+        return _PerLayer(column(lambda layer: layer.output_bytes), column(lambda layer: layer.output_fixed_bytes),
+                         np.asarray([bool(layer.workspace_bytes) for layer in layers]), trainable,
+                         output_saved_flags(layers), producers([bool(layer.aliases_input) for layer in layers]),
+                         _prefix(column(lambda layer: layer.param_bytes)), _prefix(trainable),
+                         _prefix(column(lambda layer: layer.buffer_bytes)),
+                         np.asarray([s.bytes_per_sample for s in skips], dtype=float),
+                         np.asarray([s.fixed_bytes for s in skips], dtype=float))
 
 
 def _prefix(values: Sequence[float]) -> np.ndarray:

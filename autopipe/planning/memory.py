@@ -80,7 +80,7 @@ from ._arrays import power_spans
 from .schedules import GRADIENT_WINDOW
 
 __all__ = ["MemoryTerms", "stage_memory", "OPTIMIZER_STATE", "OPTIMIZER_STEP", "optimizer_factor", "step_factor",
-           "BackwardTables", "RangeMax", "estimated_workspace", "output_saved_flags"]
+           "BackwardTables", "RangeMax", "estimated_workspace", "output_saved_flags", "producers"]
 
 #: Optimizer-state bytes per parameter byte for the optimizers a plan can name: plain SGD keeps
 #: none, SGD with momentum a momentum buffer, Adam two moments.
@@ -269,15 +269,10 @@ class BackwardTables:
 
     @staticmethod
     def build(saved_prefix: np.ndarray, param_prefix: np.ndarray, workspace: np.ndarray, outputs: np.ndarray,
-              output_saved: np.ndarray, aliases: Sequence[bool], own_copies: bool) -> BackwardTables:
+              output_saved: np.ndarray, producer: np.ndarray, own_copies: bool) -> BackwardTables:
+        """The tables at one size; ``producer`` as :func:`producers` gives it."""
         inner = saved_prefix[1:] + workspace + outputs
         last = saved_prefix[1:] + workspace + (outputs if own_copies else 0.0)
-        producer = np.zeros(len(outputs) + 1, dtype=int)
-        for stop in range(1, len(outputs) + 1):
-            made = stop - 1
-            while made > 0 and aliases[made]:
-                made -= 1
-            producer[stop] = made
         pad = np.concatenate(([0.0], outputs))
         return BackwardTables(RangeMax(inner), last, RangeMax(inner - param_prefix[:-1]),
                               last - param_prefix[:-1], producer, saved_prefix, param_prefix, pad,
@@ -295,10 +290,18 @@ class BackwardTables:
         return first + self.param_prefix[stop], later
 
 
-def estimated_workspace(layer: LayerProfile, input_bytes: float) -> float:
+def producers(aliases: Sequence[bool]) -> np.ndarray:
+    """``[c]``: the last layer before cut ``c`` whose output is not a view of its input (layer
+    0 where all are), which made the tensor a stage ending at ``c`` sends."""
+    index = np.arange(len(aliases))
+    made = np.maximum.accumulate(np.where(np.asarray(aliases, dtype=bool) & (index > 0), 0, index))
+    return np.concatenate(([0], made)).astype(int)
+
+
+def estimated_workspace(trainable_bytes: Any, input_bytes: Any) -> Any:
     """A layer's workspace when the profile has none measured: a new gradient of its
-    parameters (those that get one) and the gradient of its input."""
-    return layer.trainable_bytes + input_bytes
+    parameters (those that get one) and the gradient of its input (arrays allowed)."""
+    return trainable_bytes + input_bytes
 
 
 def output_saved_flags(layers: Sequence[LayerProfile]) -> np.ndarray:
