@@ -481,16 +481,16 @@ class _Windows:
         return _Extent((lo + 1, max(top, lo + 1)), slice(int(begin), int(end)))
 
     def least(self, values: np.ndarray, plus: np.ndarray, charge: np.ndarray | None,
-              band: tuple[np.ndarray, np.ndarray] | None = None, extent: _Extent | None = None) -> np.ndarray:
+              band: tuple[np.ndarray, np.ndarray] | None, extent: _Extent) -> np.ndarray:
         """Per ``(cell, p)``: the least over its window of ``values + plus`` and, given the
         ``charge`` of each cell and entry of ``extent`` (:class:`_Sources`, :meth:`extent` of
         ``band``), what its skips cost; only for the starts ``p`` in each cell's ``band``
         (first, last; all without), ``inf`` elsewhere."""
         groups, queries, ends = self._within(band)
-        least = self.ranges.of(values, plus, queries, None if extent is None else extent.columns)
+        least = self.ranges.of(values, plus, queries, extent.columns)
         if self.skips is not None and charge is not None:
             cell, begin, which = (part if queries is None else part[queries] for part in self.skips[:3])
-            offset = 0 if extent is None else extent.entries.start or 0
+            offset = extent.entries.start or 0  # the charges are of these entries only
             begin, which = begin - offset, which - offset
             zeros = np.zeros((len(charge), 1))
             paid = np.concatenate((zeros, np.cumsum(np.where(np.isinf(charge), 0.0, charge), axis=1)), axis=1)
