@@ -370,6 +370,27 @@ def test_range_minima_within_columns_read_only_those():
         assert ranges.of(values, plus, columns=(first, last)).tolist() == expected
 
 
+def test_power_spans_against_slicing():
+    """Each level's entry is ``combine`` over the ``2^level`` entries from it along the axis,
+    those past the end left out; every level up to the axis length, along any axis."""
+    from autopipe.planning._arrays import power_spans
+
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        shape = tuple(int(n) for n in rng.integers(1, 12, rng.integers(1, 4)))
+        axis = int(rng.integers(0, len(shape)))
+        values = rng.normal(size=shape)
+        for combine, fill, reduce in ((np.minimum, math.inf, np.min), (np.maximum, -math.inf, np.max)):
+            table = power_spans(values, combine, fill, axis=axis)
+            length = shape[axis]
+            assert table.shape == (length.bit_length(), *shape) and table.flags.c_contiguous
+            for level in range(len(table)):
+                for start in range(length):
+                    span = np.take(values, range(start, min(start + (1 << level), length)), axis=axis)
+                    expected = reduce(span, axis=axis)
+                    assert np.array_equal(np.take(table[level], start, axis=axis), expected)
+
+
 def test_skip_charges_by_hand():
     """Layers 0..3 on 2 devices, one skip stashed by layer 0 and popped by layer 2: a second
     stage starting at 1 or 2 pops it (and pays to receive it), one starting at 3 does not."""

@@ -128,11 +128,13 @@ def power_spans(values: Any, combine: Callable[[np.ndarray, np.ndarray], np.ndar
     """``[level, …]``: ``combine`` of ``values`` over the ``2^level`` entries from each index
     along ``axis`` (``fill`` where a span runs past the end), for every span no longer than that
     axis: a sparse table, whose range queries take two overlapping spans."""
-    levels = [np.asarray(values, dtype=float)]
-    length = levels[0].shape[axis]
-    while (1 << len(levels)) <= length:
-        half, last = 1 << (len(levels) - 1), levels[-1]
-        shifted = np.full_like(last, fill)
-        np.moveaxis(shifted, axis, 0)[:-half] = np.moveaxis(last, axis, 0)[half:]
-        levels.append(combine(last, shifted))
-    return np.stack(levels)
+    first = np.asarray(values, dtype=float)
+    length = first.shape[axis]
+    table = np.empty((max(length.bit_length(), 1), *first.shape))
+    table[0] = first
+    along = lambda lo, hi: (slice(None),) * axis + (slice(lo, hi),)  # noqa: E731 (a range along axis)
+    for level in range(1, len(table)):
+        half, last, span = 1 << (level - 1), table[level - 1], table[level]
+        combine(last[along(None, -half)], last[along(half, None)], out=span[along(None, -half)])
+        combine(last[along(-half, None)], fill, out=span[along(-half, None)])  # past the end: as if with fill
+    return table
