@@ -226,6 +226,19 @@ def test_the_walk_rebuilds_containers_of_their_type() -> None:
         tensors_of(value)
 
 
+def test_tensors_nested_deep_in_an_objects_attributes_are_refused_too() -> None:
+    """A tensor two containers down an attribute is as hidden as one in the attribute itself;
+    a container that holds itself is looked into once."""
+    holder = Holder(torch.ones(2))
+    holder.h = {"w": [torch.ones(2)]}
+    with pytest.raises(TypeError, match=r"Holder holds tensors in its attributes \(h\)"):
+        tensors_of(holder)
+    looped: list[Any] = [1, (2, {"k": [3]})]
+    looped.append(looped)
+    holder.h = looped
+    assert tensors_of(holder) == []
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_train_step_runs_the_loss_under_the_callers_autocast(schedule: str) -> None:
     """``F.cross_entropy(model(x), y)`` under autocast computes in float32 (autocast's rule for

@@ -63,6 +63,19 @@ def test_join_outputs_refuses_a_dim_0_that_is_not_the_micro_batch_only_when_join
     assert join_outputs([torch.ones(5)], [2]).shape == (5,)  # one micro-batch: nothing joined
 
 
+def test_join_outputs_refuses_to_average_integer_scalars() -> None:
+    """A count per micro-batch has no mean in its type and its mean is not the batch's count:
+    refused, naming the fix; kept where every micro-batch gave the same, or there is one."""
+    with pytest.raises(ValueError, match=r"output \[1\] is a torch.int64 scalar that differs between "
+                                         r"micro-batches \(2, 1\).*per sample.*chunks=1"):
+        join_outputs([(torch.zeros(2), torch.tensor(2)), (torch.zeros(1), torch.tensor(1))], [2, 1])
+    same = join_outputs([torch.tensor(True), torch.tensor(True)], [2, 1])
+    assert same.dtype == torch.bool and same.item() is True
+    one = join_outputs([torch.tensor(5)], [3])
+    assert one.dtype == torch.int64 and one.item() == 5
+    assert join_outputs([torch.tensor(1.0), torch.tensor(4.0)], [2, 1]).item() == 2.0
+
+
 def test_join_outputs_names_an_item_that_cannot_be_joined() -> None:
     """A value that is neither a tensor nor a plain value alike in every micro-batch has no batch
     value; the error names where it is and what may stand there."""

@@ -103,8 +103,9 @@ def _key_order(key: Hashable) -> tuple[str, str]:
 
 
 def _refuse_hidden(value: Value, exclude: Set[str] = frozenset()) -> None:
-    """Raise if ``value`` holds tensors in its attributes (directly, or in a tuple, list or dict
-    there) other than ``exclude``.  Modules and classes are state, not values: passed on."""
+    """Raise if ``value`` holds tensors in its attributes (directly, or in tuples, lists or dicts
+    there, at any depth) other than ``exclude``.  Modules and classes are state, not values:
+    passed on."""
     attributes = getattr(value, "__dict__", None)
     if not attributes or isinstance(value, (type, ModuleType, nn.Module)):
         return
@@ -118,11 +119,19 @@ def _refuse_hidden(value: Value, exclude: Set[str] = frozenset()) -> None:
             f"(make {kind} a @dataclass with them as fields), or keep tensors out of the object")
 
 
-def _holds_tensors(item: Any) -> bool:
+def _holds_tensors(item: Any, seen: set[int] | None = None) -> bool:
+    """Whether ``item`` is a tensor or a tuple, list or dict holding one at any depth (``seen``:
+    the containers already looked into, as one may hold itself)."""
     if isinstance(item, Tensor):
         return True
     if isinstance(item, dict):
-        item = item.values()
-    elif not isinstance(item, (tuple, list)):
+        inner = item.values()
+    elif isinstance(item, (tuple, list)):
+        inner = item
+    else:
         return False
-    return any(isinstance(inner, Tensor) for inner in item)
+    seen = set() if seen is None else seen
+    if id(item) in seen:
+        return False
+    seen.add(id(item))
+    return any(_holds_tensors(value, seen) for value in inner)

@@ -3,11 +3,12 @@
 A captured chain's first layer takes the model's arguments positionally
 (:func:`autopipe.model.call_arguments` binds a call to them) and its last layer returns flat
 outputs (what stages can hand on), which :func:`model_output` makes the model's output again.
-A scalar output (a loss) joins over micro-batches as the mean weighted by micro-batch size:
-the whole batch's mean when the model's loss is a mean over samples, or over tokens with
-equally many counted per sample.  Every other output tensor is concatenated along dim 0, so
-its dim 0 must be the batch; one that is not is refused when there is more than one
-micro-batch (with one, nothing is joined and it comes back as the model returned it).
+A scalar output (a loss) joins over micro-batches as the mean weighted by micro-batch size: the
+whole batch's mean when the model's loss is a mean over samples, or over tokens with equally many
+counted per sample; an integer or boolean scalar only where all are equal. Every other output tensor
+is concatenated along dim 0, so its dim 0 must be the batch; one that is not is refused when there
+is more than one micro-batch (with one, nothing is joined and it comes back as the model returned
+it).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def join_outputs(outputs: Sequence[Value], sizes: Sequence[int], where: str = ""
         return rebuilt(first, {key: join_outputs([part[key] for part in parts], sizes, f"{where}[{key!r}]")
                                for key in parts[0]})
     if isinstance(first, Tensor) and first.dim() == 0:
-        return sum(out * size for out, size in zip(outputs, sizes)) / sum(sizes)
+        return _joined_scalar(outputs, sizes, where)
     if isinstance(first, _CONSTANTS) and all(type(out) is type(first) and out == first for out in outputs):
         return first  # a plain value every micro-batch returned alike (None, a flag, a scale): the model's
     if not isinstance(first, Tensor):
@@ -55,6 +56,24 @@ def join_outputs(outputs: Sequence[Value], sizes: Sequence[int], where: str = ""
     if len(outputs) > 1:  # one micro-batch joins nothing, so any dim 0 comes back as it is
         _check_batch_first(outputs, sizes, where)
     return gather(outputs)
+
+
+def _joined_scalar(outputs: Sequence[Tensor], sizes: Sequence[int], where: str) -> Tensor:
+    """Scalars, one per micro-batch, as the batch's: the mean weighted by size (a loss) where
+    they are floating point; an integer or boolean scalar (a count, a flag) has no such mean in
+    its type, and the mean of counts is not their total, so it is refused unless every
+    micro-batch gave the same (then that is the batch's, as for plain values)."""
+    first = outputs[0]
+    if first.is_floating_point() or first.is_complex():
+        return sum(out * size for out, size in zip(outputs, sizes)) / sum(sizes)
+    if all(torch.equal(out, first) for out in outputs[1:]):
+        return first
+    name = f"output {where}" if where else "output"
+    raise ValueError(
+        f"the pipeline's {name} is a {first.dtype} scalar that differs between micro-batches "
+        f"({', '.join(str(out.item()) for out in outputs)}); a pipeline joins a scalar output as the mean of its "
+        "micro-batches' weighted by their sizes (a loss), which a count or flag is not: return it per sample "
+        "(shape [batch]) and reduce it after the pipeline, or run the pipeline with chunks=1")
 
 
 def _alike(outputs: Sequence[Value], first: dict[Hashable, Value], where: str) -> list[dict[Hashable, Value]]:
