@@ -130,7 +130,7 @@ def test_compare_prices_the_baselines_under_the_plans_schedule():
     chosen = plan(profile, 4, replicas=1, schedule="1f1b", chunks=8, interleave=1)
     assert chosen.schedule == "1f1b"
     model = CostModel(profile, chosen.options["devices"], chosen.options["speeds"], chosen.batch_size,
-                      chosen.options["optimizer_state_factor"])
+                      chosen.options["optimizer_state"])
     rows = compare(profile, chosen)
     for row in rows[1:]:
         bounds = [0, *np.cumsum(row.balance).tolist()]
@@ -139,6 +139,22 @@ def test_compare_prices_the_baselines_under_the_plans_schedule():
         assert row.ratio == pytest.approx(priced.iteration_ms / chosen.predicted.iteration_ms)
     fill_drain = model.evaluate([0, *np.cumsum(rows[1].balance).tolist()], 8, chosen.checkpoint).iteration_ms
     assert rows[1].iteration_ms < fill_drain  # the schedule matters here: the test tells them apart
+
+
+def test_compare_prices_the_baselines_memory_for_the_plans_optimizer():
+    """Under SGD with momentum (the default) a baseline's memory is what the plan's would be for
+    the same split: it was priced for the most any optimizer's step allocates, and a split
+    that fits was listed as exceeding the limit the plan fits."""
+    profile = make_profile([1.0] * 4, sizes=(1, 2, 4, 8), devices=2, output_bytes=10, saved_bytes=10,
+                           param_bytes=[100_000, 1000, 1000, 100_000])
+    limit = 450_000
+    chosen = plan(profile, replicas=1, memory_limit=limit, time_limit=None, interleave=1, chunks=8)
+    model = CostModel(profile, chosen.options["devices"], chosen.options["speeds"], chosen.batch_size, "momentum")
+    rows = compare(profile, chosen)
+    assert rows[0].fits and any(row.balance == chosen.balance for row in rows[1:])
+    for row in rows[1:]:
+        stages = model.evaluate([0, *np.cumsum(row.balance).tolist()], row.chunks, chosen.checkpoint).stages
+        assert row.fits == all(stage.memory <= limit for stage in stages)
 
 
 @pytest.mark.parametrize("speeds, words", [

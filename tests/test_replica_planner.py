@@ -24,19 +24,19 @@ from autopipe.profiling.profiles import Profile, ReductionFit
 
 def brute_force(profile: Profile, devices: int, limit: float, families: Sequence[tuple[str, int]] = (("gpipe", 1),),
                 counts: Sequence[int] | None = None, batch: int | None = None,
-                speeds: Sequence[float] | None = None) -> tuple[float, int, int]:
+                speeds: Sequence[float] | None = None, optimizer: str | float = 2.0) -> tuple[float, int, int]:
     """Least total time over every replica count (or ``counts``), plan of ``families`` (schedule
     and stages per device), split, micro-batch count and mode (``always`` too under 1F1B, as the
     planner's ``checkpoint="auto"``), and with ``speeds`` (of each replica's devices) every order
     of the devices, with the reduction tail computed here from the simulator's timeline (each
-    replica's pipeline on the slowest of the replicas' links between the same positions); and
-    the replicas and stages of that optimum."""
+    replica's pipeline on the slowest of the replicas' links between the same positions), the
+    memory of ``optimizer``'s state and step; and the replicas and stages of that optimum."""
     best = (math.inf, 0, 0)
     batch = profile.batch_size if batch is None else batch
     for replicas in counts or [r for r in range(1, devices + 1) if devices % r == 0]:
         per, share = devices // replicas, -(-batch // replicas)
         links = replica_copies(profile, [["cpu"] * per] * replicas)  # the slowest replica's, per pair
-        model = CostModel(profile, ["cpu"] * per, speeds or [1.0] * per, share, 2.0, "local", links)
+        model = CostModel(profile, ["cpu"] * per, speeds or [1.0] * per, share, optimizer, "local", links)
         orders = itertools.permutations(range(per)) if speeds else [tuple(range(per))]
         for order, (schedule, interleave) in itertools.product(orders, families):
             moved = permuted(model, order)
@@ -101,6 +101,23 @@ def test_optimal_against_brute_force_with_each_kind_winning() -> None:
         assert all(stage.memory_bytes <= limit + 1 for stage in chosen.stages)
         won[_kind(replicas, stages, devices)] = won.get(_kind(replicas, stages, devices), 0) + 1
     assert set(won) == {"data parallel", "pipeline", "hybrid"}, won
+
+
+def test_optimal_against_brute_force_with_a_named_optimizer() -> None:
+    """SGD with momentum (the default) keeps one buffer and its step allocates nothing; priced as
+    its factor alone (1.0, which names no optimizer: the most any step allocates), replica splits
+    that fit were refused and a slower plan was called optimal."""
+    rng = random.Random(5)
+    for _ in range(40):
+        profile, devices = _instance(rng)
+        whole = CostModel(profile, ["cpu"], [1.0], profile.batch_size, "momentum", "local")
+        limit = whole.evaluate((0, len(profile.layers)), 1, "never").peak_memory * rng.uniform(0.3, 0.9)
+        expected = brute_force(profile, devices, limit, optimizer="momentum")[0]
+        if math.isinf(expected):
+            continue
+        chosen = plan(profile, devices, memory_limit=limit, interleave=1, time_limit=None)
+        assert chosen.predicted.iteration_ms == pytest.approx(expected, rel=1e-9)
+        assert all(stage.memory_terms["step"] == 0 for stage in chosen.stages)
 
 
 def test_bounds_never_exceed_the_brute_force_optimum_when_stopped_early() -> None:

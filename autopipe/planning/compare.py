@@ -47,8 +47,9 @@ def compare(profile: Profile, plan: Plan, chunks: int | None = None) -> list[Bas
     options = plan.options
     devices = list(options.get("devices", plan.devices))
     speeds = options.get("speeds") or [1.0] * len(devices)
-    model = CostModel(profile, devices, speeds, plan.batch_size,
-                      float(options.get("optimizer_state_factor", 1.0)), options.get("engine", "local"))
+    # the optimizer as the plan was asked for it (a name prices the step's temporaries it has)
+    optimizer = options.get("optimizer_state", options.get("optimizer_state_factor", "momentum"))
+    model = CostModel(profile, devices, speeds, plan.batch_size, optimizer, options.get("engine", "local"))
     limits = [np.inf if v is None else v for v in options.get("memory_limit_bytes", [None] * len(devices))]
     m = chunks or plan.chunks
     parts = min(len(devices), model.layers)

@@ -308,8 +308,8 @@ def _least_total(profile: Profile, pipeline: Plan, replicas: int, engine: str, b
     ``copies``: the replicas' links, as the pipeline search priced them."""
     options = pipeline.options
     devices, share = options["devices"], pipeline.batch_size
-    model = CostModel(profile, devices, options["speeds"], share, float(options["optimizer_state_factor"]), engine,
-                      copies)
+    # the optimizer as asked: a name prices the step's temporaries it has, its factor alone the most any has
+    model = CostModel(profile, devices, options["speeds"], share, options["optimizer_state"], engine, copies)
     layers = model.layers
     limits = np.asarray([math.inf if v is None else v for v in options["memory_limit_bytes"]], dtype=float)
     allowed = options["schedule"] in ("gpipe", "auto") and 1 in options["interleaves_searched"]
