@@ -237,6 +237,28 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(autopipe.runtime.pipeline, "shares_parameters", lambda groups: False)
 
 
+def test_copied_replicas_give_functional_call_tensors_their_whole_gradient(copies: None) -> None:
+    """The copies' gradients go to the tensors ``functional_call`` put in place for the forward,
+    not to those it puts back before the backward; a tensor computed from others is refused, as
+    the copies could not pass its gradient on, and the pipeline runs on.  (Checkpointed, the
+    backward is refused: its recomputation would run on the tensors put back.)"""
+    model = mlp()
+    plain = copy.deepcopy(model)
+    pipe = autopipe.Pipeline(model, balance=[3, 4], devices=["cpu"] * 4, replicas=2, chunks=2, checkpoint="never")
+    x = torch.randn(10, 8)
+    given = {name: p.detach().clone().requires_grad_() for name, p in plain.named_parameters()}
+    expected = {name: p.detach().clone().requires_grad_() for name, p in plain.named_parameters()}
+    torch.func.functional_call(pipe, given, (x,)).pow(2).sum().backward()
+    torch.func.functional_call(plain, expected, (x,)).pow(2).sum().backward()
+    for name in given:
+        assert_close(given[name].grad, expected[name].grad)
+    assert all(p.grad is None for p in pipe.parameters())
+    computed = {name: p * 1.5 for name, p in given.items()}
+    with pytest.raises(RuntimeError, match=r"0.weight is computed from other tensors .* replicas=1"):
+        torch.func.functional_call(pipe, computed, (x,))
+    assert_close(pipe(x), plain(x))
+
+
 @pytest.mark.parametrize("checkpoint", ["never", "except_last"])
 def test_copied_replicas_reduce_into_one_parameter_set(copies: None, checkpoint: str) -> None:
     pipe = assert_replicas_transparent(mlp(), torch.randn(14, 8), [3, 4], replicas=2, chunks=3,

@@ -93,13 +93,16 @@ def pair_stages(engines: Sequence[Engine], shared: bool) -> None:
 
 class Copies:
     """The first replica's layers and each copy's, for copying weights out before a forward and
-    gradients in after a backward.  Their tensors are paired at each use: what the caller put
-    into the first replica's modules since (``load_state_dict(assign=True)``, ``double()``)
-    is what the copies take."""
+    gradients in after a backward.  Their tensors are paired at each forward: what the caller
+    put into the first replica's modules since (``load_state_dict(assign=True)``, ``double()``,
+    ``torch.func.functional_call``) is what the copies take, and the copies' gradients go to
+    the tensors they were taken from, as autograd's go to the tensors a forward ran on (the
+    caller may have put others in place by the backward: ``functional_call`` has returned)."""
 
     def __init__(self, primary: Sequence[Layer], copies: Sequence[Sequence[Layer]]) -> None:
         self.primary = list(primary)
         self.copies = [list(layers) for layers in copies]
+        self._taken: list[list[tuple[Tensor, Tensor]]] | None = None  # the pairs of the latest broadcast
         # backward phases under way: two calls' (two forwards, one loss) run at once, and the
         # copies' gradients are gathered only when the last ends, not while the other adds to them
         self._lock = threading.Lock()
@@ -131,7 +134,10 @@ class Copies:
         A tensor of another shape or dtype by now is replaced, on the copy's device.  Each
         parameter's ``requires_grad`` and each module's ``training`` are taken too: a parameter
         frozen or a module put in eval mode since building is so in every replica."""
-        for pairs in self.params:
+        self._taken = taken = self.params
+        for source, _ in taken[0] if taken else ():
+            _check_leaf(source, self.primary)
+        for pairs in taken:
             for source, target in pairs:
                 if target.shape == source.shape and target.dtype == source.dtype:
                     target.data.copy_(source)
@@ -171,7 +177,7 @@ class Copies:
         a parameter frozen since the forward (autograd accumulates nothing into a leaf that no
         longer requires grad, and the copies keep the flag they were made with)."""
         self._synchronize()
-        for pairs in self.params:
+        for pairs in self._taken or self.params:
             for source, target in pairs:
                 if target.grad is None or not source.requires_grad:
                     target.grad = None
@@ -187,7 +193,7 @@ class Copies:
         """Clear every copy's gradient without adding it anywhere: what a failed backward left
         there is not part of any later step's gradient."""
         self._synchronize()
-        for pairs in self.params:
+        for pairs in self._taken or self.params:
             for _, target in pairs:
                 target.grad = None
 
@@ -196,6 +202,21 @@ class Copies:
         devices |= {slot_tensor(slot).device for pairs in self.buffers for _, slot in pairs}
         for device in devices:
             ops_for(device).synchronize()
+
+
+def _check_leaf(tensor: Tensor, layers: Sequence[Layer]) -> None:
+    """Refuse a parameter computed from other tensors (``functional_call`` given ``p * 2``):
+    the copies take its value without autograd, so their part of its gradient could not flow
+    on to the tensors it was computed from."""
+    if tensor.grad_fn is None:
+        return
+    name = next((layer.path(n) for layer in layers for n, p in layer.module.named_parameters(remove_duplicate=False)
+                 if p is tensor), "a parameter")
+    raise RuntimeError(
+        f"{name} is computed from other tensors (torch.func.functional_call given a tensor made by an operation?), "
+        "and replicas on these devices run copies of the parameters, taken without autograd: the copies' part of "
+        "its gradient could not reach the tensors it came from. Pass leaf tensors (detach().requires_grad_()) "
+        "and read their .grad after backward(), or run the pipeline with replicas=1")
 
 
 def _paired(first: list[_Item], copy: list[_Item]) -> list[tuple[_Item, _Item]]:

@@ -451,8 +451,9 @@ class Stage:
         if tracked.named is not saved.params.named:
             raise RuntimeError(
                 f"{self.name}: parameters were replaced, added or removed between micro-batch {j}'s forward and "
-                "its backward (load_state_dict(assign=True)?); a checkpointed stage recomputes its forward on the "
-                "parameters it finds: change them after backward() (or use checkpoint='never')")
+                "its backward (load_state_dict(assign=True)? torch.func.functional_call, which puts the module's own "
+                "back when it returns?); a checkpointed stage recomputes its forward on the parameters it finds: "
+                "change them after backward() (or use checkpoint='never')")
         # replicas running these very modules (pair_stages gives them one lock) write into them in
         # their own forwards too, which this stage cannot tell from the caller's: the parameters its
         # own forwards write are not checked there
