@@ -420,6 +420,19 @@ def _run(model: nn.Module, balance: list[int] | None, chunks: int | None, schedu
             "loss": runner.broadcast_loss(loss), "runner": runner}
 
 
+def _probe_writes() -> dict[str, Any]:
+    """One step of the centering model without checkpointing: the engine's shape probe runs the
+    running center's forward once more than the plain model does."""
+    from autopipe.distributed import DistributedPipeline
+
+    runner = DistributedPipeline(centering_model(), balance=[2, 3], chunks=1, checkpoint="never",
+                                 loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    runner.step(x, target=y)
+    return {"grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.requires_grad},
+            "state": {n: t.clone() for n, t in runner.state_dict().items()}}
+
+
 def first_inplace_model() -> nn.Sequential:
     """Balance [2, 2]: the first stage starts by writing into the caller's batch."""
     torch.manual_seed(4)
@@ -512,6 +525,7 @@ def _job_two(out: Path) -> dict[str, Any]:
         result[f"forwards_{mode}"] = _forwards_in_second_step(mode)
     result["spectral"] = _run(spectral_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always")["grads"]
     result["moved_parameter"] = error_of(lambda: _run(centering_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always"))
+    result["probe_center"] = _probe_writes()
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = error_of(lambda: runner.step(x, target=y))
@@ -943,6 +957,19 @@ def test_a_recomputation_moving_a_parameter_its_forward_wrote_is_refused_on_ever
     assert "register_buffer" in last
     assert first.startswith("DistributedError: another rank refused a value of this step or its loss, or a "
                             "recomputation")
+
+
+@pytest.mark.slow
+def test_the_shape_probe_leaves_a_parameter_its_forward_writes_as_it_found_it(two: list[dict[str, Any]]) -> None:
+    """The engine's shape probe, a forward the plain model never runs, wrote the running center
+    kept in a frozen nn.Parameter once more (0.12 off after one step, and the gradients after it)."""
+    plain = centering_model()
+    expected = reference(plain, 1)
+    _assert_grads_equal({k: v for r in two for k, v in r["probe_center"]["grads"].items()}, expected)
+    state = {k: v for r in two for k, v in r["probe_center"]["state"].items()}
+    assert sorted(state) == sorted(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow

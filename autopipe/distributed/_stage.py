@@ -19,6 +19,7 @@ from ..runtime.inplace import aliased_copies
 from ..runtime.checkpoint import (buffer_slots, buffers_kept, buffers_replayed, buffers_restored, checkpointed,
                                   is_recomputing, recomputing, writes_undone)
 from ..runtime.skips import SkipSpan
+from ._probe import params_kept
 
 __all__ = ["StageModule", "zero_on"]
 
@@ -78,7 +79,7 @@ class StageModule(nn.Module):
     def forward(self, *received: Tensor) -> Any:
         if self.micro_batch is None:  # the engine's shape probe, which the plain model never ran
             self._take_probe_values(received)
-            with buffers_restored(buffer_slots([self])):
+            with buffers_restored(buffer_slots([self])), params_kept(self.parameters()):
                 return self._run(*received)
         if self._checkpointing():
             return self._checkpointed(*received)

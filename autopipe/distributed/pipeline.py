@@ -51,8 +51,9 @@ class DistributedPipeline:
     and dtypes of every input, the target and every tensor sent between stages (a sequence length
     too): another one raises :class:`DistributedError`; build a new pipeline on every rank for new shapes.
     To learn them, torch runs each stage once more at the first step, on the first micro-batch (its
-    shape probe): buffers and the random state are put back after it, and ``loss_fn`` does not run
-    in it, but a forward hook, or a count a layer keeps in a Python attribute, sees that extra call.
+    shape probe): buffers, the parameters it writes into and the random state are put back after
+    it, and ``loss_fn`` does not run in it, but a forward hook, or a count a layer keeps in a Python
+    attribute, sees that extra call.
 
     ``loss_fn`` must be a mean over its micro-batch's samples, each sample weighed alike: the
     engine divides each micro-batch's loss by their count (and DDP averages the replicas), which is
