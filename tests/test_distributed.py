@@ -433,6 +433,25 @@ def _probe_writes() -> dict[str, Any]:
             "state": {n: t.clone() for n, t in runner.state_dict().items()}}
 
 
+def _unfrozen_after_probe() -> dict[str, Any]:
+    """The first stage frozen in the first step (its output then needs no gradient), unfrozen for
+    the second; then a new pipeline on the unfrozen model."""
+    from autopipe.distributed import DistributedPipeline
+
+    model = inplace_model()
+    model[:3].requires_grad_(False)
+    runner = DistributedPipeline(model, balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    x, y = batch()
+    runner.step(x, target=y)
+    model[0].requires_grad_(True)
+    refused = error_of(lambda: runner.step(x, target=y))
+    model.zero_grad(set_to_none=True)
+    rebuilt = DistributedPipeline(model, balance=[3, 3], chunks=CHUNKS, loss_fn=nn.functional.mse_loss)
+    rebuilt.step(x, target=y)
+    return {"refused": refused,
+            "rebuilt": {n: p.grad.clone() for n, p in rebuilt.named_parameters() if p.requires_grad}}
+
+
 def first_inplace_model() -> nn.Sequential:
     """Balance [2, 2]: the first stage starts by writing into the caller's batch."""
     torch.manual_seed(4)
@@ -526,6 +545,7 @@ def _job_two(out: Path) -> dict[str, Any]:
     result["spectral"] = _run(spectral_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always")["grads"]
     result["moved_parameter"] = error_of(lambda: _run(centering_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always"))
     result["probe_center"] = _probe_writes()
+    result["unfrozen"] = _unfrozen_after_probe()
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = error_of(lambda: runner.step(x, target=y))
@@ -970,6 +990,22 @@ def test_the_shape_probe_leaves_a_parameter_its_forward_writes_as_it_found_it(tw
     assert sorted(state) == sorted(plain.state_dict())
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(state[name], value, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_unfreezing_a_stage_whose_outputs_needed_no_gradient_in_the_probe_is_refused(
+        two: list[dict[str, Any]]) -> None:
+    """The probe fixed that no gradient goes back to the frozen first stage: torch raised mid-step
+    ("grad can be implicitly created only for scalar outputs") and the other rank lost its peer.
+    Refused on every rank before the step, naming the fix; a new pipeline trains the stage."""
+    first, last = (result["unfrozen"] for result in two)
+    assert first["refused"].startswith("DistributedError: requires_grad of ['0.weight', '0.bias'] was set since the "
+                                       "first step, in which stage 0's outputs needed no gradient")
+    assert "build a new DistributedPipeline on every rank after unfreezing" in first["refused"]
+    assert last["refused"].startswith("DistributedError: another rank refused this step")
+    expected = inplace_model()
+    expected[2].requires_grad_(False)
+    _assert_grads_equal(first["rebuilt"] | last["rebuilt"], reference(expected, CHUNKS))
 
 
 @pytest.mark.slow

@@ -62,6 +62,8 @@ class StageModule(nn.Module):
         #: stage, whose probe then runs on them (:meth:`_take_probe_values`).
         self._sent_metas: list[tuple[torch.Size, torch.dtype, bool]] = []
         self.probe_sent: tuple[Tensor, ...] | None = None
+        #: Which parameters required grad in the shape probe, where this stage sends something (else ``None``).
+        self.probe_trainable: list[bool] | None = None
         #: Whether the form went to the next stage (a torch without the metadata hooks never sends it:
         #: the receiver then reads one tensor as itself and several as a tuple, so nothing else may go).
         self.form_sent = False
@@ -188,9 +190,17 @@ class StageModule(nn.Module):
         if self._probing():
             self._sent_metas = [(t.shape, t.dtype, t.requires_grad) for t in sent]
             self.probe_sent = tuple(t.detach().cpu() for t in sent)
+            self.probe_trainable = [p.requires_grad for p in self.parameters()]
         else:
             self._check_shapes(sent, len(tensors))
         return sent
+
+    def unfrozen_without_gradient(self) -> list[nn.Parameter]:
+        """The parameters that require grad now but did not in the shape probe, where nothing this
+        stage sent then needed a gradient: the engine fixed in the probe that none comes back."""
+        if self.probe_trainable is None or any(needs for _, _, needs in self._sent_metas):
+            return []
+        return [p for p, was in zip(self.parameters(), self.probe_trainable) if p.requires_grad and not was]
 
     def _check_shapes(self, sent: Sequence[Tensor], n_main: int) -> None:
         """Refuse a tensor whose shape or dtype differs from the probe's, which the receiver's buffer has."""

@@ -334,9 +334,20 @@ class DistributedPipeline:
 
     def _trainable_refusal(self) -> str | None:
         """With replicas, DDP averages the gradients of the parameters that required grad when it was
-        built, and no others: one unfrozen since would train apart on each replica."""
+        built, and no others: one unfrozen since would train apart on each replica.  Without, a stage
+        whose outputs needed no gradient in the engine's shape probe (it and every stage before were
+        frozen) gets none back: parameters unfrozen there since would get no gradient (torch raises
+        mid-step)."""
         if self.replicas == 1:
-            return None
+            params = {id(p) for p in self.module.unfrozen_without_gradient()}
+            unfrozen = [name for name, p in self.named_parameters() if id(p) in params]
+            if not unfrozen:
+                return None
+            return (f"requires_grad of {unfrozen[:3]}{' and others' if len(unfrozen) > 3 else ''} was set since the "
+                    f"first step, in which stage {self.rank}'s outputs needed no gradient (it and the stages before "
+                    "it were frozen): torch.distributed.pipelining fixed then that no gradient comes back to it, so "
+                    "these parameters would get none. Fix: build a new DistributedPipeline on every rank after "
+                    "unfreezing (the same model and plan keep each rank's trained stage)")
         changed = [name for (name, p), was in zip(self.named_parameters(), self._trainable) if p.requires_grad != was]
         if not changed:
             return None
