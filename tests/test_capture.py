@@ -1470,3 +1470,40 @@ def test_a_batch_the_exported_branch_does_not_hold_for_is_refused() -> None:
                                                 "batch is 6; capture it again"):
         pipe(torch.randn(6, 8, dtype=torch.double))
     pipe.close()
+
+
+class BranchesOnBatchParity(BranchesOnBatch):
+    """Branches on a condition of the batch size that is no range of sizes."""
+
+    def __init__(self, condition: str) -> None:
+        super().__init__()
+        self.condition = condition
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if (x.shape[0] % 2 == 0) if self.condition == "even" else (x.shape[0] != 5):
+            h = h * 2
+        return self.out(h)
+
+
+@pytest.mark.parametrize("condition, refused, guard", [("even", 7, r"x.size\(\)\[0\] % 2 == 0"),
+                                                        ("not 5", 5, r"x.size\(\)\[0\] != 5")])
+def test_a_batch_failing_an_exported_condition_that_is_no_range_is_refused(condition: str, refused: int,
+                                                                           guard: str) -> None:
+    """Export checks the branch's condition on the inputs (its guards), which the capture takes out
+    of the graph as micro-batches are smaller; a whole batch failing it ran the sample's branch
+    (0.59 off the model at a batch of 7 for ``B % 2 == 0``, without an error).  The pipeline runs
+    export's checks on the whole batch: refused naming the condition; batches meeting it, split
+    into micro-batches that do not, match the model."""
+    torch.manual_seed(0)
+    model = BranchesOnBatchParity(condition).double()
+    pipe = autopipe.Pipeline(chain(model, torch.randn(8, 8, dtype=torch.double)), balance=[1, 1], chunks=3)
+    for batch in (8, 10):
+        x = torch.randn(batch, 8, dtype=torch.double)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), model(x))
+    with pytest.raises(CapturedCallError, match=f"branches on the input sizes: .* hold only where {guard}, and this "
+                                                "call's inputs do not; capture it again"):
+        pipe(torch.randn(refused, 8, dtype=torch.double))
+    assert pipe(torch.randn(8, 8, dtype=torch.double)).shape == (8, 3)  # the pipeline runs on
+    pipe.close()

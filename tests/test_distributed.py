@@ -452,6 +452,29 @@ def _unfrozen_after_probe() -> dict[str, Any]:
             "rebuilt": {n: p.grad.clone() for n, p in rebuilt.named_parameters() if p.requires_grad}}
 
 
+class EvenBranch(nn.Module):
+    """Branches on the batch size being even: fx cannot trace it, torch.export keeps the sample's branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h * 2 if x.shape[0] % 2 == 0 else h)
+
+
+def _odd_batch_on_an_even_branch() -> str:
+    """A batch of 7 where the capture's sample (8) took the even branch."""
+    from autopipe.distributed import DistributedPipeline
+
+    torch.manual_seed(0)
+    layers = autopipe.chain(EvenBranch(), batch(8)[0])
+    runner = DistributedPipeline(layers, balance=[1, len(layers) - 1], chunks=1, loss_fn=nn.functional.mse_loss)
+    x, y = batch(7)
+    return error_of(lambda: runner.step(x, target=y))
+
+
 def first_inplace_model() -> nn.Sequential:
     """Balance [2, 2]: the first stage starts by writing into the caller's batch."""
     torch.manual_seed(4)
@@ -546,6 +569,7 @@ def _job_two(out: Path) -> dict[str, Any]:
     result["moved_parameter"] = error_of(lambda: _run(centering_model(), [2, 3], CHUNKS, "gpipe", checkpoint="always"))
     result["probe_center"] = _probe_writes()
     result["unfrozen"] = _unfrozen_after_probe()
+    result["odd_batch"] = _odd_batch_on_an_even_branch()
     runner = gpipe["runner"]
     x, y = batch(6)
     result["changed_batch"] = error_of(lambda: runner.step(x, target=y))
@@ -1006,6 +1030,16 @@ def test_unfreezing_a_stage_whose_outputs_needed_no_gradient_in_the_probe_is_ref
     expected = inplace_model()
     expected[2].requires_grad_(False)
     _assert_grads_equal(first["rebuilt"] | last["rebuilt"], reference(expected, CHUNKS))
+
+
+@pytest.mark.slow
+def test_a_batch_the_exported_branch_does_not_hold_for_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
+    """As in the in-process runtime (tests/test_capture.py): the first rank runs export's checks of
+    the inputs, whose graph kept the even branch, on the batch before the step."""
+    assert two[0]["odd_batch"].startswith("DistributedError: the model was captured with torch.export, and its "
+                                          "forward branches on the input sizes: export kept the sample's branches, "
+                                          "which hold only where x.size()[0] % 2 == 0")
+    assert two[1]["odd_batch"].startswith("DistributedError: another rank refused this step")
 
 
 @pytest.mark.slow

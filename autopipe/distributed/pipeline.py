@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from .._vocab import CheckpointMode, Schedule
 from .._jsonio import write_atomic
 from ..errors import ChainError, DistributedError, StageOutputError
-from ..model import Layer, layer_chain
+from ..model import CapturedLayer, Layer, layer_chain
+from ..model.capture import CapturedCallError
 from ..planning.plans import Plan
 from ..runtime._structure import Structure
 from ..runtime.balance import stage_of_layer
@@ -290,7 +291,8 @@ class DistributedPipeline:
             return ("step() trains (forward and backward) but runs under torch.no_grad() or torch.inference_mode(), "
                     "and this engine has no forward-only mode. Fix: call step() with gradients enabled; to evaluate, "
                     "load save_checkpoint's file into the plain model")
-        return self._fed_refusal(fed) or self._trainable_refusal() or self._structure_refusal()
+        return (self._fed_refusal(fed) or self._branch_refusal(fed) or self._trainable_refusal()
+                or self._structure_refusal())
 
     def _fed_refusal(self, fed: list[tuple[str, Any]]) -> str | None:
         """The engine fixes its micro-batch shapes and dtypes at the first step: another batch size
@@ -329,6 +331,23 @@ class DistributedPipeline:
         try:
             self._structure.check()
         except ChainError as error:
+            return str(error)
+        return None
+
+    def _branch_refusal(self, fed: list[tuple[str, Any]]) -> str | None:
+        """A first layer captured with torch.export on a forward that branches on the batch size
+        holds for some whole batches only (:meth:`CapturedLayer.check_whole_batch`): the model's,
+        ``replicas`` shares of this one (export's checks read sizes only, so shapes stand in)."""
+        first = self.stage_layers[0].module
+        if not self.is_first or not isinstance(first, CapturedLayer):
+            return None
+        inputs = tuple(value for what, value in fed if what != "target")
+        if self.replicas > 1:
+            inputs = tuple(torch.empty((t.size(0) * self.replicas, *t.shape[1:]), dtype=t.dtype, device="meta")
+                           if isinstance(t, Tensor) and t.dim() else t for t in inputs)
+        try:
+            first.check_whole_batch(inputs)
+        except (CapturedCallError, ValueError) as error:
             return str(error)
         return None
 

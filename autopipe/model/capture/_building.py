@@ -107,6 +107,7 @@ def build(traced: Traced, groups: list[list[fx.Node]], namespace: Namespace) -> 
             fixed=traced.fixed if index == 0 else None,
             batch_sizes=traced.batch_sizes if index == 0 else None,
             batch_ranges=traced.batch_ranges if index == 0 else None,
+            batch_guards=traced.batch_guards if index == 0 else None,
             input_dtypes=traced.input_dtypes if index == 0 else None,
             traced_hooks=traced.hooks,
             traced_reads=traced.reads,

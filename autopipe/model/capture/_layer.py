@@ -82,6 +82,7 @@ class CapturedLayer(Skippable):
         argument_names: Sequence[str] = (),
         batch_sizes: Sequence[int | None] | None = None,
         batch_ranges: Sequence[tuple[int, int | None] | None] | None = None,
+        batch_guards: Callable[..., None] | None = None,
         positional_names: Sequence[str] = (),
         fixed: Mapping[str, tuple[Any, Any]] | None = None,
         input_dtypes: Sequence[torch.dtype | None] | None = None,
@@ -100,6 +101,7 @@ class CapturedLayer(Skippable):
         self.fixed = dict(fixed or {})  # fx: an argument the capture fixed: its value in the graph, its default
         self.batch_sizes = None if batch_sizes is None else tuple(batch_sizes)
         self.batch_ranges = None if batch_ranges is None else tuple(batch_ranges)
+        self.batch_guards = batch_guards  # export's checks of a whole batch's inputs (_tracing.Traced)
         self.traced_mode = traced_mode
         self.input_sizes = None if input_sizes is None else tuple(input_sizes)
         self.input_constants = tuple(input_constants)
@@ -320,10 +322,29 @@ class CapturedLayer(Skippable):
     def check_whole_batch(self, main: tuple[Any, ...]) -> None:
         """Refuse a whole batch (a call of the model, before it is split into micro-batches) of a
         size the graph does not hold for: the model's forward branches on the batch size, and
-        export kept the sample's branch (:attr:`batch_ranges`)."""
+        export kept the sample's branch (:attr:`batch_ranges`, and the conditions export checks,
+        :attr:`batch_guards`: ``B % 2 == 0`` is no range)."""
+        inputs = self._inputs(main)
+        self._check_batch_ranges(inputs)
+        if self.batch_guards is None or self.batch_sizes is not None:
+            return  # a batch export fixed is checked per micro-batch (its guards hold the whole batch to it)
+        if self.input_sizes is not None:
+            self._check_sizes(tuple(inputs))  # its own message for the sizes after the batch
+        try:
+            self.batch_guards(*tree_leaves(inputs))
+        except AssertionError as failed:
+            raise CapturedCallError(
+                f"the model was captured with torch.export, and its forward branches on the input sizes: export kept "
+                f"the sample's branches, which hold only where {str(failed).removeprefix('Guard failed: ')}, and "
+                "this call's inputs do not; capture it again on a batch of this size for these calls "
+                "(autopipe.chain(model, batch)), or make the forward independent of the batch size"
+            ) from None
+
+    def _check_batch_ranges(self, inputs: list[Any]) -> None:
+        """:meth:`check_whole_batch` for the ranges of batch sizes export recorded."""
         if self.batch_ranges is None:
             return
-        given = [t.shape[0] if t.dim() else None for t in tree_leaves(self._inputs(main)) if isinstance(t, Tensor)]
+        given = [t.shape[0] if t.dim() else None for t in tree_leaves(inputs) if isinstance(t, Tensor)]
         for size, bounds in zip(given, self.batch_ranges):
             if size is not None and bounds is not None and not bounds[0] <= size <= (bounds[1] or size):
                 held = f"{bounds[0]} to {bounds[1]}" if bounds[1] is not None else f"{bounds[0]} or more"

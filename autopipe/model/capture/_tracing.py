@@ -258,6 +258,9 @@ class Traced:
     # exported: per tensor input, the batch sizes its graph holds for ((least, most or None), None: any),
     # where the model's forward branches on the batch size; None where it does not
     batch_ranges: tuple[tuple[int, int | None] | None, ...] | None = None
+    # exported: export's checks of the inputs' sizes (its conditions on the batch size among them,
+    # ``B % 2 == 0``), called on the inputs' leaves; raises AssertionError naming the one that fails
+    batch_guards: Callable[..., None] | None = None
     input_dtypes: tuple[torch.dtype | None, ...] | None = None  # exported: the inputs' dtypes, which the graph keeps
     # the hooks of the model's modules the trace ran into its graph, by path (runtime/_structure.py)
     hooks: dict[str, Hooks] = field(default_factory=dict)
@@ -499,7 +502,22 @@ def _export(model: nn.Module, leaves: LeafRule, sample_input: Any) -> Traced:
     constants = tuple((i, value) for i, value in enumerate(leaves) if not isinstance(value, torch.Tensor))
     return Traced(root, graph, calls, model.training, tuple(kwargs), getattr(root, "_out_spec", None),
                   frozenset(model.state_dict()), sizes, batch_sizes=_fixed_batch(program), input_dtypes=dtypes,
-                  batch_ranges=_batch_ranges(program), input_constants=constants)
+                  batch_ranges=_batch_ranges(program), batch_guards=_guards(root, leaves), input_constants=constants)
+
+
+def _guards(root: nn.Module, leaves: list[Any]) -> Callable[..., None] | None:
+    """Export's checks of the whole inputs (sizes, the conditions the forward's branches on them
+    took, ``B % 2 == 0``), taken out of the graph, whose micro-batches are smaller: the caller
+    runs them on a whole batch, before it is split.  ``None`` where export made none, or they
+    do not take the inputs' leaves as the sample passes them."""
+    guards = getattr(root, "_guards_fn", None)
+    if guards is None:
+        return None
+    try:
+        guards(*leaves)
+    except (AssertionError, IndexError, TypeError, AttributeError):
+        return None
+    return guards.forward
 
 
 @contextlib.contextmanager
