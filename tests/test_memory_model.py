@@ -278,3 +278,15 @@ def test_checkpointed_micro_batches_keep_a_copy_of_the_buffers_each():
                   skips=0.0, backward=(30.0, 30.0), in_flight=4, optimizer=0.0, step=0.0, own_copies=False)
     kept, plain = stage_memory(checkpointed=True, **common), stage_memory(checkpointed=False, **common)
     assert (kept.buffers, plain.buffers) == (6000, 1000)
+
+
+def test_unique_bytes_counts_views_once_and_sparse_tensors_by_what_they_hold() -> None:
+    """A sparse gradient (``Embedding(sparse=True)``'s) has no storage of its own: its indices and
+    values are counted (``measure_memory`` raised NotImplementedError on it)."""
+    dense = torch.zeros(10, 4)
+    assert unique_bytes([dense, dense[2:], dense.t()]) == 160
+    embedding = torch.nn.Embedding(100, 8, sparse=True)
+    embedding(torch.tensor([[1, 2, 2], [5, 1, 7]])).sum().backward()
+    grad = embedding.weight.grad
+    assert grad.layout == torch.sparse_coo
+    assert unique_bytes([grad]) == 6 * 8 * 4 + 6 * 8  # per lookup a row of 8 float32 values and an int64 index

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Protocol, Sequence
+from typing import ContextManager, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -86,12 +86,22 @@ def _state_of(stage: Stage) -> list[Tensor]:
 
 
 def unique_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and repeats counted once); a
+    sparse tensor (an ``Embedding(sparse=True)``'s gradient) by the dense tensors it holds."""
     sizes: dict[int, int] = {}
-    for tensor in tensors:
+    for tensor in _strided(tensors):
         storage = tensor.untyped_storage()
         sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
+
+
+def _strided(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+    """``tensors``, each sparse one (COO, what autograd gives sparse layers) as its indices and values."""
+    for tensor in tensors:
+        if tensor.layout == torch.sparse_coo:
+            yield from (tensor._indices(), tensor._values())
+        else:
+            yield tensor
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> int:
