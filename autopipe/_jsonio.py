@@ -37,23 +37,27 @@ def check_path(path: object, what: str) -> Path:
     return Path(path)
 
 
-def check_writable(path: str | os.PathLike[str], example: str = "out.json") -> Path:
+def check_writable(path: str | os.PathLike[str], example: str = "out.json", kind: str | None = None) -> Path:
     """``path`` if a file can be written there, else the reason it cannot, as an ``OSError``
     (``example`` is the file name suggested in place of a directory; an :class:`OptionError`
     if ``path`` is no file name at all).
 
     Callers run this before long work (profiling, a bench) so a bad output path costs nothing;
     :func:`write_atomic` runs it again, since the place may have changed meanwhile.  Only a
-    regular file (or a symlink to one) may be replaced: the rename would put a file in place of
-    a device or a FIFO (``-o /dev/null`` run as root would replace ``/dev/null``).
+    regular file (or a symlink to one, which is written through) may be replaced: the rename
+    would put a file in place of a device or a FIFO (``-o /dev/null`` run as root would replace
+    ``/dev/null``); not one marked read-only, and given the ``kind`` of file written (``"plan"``,
+    ``"png"``), only one of that kind: ``-o model.py`` would replace the model's source.
     """
-    target = check_path(path, "a file to write")
+    target = _written(check_path(path, "a file to write"))
     if target.is_dir():
         raise IsADirectoryError(f"cannot write {target}: it is a directory; give a file name such as "
                                 f"{target / example}")
     if target.exists() and not target.is_file():
         raise FileExistsError(f"cannot write {target}: it exists and is not a regular file (a device, FIFO or "
                               "socket), which saving would replace with a file; choose another file name")
+    if target.is_file():
+        _check_replaceable(target, kind)
     existing = next(p for p in (target.parent, *target.parent.parents) if p.exists())  # missing ones are made
     if not existing.is_dir():
         raise NotADirectoryError(f"cannot write {target}: {existing} is a file, not a directory; "
@@ -64,10 +68,43 @@ def check_writable(path: str | os.PathLike[str], example: str = "out.json") -> P
     return target
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
+def _written(target: Path) -> Path:
+    """The file a write to ``target`` goes to: a symlink's target (the link stays a link)."""
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
+def _check_replaceable(target: Path, kind: str | None) -> None:
+    """Refuse to replace ``target`` if it is marked read-only, or if it is not a ``kind`` file."""
+    if not os.stat(target).st_mode & 0o222:
+        raise PermissionError(f"cannot write {target}: it exists and is read-only; choose another file name, or "
+                              "make it writable first")
+    if kind is None:
+        return
+    found = _kind_of(target)
+    if found != kind:
+        what = f"a '{found}' file" if found else "no autopipe file"
+        raise FileExistsError(f"cannot write {target}: it exists and is {what}, not a {kind} file, which saving "
+                              "would replace; choose another file name, or remove it first")
+
+
+def _kind_of(target: Path) -> str | None:
+    """What ``target`` holds: ``"png"``, the ``kind`` of an autopipe JSON file, or ``None``."""
+    try:
+        with open(target, "rb") as handle:
+            if handle.read(8) == b"\x89PNG\r\n\x1a\n":
+                return "png"
+        document = json.loads(target.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # unreadable or no JSON (UnicodeDecodeError is a ValueError)
+        return None
+    found = document.get("kind") if isinstance(document, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object], kind: str | None = None) -> Path:
     """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``; an
-    ``OSError`` meanwhile (a full disk) is raised again naming ``path``, which is left as it was."""
-    target = check_writable(path)
+    ``OSError`` meanwhile (a full disk) is raised again naming ``path``, which is left as it was.
+    ``kind``: what is written, the only kind of file it may replace (:func:`check_writable`)."""
+    target = check_writable(path, kind=kind)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -94,7 +131,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
 def write_json_atomic(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
     """Write ``document`` to ``path`` as JSON, atomically; returns the path."""
     text = json.dumps(document, indent=1, allow_nan=False, default=plain_number) + "\n"
-    return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+    return write_atomic(path, lambda handle: handle.write(text.encode("utf-8")), document.get("kind"))
 
 
 def read_json(path: str | os.PathLike[str], kind: str, schema_version: int) -> Fields:
@@ -130,7 +167,10 @@ def _parse(text: str, source: str, kind: str) -> Any:
     Python cannot hold (arrays nested past its recursion limit, an integer of thousands of digits)."""
     remake = f"the {kind} file is corrupt — make it again"
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as repeated:
+        raise FormatError(f"{source}: the key '{repeated.key}' appears twice in one object, and which value is meant "
+                          f"is unclear (the file was edited?); remove one, or make the {kind} file again") from None
     except json.JSONDecodeError as error:
         raise FormatError(f"{source}: not valid JSON at line {error.lineno} column {error.colno} ({error.msg}); "
                           f"the {kind} file is corrupt or truncated — make it again") from None
@@ -140,6 +180,24 @@ def _parse(text: str, source: str, kind: str) -> Any:
     except ValueError as error:  # an integer longer than sys.get_int_max_str_digits()
         raise FormatError(f"{source}: holds a number too long to read ({str(error).split(';')[0]}); "
                           f"{remake}") from None
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict, refusing a key given twice (JSON allows it; the last would win)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return value
 
 
 class Fields:

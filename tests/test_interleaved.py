@@ -290,6 +290,8 @@ def test_distributed_engine_refuses_an_interleaved_plan() -> None:
     layers = autopipe.layer_chain(mlp())
     profile = make_profile([1.0] * len(layers), devices=2)
     profile.model = model_fingerprint(layers)
+    for layer, entry in zip(profile.layers, profile.model["layers"]):  # the timings stand for these layers
+        layer.name, layer.type = entry["name"], entry["type"]
     chosen = plan(profile, chunks=4, interleave=2)
     with pytest.raises(DistributedError, match="interleave=2"):
         RunSettings.resolve(layers, chosen)

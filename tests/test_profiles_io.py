@@ -222,6 +222,34 @@ def test_a_copy_fit_to_the_same_device_or_a_second_one_for_a_pair_is_refused(mea
         doubled.validate()
 
 
+def test_a_second_reduction_fit_for_an_engine_is_refused(measured: Profile) -> None:
+    """The first fit for an engine was used and the second ignored, silently (a bogus first fit
+    turned data parallel into a pipeline)."""
+    from autopipe.profiling.profiles import ReductionFit
+
+    fits = [ReductionFit("local", 2, 0.1, 1e-6, []), ReductionFit("local", 2, 1000.0, 1e-6, [])]
+    doubled = Profile(**{**measured.__dict__, "reductions": fits})
+    with pytest.raises(FormatError, match=r"reductions\[1\]': is a second reduction fit for the engine 'local' "
+                                          r"\(the first is reductions\[0\]\); keep one fit per engine"):
+        doubled.validate()
+
+
+def test_layers_unlike_the_model_fingerprint_are_refused(saved_file: Path) -> None:
+    """Only the layer count was compared: a layer of another name or type (timings of another
+    model under this one's fingerprint) was planned without a word."""
+    expect_error(edit(saved_file, lambda d: d["layers"][2].update(type="Conv2d")), "field 'layers[2]'",
+                 "is 2 (Conv2d) but the model fingerprint lists 2 (ReLU) there", "profile this one again")
+
+
+def test_a_plan_holds_its_own_copy_of_the_profiles_model(measured: Profile) -> None:
+    """The plan's model fingerprint was the profile's own dict: editing one edited the other."""
+    from autopipe.planning.solver import plan
+
+    made = plan(measured, interleave=1)
+    made.model["spec"] = "changed:here"
+    assert measured.model.get("spec") != "changed:here"
+
+
 @pytest.mark.parametrize("names", [["cuda:0", "cuda:1"], ["cuda", "cpu"], ["meta", "cpu:1"]])
 def test_device_names_every_step_takes_are_read(saved_file: Path, names: list[str]) -> None:
     assert Profile.load(edit(saved_file, lambda d: d.update(devices=names))).devices == names

@@ -40,10 +40,11 @@ def _dest(option: str) -> str:
 
 
 def output_path(text: str | None, option: str, inputs: Iterable[str | None] = (),
-                example: str = "out.json") -> Path | None:
+                example: str = "out.json", kind: str | None = None) -> Path | None:
     """The file ``option`` names, refused at once if it is empty, would replace one of the
     command's ``inputs`` (by any name: :func:`os.path.samefile`), or cannot be written there
-    (``example``: the kind of file name to suggest)."""
+    (``example``: the kind of file name to suggest; ``kind``: what is written, the only kind of
+    file it may replace)."""
     if text is None:
         return None
     if not text.strip():
@@ -53,7 +54,7 @@ def output_path(text: str | None, option: str, inputs: Iterable[str | None] = ()
         if _same_file(target, source):
             raise ValueError(f"{option} {text} is the input file {source}: writing it would replace the "
                              "input; choose another file name")
-    return check_writable(target, example)
+    return check_writable(target, example, kind)
 
 
 def _same_file(a: Path, b: str) -> bool:

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     at_least(args, {"--batch-size": 1, "--chunks": 1, "--steps": 1, "--warmup": 0})
-    output = output_path(args.json, "--json", [args.plan, args.profile])
+    output = output_path(args.json, "--json", [args.plan, args.profile], kind="bench")
     devices = device_names(args.devices)
     saved, measured = _inputs(args)
     known = saved if saved is not None else measured

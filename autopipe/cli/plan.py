@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..planning.compare import compare, format_comparison
     from ..planning.replicas import parallelism, plan
 
-    output = output_path(args.output, "--output", [args.profile])
+    output = output_path(args.output, "--output", [args.profile], kind="plan")
     devices = _devices(args.devices)
     profile = Profile.load(args.profile)
     options = dict(batch_size=args.batch_size, memory_limit=_limits(args.memory_limit), checkpoint=args.checkpoint,

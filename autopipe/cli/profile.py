@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     at_least(args, {"--threads": 1, "--batch-size": 1, "--warmup": 0, "--repeats": 1})
     # --bytes-of may write over its own profile: the same document with its bytes measured again
-    output = output_path(args.output, "--output")
+    output = output_path(args.output, "--output", kind="profile")
     torch.set_num_threads(args.threads)
     if args.bytes_of:
         return _bytes_of(args, output)

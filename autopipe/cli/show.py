@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     at_least(args, {"--width": MIN_WIDTH})
-    png = output_path(args.png, "--png", [args.plan], "timeline.png")
+    png = output_path(args.png, "--png", [args.plan], "timeline.png", kind="png")
     pyplot = _pyplot() if png is not None else None
     plan = Plan.load(args.plan)
     events = plan_events(plan)
@@ -108,6 +108,6 @@ def draw_png(plt: Any, events: list[Event], path: str | Path) -> Path:
     axes.set_xlabel("ms")
     figure.tight_layout()
     try:
-        return write_atomic(path, lambda handle: figure.savefig(handle, format="png"))
+        return write_atomic(path, lambda handle: figure.savefig(handle, format="png"), "png")
     finally:
         plt.close(figure)

@@ -1,6 +1,7 @@
 """A :class:`Plan` assembled from one split: stages, their costs and the predicted time."""
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Sequence
 
@@ -40,7 +41,7 @@ def build_plan(profile: Profile, model: CostModel, bounds: Sequence[int], chunks
     least = evaluation.iteration_ms if lower_bound is None else min(lower_bound, evaluation.iteration_ms)
     predicted = Prediction(evaluation.iteration_ms, evaluation.forward_ms, evaluation.backward_ms, bubble,
                            lower_bound_ms=least)
-    return Plan(model=profile.model, profile_digest=profile.digest if digest is None else digest,
+    return Plan(model=copy.deepcopy(profile.model), profile_digest=profile.digest if digest is None else digest,
                 devices=[stage.device for stage in stages],
                 batch_size=model.batch_size, chunks=chunks, checkpoint=mode, schedule=schedule,
                 stages=stages, predicted=predicted, options=options, interleave=interleave, turns=turns)

@@ -465,7 +465,11 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
     if len(profile.layers) != len(profile.model["layers"]):
         raise f.error(f"{len(profile.layers)} layers but the model fingerprint lists "
                       f"{len(profile.model['layers'])}", "layers")
-    for index, layer in enumerate(profile.layers):
+    for index, (layer, entry) in enumerate(zip(profile.layers, profile.model["layers"])):
+        if (layer.name, layer.type) != (entry["name"], entry["type"]):
+            raise f.error(f"is {layer.name} ({layer.type}) but the model fingerprint lists {entry['name']} "
+                          f"({entry['type']}) there: the timings are of another model; profile this one again",
+                          f"layers[{index}]")
         for table in ("forward", "backward", "saved_bytes", "workspace_bytes"):
             sizes = sorted(getattr(layer, table))
             # the workspace may be absent (a profile made before it was measured: estimated), never partial
@@ -485,6 +489,13 @@ def _check_consistent(profile: Profile, f: Fields) -> None:
             raise f.error(f"is {layer.trainable_bytes}, more than the layer's param_bytes {layer.param_bytes}",
                           f"layers[{index}].grad_param_bytes")
     _check_copies(profile, f)
+    engines: dict[str, int] = {}
+    for index, fit in enumerate(profile.reductions):
+        first = engines.setdefault(fit.engine, index)
+        if first != index:  # Profile.reduction_fit takes the first: the other would be ignored
+            raise f.error(f"is a second reduction fit for the engine '{fit.engine}' (the first is "
+                          f"reductions[{first}]); keep one fit per engine: remove one, or profile again",
+                          f"reductions[{index}]")
 
 
 def _check_copies(profile: Profile, f: Fields) -> None:
