@@ -247,3 +247,31 @@ class StockEncoder(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(x.size(1), device=x.device)
         h = self.encoder(self.embed(x), mask=mask, is_causal=True)
         return self.head(self.norm(h.mean(dim=1)).view(x.size(0), -1))
+
+
+class BranchesOnBatch(nn.Module):
+    """A forward that branches on the batch size: fx cannot trace it, export keeps the sample's branch."""
+
+    def __init__(self, outputs: int = 3) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if x.shape[0] > 6:
+            h = h * 2
+        return self.out(h)
+
+
+class BranchesOnBatchParity(BranchesOnBatch):
+    """Branches on a condition of the batch size that is no range of sizes: even, or not 5."""
+
+    def __init__(self, condition: str, outputs: int = 3) -> None:
+        super().__init__(outputs)
+        self.condition = condition
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if (x.shape[0] % 2 == 0) if self.condition == "even" else (x.shape[0] != 5):
+            h = h * 2
+        return self.out(h)

@@ -20,7 +20,7 @@ from autopipe.model import Layer, layer_chain
 from autopipe.model.skip import current_skip_tracker, verify_skippables
 from autopipe.planning.solver import PlanningError
 from helpers import all_splits, assert_training_matches, untimed
-from models import StockEncoder, TiedHead, TinyTransformer, TwoBranch, UNet
+from models import BranchesOnBatch, BranchesOnBatchParity, StockEncoder, TiedHead, TinyTransformer, TwoBranch, UNet
 
 VISION = (3, 32, 32)
 
@@ -1440,20 +1440,6 @@ def test_the_models_own_exception_on_the_sample_keeps_its_type() -> None:
     assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())
 
 
-class BranchesOnBatch(nn.Module):
-    """A forward that branches on the batch size: fx cannot trace it, export keeps the sample's branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.inp(x))
-        if x.shape[0] > 6:
-            h = h * 2
-        return self.out(h)
-
-
 @pytest.mark.timeout(120)
 def test_a_batch_the_exported_branch_does_not_hold_for_is_refused() -> None:
     """Export records the branch as the batch sizes its graph holds for (7 and more here); a call
@@ -1470,20 +1456,6 @@ def test_a_batch_the_exported_branch_does_not_hold_for_is_refused() -> None:
                                                 "batch is 6; capture it again"):
         pipe(torch.randn(6, 8, dtype=torch.double))
     pipe.close()
-
-
-class BranchesOnBatchParity(BranchesOnBatch):
-    """Branches on a condition of the batch size that is no range of sizes."""
-
-    def __init__(self, condition: str) -> None:
-        super().__init__()
-        self.condition = condition
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.inp(x))
-        if (x.shape[0] % 2 == 0) if self.condition == "even" else (x.shape[0] != 5):
-            h = h * 2
-        return self.out(h)
 
 
 @pytest.mark.parametrize("condition, refused, guard", [("even", 7, r"x.size\(\)\[0\] % 2 == 0"),

@@ -26,7 +26,7 @@ from autopipe.errors import ChainError
 from autopipe.model import layer_chain
 from autopipe.model.skip import pop, skippable, stash
 from distributed_models import MeanOverTime, batch, error_of, inplace_model, padded, plan_for, trim_model
-from models import REFUSED, Regain, aliased
+from models import REFUSED, BranchesOnBatchParity, Regain, aliased
 
 JOB_TIMEOUT_S = 100.0
 CHUNKS = 4
@@ -452,24 +452,12 @@ def _unfrozen_after_probe() -> dict[str, Any]:
             "rebuilt": {n: p.grad.clone() for n, p in rebuilt.named_parameters() if p.requires_grad}}
 
 
-class EvenBranch(nn.Module):
-    """Branches on the batch size being even: fx cannot trace it, torch.export keeps the sample's branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.inp(x))
-        return self.out(h * 2 if x.shape[0] % 2 == 0 else h)
-
-
 def _odd_batch_on_an_even_branch() -> str:
     """A batch of 7 where the capture's sample (8) took the even branch."""
     from autopipe.distributed import DistributedPipeline
 
     torch.manual_seed(0)
-    layers = autopipe.chain(EvenBranch(), batch(8)[0])
+    layers = autopipe.chain(BranchesOnBatchParity("even", outputs=4), batch(8)[0])
     runner = DistributedPipeline(layers, balance=[1, len(layers) - 1], chunks=1, loss_fn=nn.functional.mse_loss)
     x, y = batch(7)
     return error_of(lambda: runner.step(x, target=y))
