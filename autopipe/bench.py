@@ -41,15 +41,18 @@ T = TypeVar("T")
 def random_batch(batch_size: int, shape: Sequence[int], generator: torch.Generator | None = None) -> Tensor:
     """A batch of standard normal samples of ``shape``; one ``ValueError`` naming the sizes where
     it does not fit in memory (a mistyped ``--input-shape 99999,99999`` asked for 160 GB)."""
+    size = 4 * batch_size * math.prod(shape)
+    too_large = ValueError(f"a random batch of {batch_size} samples of shape {list(shape)} takes "
+                           f"{size / 2**30:.1f} GiB, which this machine cannot allocate; give a smaller --batch-size "
+                           "or --input-shape")
+    if size >= 2**62:  # no allocator takes it, and torch's sizes overflow (a dump of C++ frames)
+        raise too_large
     try:
         return torch.randn(batch_size, *shape, generator=generator)
     except RuntimeError as error:  # torch's "can't allocate memory" (OutOfMemoryError on CUDA is one)
         if "alloc" not in str(error).lower() and not isinstance(error, torch.OutOfMemoryError):
             raise
-        size = 4 * batch_size * math.prod(shape)
-        raise ValueError(f"a random batch of {batch_size} samples of shape {list(shape)} takes "
-                         f"{size / 2**30:.1f} GiB, which this machine cannot allocate; give a smaller --batch-size "
-                         "or --input-shape") from None
+        raise too_large from None
 
 
 def synthetic_batch(model: nn.Module, shape: Sequence[int], batch_size: int,

@@ -112,6 +112,9 @@ def test_a_batch_that_cannot_be_allocated_is_one_error(capsys) -> None:
     _error(capsys, ["profile", SPEC, "--input-shape", "99999,99999,99", "--batch-size", "64", "--quiet"],
            "a random batch of 64 samples of shape [99999, 99999, 99] takes 236029.7 GiB, which this machine cannot "
            "allocate; give a smaller --batch-size or --input-shape")
+    # beyond torch's sizes: its error came with a dump of C++ frames
+    _error(capsys, ["profile", SPEC, "--input-shape", "16", "--batch-size", str(10 ** 20), "--quiet"],
+           f"a random batch of {10 ** 20} samples of shape [16] takes")
 
 
 def test_no_output_replaces_an_input(saved, tmp_path, capsys) -> None:

@@ -74,6 +74,11 @@ def edit(path, change):
     (lambda d: d["predicted"].update(bubble_fraction=2.0), "predicted.bubble_fraction", "must be at most 1"),
     (lambda d: d["stages"][0]["memory_terms"].update(activations=10 ** 15), "stages[0].memory_terms",
      "must add up to the stage's memory_bytes"),
+    # ignored: a 1F1B plan with its "schedule" misspelt ran fill-drain, the default
+    (lambda d: d.update(Schedule=d.pop("schedule")), "Schedule", "is no field of a plan (a misspelt 'schedule'?)"),
+    (lambda d: d["stages"][0].update(reduce=1.0), "stages[0].reduce",
+     "is no field of a stage (a misspelt 'reduce_ms'?)"),
+    (lambda d: d["predicted"].update(extra=1), "predicted.extra", "is no field of a prediction; remove or correct"),
 ])
 def test_validation_names_the_field(saved, change, field, words):
     _, path = saved

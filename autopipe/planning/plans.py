@@ -1,6 +1,7 @@
 """What the planner decided and predicts: the :class:`Plan` and its JSON file."""
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field
@@ -285,6 +286,16 @@ class Plan:
         return plan
 
 
+def _check_known(f: Fields, written: dict[str, Any], what: str) -> None:
+    """Refuse a field the plan's own JSON (``written``) does not have: a misspelt one (``"Schedule"``)
+    was ignored, and the plan ran with the default it stood for."""
+    unknown = sorted(set(f.value) - set(written), key=str)
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), list(written), 1)
+        meant = f" (a misspelt '{close[0]}'?)" if close else ""
+        raise f.error(f"is no field of {what}{meant}; remove or correct it, or make the plan again", str(unknown[0]))
+
+
 def _as_file(document: dict[str, Any]) -> Fields:
     """``document`` as :meth:`Plan.load` would read it back from its JSON (tuples as lists; a
     ``nan``, which saving refuses, as itself), to check before it is written."""
@@ -301,6 +312,10 @@ def _options(f: Fields) -> dict[str, Any]:
 
 
 def _check_consistent(plan: Plan, f: Fields) -> None:
+    _check_known(f, plan.to_json(), "a plan")
+    for stage, read in zip(plan.stages, f.get("stages").items()):
+        _check_known(read, stage.to_json(), "a stage")
+    _check_known(f.get("predicted"), plan.predicted.to_json(), "a prediction")
     if plan.checkpoint not in CHECKPOINT_MODES:
         raise f.error(f"'{plan.checkpoint}' is not one of {list(CHECKPOINT_MODES)}", "checkpoint")
     if plan.schedule not in SCHEDULES:
