@@ -288,7 +288,7 @@ class Plan:
 
 def _check_known(f: Fields, written: dict[str, Any], what: str) -> None:
     """Refuse a field the plan's own JSON (``written``) does not have: a misspelt one (``"Schedule"``)
-    was ignored, and the plan ran with the default it stood for."""
+    would be ignored, and the plan run with the default of the field it stands for."""
     unknown = sorted(set(f.value) - set(written), key=str)
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), list(written), 1)
