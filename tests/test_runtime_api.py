@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import gc
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -46,6 +47,32 @@ def test_state_dict_is_the_models(deferred: bool) -> None:
 
 
 @pytest.mark.timeout(60)
+class LearnedTemperature(nn.Module):
+    """A learnable scale the loss reads outside ``forward``: no layer holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.log_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_model_tensors_no_layer_holds_are_named_in_a_warning() -> None:
+    """pipe.parameters() leaves out a parameter only the loss reads: an optimizer given them left
+    it untrained, silently; the warning names it and the fix, and a model whose tensors the
+    layers all hold gets none."""
+    with pytest.warns(UserWarning, match=r"the model's tensors 'log_scale' are in no layer the pipeline runs.*"
+                                         r"Give the optimizer model.parameters\(\)"):
+        pipe = autopipe.Pipeline(LearnedTemperature(), balance=[1, 1], devices=["cpu", "cpu"], chunks=2)
+    assert "log_scale" not in dict(pipe.named_parameters())
+    pipe.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autopipe.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), balance=[1, 1], chunks=2).close()
+
+
 def test_parameters_feed_an_optimizer() -> None:
     model = mlp()
     reference = copy.deepcopy(model)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -226,6 +227,7 @@ class Pipeline(nn.Module):
         self.balance, self.devices, self.interleave = list(balance), resolved, interleave
         self.replicas = replicas
         held = self._register_modules(layers, getattr(layers, "model", None))  # the model the chain was read from
+        _warn_left_out(self, getattr(layers, "model", None))
         self._layers = [layer.module for layer in layers]
         shared = shares_parameters(groups)
         self._structure = Structure.of(self, held, layers, inside=not shared and replicas > 1)  # copies
@@ -518,6 +520,23 @@ class _LinkedSlots(dict):  # type: ignore[type-arg]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return dict, (dict(self),)
+
+
+def _warn_left_out(pipe: nn.Module, model: nn.Module | None) -> None:
+    """Warn of the ``model``'s parameters and buffers that no layer holds (a learnable temperature
+    the loss reads outside ``forward``, a module ``forward`` never calls): the pipeline's
+    ``parameters()`` and ``state_dict()`` leave them out, so an optimizer given
+    ``pipe.parameters()`` would not train them."""
+    if model is None:
+        return
+    held = {id(tensor) for tensor in pipe.state_dict(keep_vars=True).values()}
+    left = [name for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) not in held]
+    if left:
+        named = ", ".join(repr(name) for name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        warnings.warn(f"the model's tensors {named} are in no layer the pipeline runs (read outside forward, or in "
+                      "a module forward never calls): pipe.parameters() and pipe.state_dict() leave them out. Give "
+                      "the optimizer model.parameters() (the same tensors, those included) and save "
+                      "model.state_dict()", stacklevel=3)
 
 
 def _link_tensors(holder: nn.Module, owner: nn.Module) -> None:
