@@ -64,17 +64,17 @@ class Structure:
             return Structure(edges, [], {})
         captured = [layer.module for layer in layers if isinstance(layer.module, CapturedLayer)]
         traced = captured[0].traced_hooks if captured else {}
+        reads = Watched(model, captured[0].traced_reads) if captured else None
         if any(layer.exported_mode is not None for layer in captured):
             modules = list(model.named_modules(remove_duplicate=False))
-            return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced,
-                             Watched(model, captured[0].traced_reads))
+            return Structure(edges + _edges(modules[1:], [("model", model)]), _called(modules), traced, reads)
         run = {id(module) for layer in layers for module in run_modules(layer.module)}
         within = (layer.path(name) for layer in layers
                   for name, _ in layer.module.named_modules(remove_duplicate=False))
         prefixes = dict.fromkeys(prefix for path in within for prefix in _prefixes(path))
         above = [(path, module) for path in prefixes
                  for module in [submodule(model, path)] if module is not None and id(module) not in run]
-        return Structure(edges, _called(above), traced, Watched(model, captured[0].traced_reads) if captured else None)
+        return Structure(edges, _called(above), traced, reads)
 
     def check(self) -> None:
         """Refuse a call if a layer the stages run was replaced (or a container holding it), in

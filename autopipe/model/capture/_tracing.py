@@ -219,7 +219,6 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
-
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.leaves.is_leaf(m, module_qualified_name)
 
